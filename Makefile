@@ -1,0 +1,40 @@
+# Prism — two commands on a fresh machine: `make serve` and `make test`.
+# Each target (re)creates the virtual environment only when pyproject.toml changed since the last install.
+
+PYTHON   ?= python3
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+STAMP    := $(VENV)/.prism-installed
+TORCH    := torch==2.13.0
+# The CPU torch wheel lies on local disk on these machines; elsewhere pip takes it from the index.
+WHEELS   := $(wildcard /opt/wheels)
+PIP      := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),--find-links $(WHEELS))
+MODEL    ?= prism-tiny-llava
+
+.PHONY: venv serve test lint format bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing $(TORCH) (CPU) first, then the project"
+	$(PIP) "$(TORCH)"
+	$(PIP) -e ".[dev]"
+	@touch $(STAMP)
+
+serve: venv
+	$(PY) -m services.cli demo --model $(MODEL)
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,56 @@
+"""Typed errors that map to HTTP status codes and an OpenAI-style error body.
+
+Every rejection Prism makes is one of these. The ingress turns them into
+``{"error": {"message", "type", "code", "param"}}`` with the class's HTTP status; stages raise them instead of
+letting a tensor shape error or a KeyError escape. ``code`` is a stable machine-readable string that tests and
+clients can match on; ``message`` is for humans and names the limit or the mismatch.
+"""
+
+from __future__ import annotations
+
+
+class PrismError(Exception):
+    """Base class: carries an HTTP status, an OpenAI error ``type`` and a stable ``code``."""
+
+    http_status: int = 500
+    error_type: str = "internal_error"
+    default_code: str = "internal_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.param = param
+
+    def to_body(self) -> dict:
+        """The OpenAI-style error body."""
+        return {"error": {"message": self.message, "type": self.error_type, "code": self.code, "param": self.param}}
+
+
+class InvalidRequestError(PrismError):
+    """The client sent something malformed or over a limit (HTTP 400)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    default_code = "invalid_request"
+
+
+class SpanMismatchError(InvalidRequestError):
+    """Placeholder tokens in the prompt and the visual embeddings disagree (count, order, length or width)."""
+
+    default_code = "placeholder_mismatch"
+
+
+class UnsupportedModelError(InvalidRequestError):
+    """A model directory whose architecture no registered family handles."""
+
+    default_code = "unsupported_model"
+
+
+class HandoffError(PrismError):
+    """A hand-off object between stages failed validation (corrupt, wrong model revision, wrong shape).
+
+    This is an internal fault, not the client's: 500.
+    """
+
+    default_code = "invalid_handoff"

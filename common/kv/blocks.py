@@ -1,0 +1,82 @@
+"""Conversion between a transformers ``DynamicCache`` and :class:`KVBlocks` (numpy, fixed block size).
+
+Prefill exports its cache as blocks so decode — possibly in another process — can import it. The block layout
+(``[layers, blocks, kv_heads, block_size, head_dim]``) is the one a paged pool stores, so a block can later be placed
+in any free pool slot without reshaping. Import validates the blocks against the receiving model's geometry and
+refuses anything inconsistent with :class:`HandoffError` (a corrupt or foreign hand-off must never reach attention).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from common.errors import HandoffError
+from common.protocol.handoff import KVBlocks
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# numpy has no bfloat16: those tensors travel as their raw 16-bit patterns.
+_WIRE_NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
+
+
+def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return t.contiguous().view(torch.uint16).numpy()
+    return t.contiguous().numpy()
+
+
+def _to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def export_kv(cache: DynamicCache, block_size: int) -> KVBlocks:
+    """Cut a batch-1 cache into blocks; the tail of the last block is zero."""
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [L, H, T, D]
+    values = torch.stack([layer.values[0] for layer in cache.layers])
+    dtype = str(keys.dtype).removeprefix("torch.")
+    if dtype not in _TORCH_DTYPES:
+        raise HandoffError(f"cannot export KV of dtype {dtype}")
+    n_layers, n_heads, n_tokens, head_dim = keys.shape
+    n_blocks = -(-n_tokens // block_size)
+    pad = n_blocks * block_size - n_tokens
+
+    def blocks(x: torch.Tensor) -> np.ndarray:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        x = x.view(n_layers, n_heads, n_blocks, block_size, head_dim).permute(0, 2, 1, 3, 4)
+        return _to_numpy(x, dtype)
+
+    return KVBlocks(block_size=block_size, num_tokens=n_tokens, dtype=dtype, keys=blocks(keys), values=blocks(values))
+
+
+def validate_kv(kv: KVBlocks, kv_shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """Refuse blocks that do not fit a model with ``kv_shape`` = (layers, kv_heads, head_dim) and ``dtype``."""
+    n_layers, n_heads, head_dim = kv_shape
+    want_dtype = str(dtype).removeprefix("torch.")
+    if kv.dtype != want_dtype:
+        raise HandoffError(f"KV dtype {kv.dtype} does not match the model's {want_dtype}")
+    if kv.block_size <= 0 or kv.num_tokens <= 0:
+        raise HandoffError("KV hand-off has no tokens")
+    shape = (n_layers, -(-kv.num_tokens // kv.block_size), n_heads, kv.block_size, head_dim)
+    for name, arr in (("keys", kv.keys), ("values", kv.values)):
+        if tuple(arr.shape) != shape:
+            raise HandoffError(f"KV {name} shape {tuple(arr.shape)} != expected {shape}")
+        if arr.dtype != _WIRE_NUMPY[kv.dtype]:
+            raise HandoffError(f"KV {name} numpy dtype {arr.dtype} does not encode {kv.dtype}")
+
+
+def import_kv(kv: KVBlocks, config, kv_shape: tuple[int, int, int], dtype: torch.dtype) -> DynamicCache:
+    """Validated blocks → a batch-1 ``DynamicCache`` holding exactly ``num_tokens`` positions."""
+    validate_kv(kv, kv_shape, dtype)
+    n_layers, n_heads, head_dim = kv_shape
+
+    def tokens(arr: np.ndarray) -> torch.Tensor:
+        t = _to_torch(arr, kv.dtype).permute(0, 2, 1, 3, 4).reshape(n_layers, n_heads, -1, head_dim)
+        return t[:, :, : kv.num_tokens].contiguous()
+
+    keys, values = tokens(kv.keys), tokens(kv.values)
+    cache = DynamicCache(config=config)
+    for i in range(n_layers):
+        cache.update(keys[i][None], values[i][None], i)
+    return cache

@@ -1,0 +1,1 @@
+"""Model family adapters (one module per transformers architecture); see ``base.py`` for the contract."""

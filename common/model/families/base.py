@@ -1,0 +1,121 @@
+"""The contract every model family implements.
+
+A family is one transformers architecture (LLaVA-1.5, Qwen2-VL, ...). Prism's stages never branch on the family;
+they call the adapter, and the adapter knows the architecture's quirks: how its processor lays out pixels, how many
+placeholder tokens an image becomes, which submodules are the vision tower and the projector, and how positions
+are computed (1-D RoPE vs Qwen2-VL's M-RoPE with its ``rope_delta``).
+
+Adapters are stateless singletons registered in :mod:`common.model.registry` under the ``model_type`` values of
+``config.json`` they accept. The builder half (``build_config`` etc.) creates the embedded tiny/small models.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from common.protocol.handoff import Modality, PlaceholderSpan, ProcessedMedia
+
+
+@dataclass(frozen=True)
+class PresetDims:
+    """Sizes of one embedded model preset; families read the fields they need."""
+
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    lm_hidden: int
+    lm_layers: int
+    lm_heads: int
+    lm_kv_heads: int
+    lm_intermediate: int
+    image_size: int
+    """LLaVA: fixed input side. Qwen2-VL: side of the largest square image kept at full resolution."""
+    patch_size: int
+    vocab_size: int
+    initializer_range: float
+
+
+@dataclass(frozen=True)
+class ProcessedPixels:
+    """What a family's processor makes of one image, before it gets an index and a digest."""
+
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int]
+    num_visual_tokens: int
+
+
+class FamilyAdapter(ABC):
+    """Architecture-specific behaviour behind a family-agnostic interface."""
+
+    name: str
+    model_types: tuple[str, ...]
+    model_class: type
+    modalities: tuple[Modality, ...]
+    """Media kinds the architecture takes; each has its own placeholder token."""
+    vision_prefixes: tuple[str, ...]
+    """safetensors key prefixes of the vision tower (current and legacy checkpoint layouts)."""
+    projector_prefixes: tuple[str, ...]
+    """safetensors key prefixes of the projector/merger; checked before ``vision_prefixes``."""
+
+    # ---- tokens and prompts -------------------------------------------------------------------------------
+    @abstractmethod
+    def placeholder_token(self, modality: Modality) -> str:
+        """The special token the chat template emits once per media item and the prompt expands N times."""
+
+    def placeholder_token_id(self, config: Any, tokenizer: Any, modality: Modality) -> int:
+        return int(tokenizer.convert_tokens_to_ids(self.placeholder_token(modality)))
+
+    # ---- processing ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def load_image_processor(self, model_dir: str) -> Any:
+        """The family's PIL-backend image processor from the model directory (no torchvision here)."""
+
+    @abstractmethod
+    def process_image(self, image_processor: Any, config: Any, image: Image.Image) -> ProcessedPixels:
+        """One RGB image → pixel array in the family layout + patch grid + visual-token count."""
+
+    # ---- encoding -----------------------------------------------------------------------------------------
+    @abstractmethod
+    def encode(self, model: Any, items: list[ProcessedMedia]) -> list[torch.Tensor]:
+        """Vision tower + projector over ``items`` (one call); one ``[tokens, lm_hidden]`` tensor per item."""
+
+    # ---- language model -----------------------------------------------------------------------------------
+    def language_model(self, model: Any) -> Any:
+        return model.model.language_model
+
+    def prefill_positions(
+        self, model: Any, token_ids: torch.Tensor, spans: tuple[PlaceholderSpan, ...]
+    ) -> tuple[torch.Tensor | None, int]:
+        """Position ids for the prompt (``None`` = the model's default 1-D positions) and the rope delta."""
+        return None, 0
+
+    def decode_positions(self, past_len: int, rope_delta: int, n: int) -> torch.Tensor | None:
+        """Position ids for ``n`` new tokens after ``past_len`` cached ones (``None`` = default)."""
+        return None
+
+    # ---- builder ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def special_tokens(self) -> list[str]:
+        """Special tokens of the embedded tokenizer, in id order (id 0 first)."""
+
+    @abstractmethod
+    def tokenizer_kwargs(self) -> dict[str, str]:
+        """bos/eos/pad/unk token strings for the tokenizer wrapper."""
+
+    @abstractmethod
+    def chat_template(self) -> str:
+        """Jinja chat template of the embedded model (same conventions as the family's public checkpoints)."""
+
+    @abstractmethod
+    def build_config(self, dims: PresetDims, tokenizer: Any, dtype: str) -> Any:
+        """A transformers config for an embedded model of this family."""
+
+    @abstractmethod
+    def build_image_processor(self, dims: PresetDims) -> Any:
+        """The PIL image processor saved next to an embedded model."""

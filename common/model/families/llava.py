@@ -1,0 +1,127 @@
+"""LLaVA-1.5 family: CLIP vision tower → 2-layer MLP projector → Llama LM, fixed square patch grid.
+
+Every image is resized/cropped to the tower's fixed ``image_size``, so each one becomes the same number of
+placeholder tokens (``(image_size / patch_size)²``, minus nothing: the CLS token is dropped by the "default" feature
+selection strategy, kept by "full"). Positions are plain 1-D RoPE, so decode needs no rope delta.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import (
+    AutoImageProcessor,
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+)
+
+from common.model.families.base import FamilyAdapter, PresetDims, ProcessedPixels
+from common.protocol.handoff import Modality, ProcessedMedia
+
+_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if not loop.first -%}{{- ' ' -}}{%- endif -%}"
+    "{{- message['role'] | upper -}}{{- ': ' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ['image', 'image_url'] -%}{{- '<image>\\n' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- ' ASSISTANT:' -}}{%- endif -%}"
+)
+
+
+class LlavaAdapter(FamilyAdapter):
+    name = "llava"
+    model_types = ("llava",)
+    model_class = LlavaForConditionalGeneration
+    modalities = ("image",)
+    # transformers ≥4.52 nests everything under ``model.``; older llava-hf checkpoints use the bare names.
+    vision_prefixes = ("model.vision_tower.", "vision_tower.")
+    projector_prefixes = ("model.multi_modal_projector.", "multi_modal_projector.")
+
+    def placeholder_token(self, modality: Modality) -> str:
+        if modality != "image":
+            raise ValueError("LLaVA-1.5 takes images only")
+        return "<image>"
+
+    def placeholder_token_id(self, config: Any, tokenizer: Any, modality: Modality) -> int:
+        self.placeholder_token(modality)
+        return int(config.image_token_id)
+
+    def load_image_processor(self, model_dir: str) -> Any:
+        return AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+
+    def process_image(self, image_processor: Any, config: Any, image: Image.Image) -> ProcessedPixels:
+        out = image_processor(images=[image], return_tensors="np")
+        pixels = np.ascontiguousarray(out["pixel_values"][0], dtype=np.float32)
+        patch = int(config.vision_config.patch_size)
+        grid = (1, pixels.shape[1] // patch, pixels.shape[2] // patch)
+        tokens = grid[1] * grid[2] + (1 if config.vision_feature_select_strategy == "full" else 0)
+        return ProcessedPixels(pixel_values=pixels, grid_thw=grid, num_visual_tokens=tokens)
+
+    def encode(self, model: Any, items: list[ProcessedMedia]) -> list[torch.Tensor]:
+        dtype = model.model.vision_tower.dtype
+        pixels = torch.from_numpy(np.stack([m.pixel_values for m in items])).to(dtype)
+        out = model.model.get_image_features(pixel_values=pixels, return_dict=True)
+        return list(out.pooler_output)
+
+    # ---- builder ------------------------------------------------------------------------------------------
+    def special_tokens(self) -> list[str]:
+        return ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+
+    def tokenizer_kwargs(self) -> dict[str, str]:
+        return {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+    def chat_template(self) -> str:
+        return _CHAT_TEMPLATE
+
+    def build_config(self, dims: PresetDims, tokenizer: Any, dtype: str) -> Any:
+        vision = CLIPVisionConfig(
+            hidden_size=dims.vision_hidden,
+            intermediate_size=dims.vision_hidden * 4,
+            num_hidden_layers=dims.vision_layers,
+            num_attention_heads=dims.vision_heads,
+            image_size=dims.image_size,
+            patch_size=dims.patch_size,
+            projection_dim=dims.vision_hidden,
+            initializer_range=dims.initializer_range,
+            initializer_factor=dims.initializer_range / 0.02,
+        )
+        text = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=dims.lm_hidden,
+            intermediate_size=dims.lm_intermediate,
+            num_hidden_layers=dims.lm_layers,
+            num_attention_heads=dims.lm_heads,
+            num_key_value_heads=dims.lm_kv_heads,
+            max_position_embeddings=4096,
+            initializer_range=dims.initializer_range,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        grid = dims.image_size // dims.patch_size
+        return LlavaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+            image_seq_length=grid * grid,
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+            dtype=dtype,
+        )
+
+    def build_image_processor(self, dims: PresetDims) -> Any:
+        side = dims.image_size
+        return CLIPImageProcessorPil(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}, do_center_crop=True
+        )

@@ -1,0 +1,174 @@
+"""Qwen2-VL family: dynamic-resolution ViT with 2×2 patch merge → Qwen2 LM with M-RoPE.
+
+Images keep (roughly) their aspect ratio: the processor resizes each side to a multiple of
+``patch_size * merge_size`` within ``[min_pixels, max_pixels]``, so the number of placeholder tokens varies per
+image (``t * h * w / merge²``). Text and visual tokens get 3-D (temporal, height, width) rotary positions; after the
+prompt, positions continue from ``max(position) + 1`` rather than the token count, and the difference is the
+``rope_delta`` that decode must add to every cache position. Prefill computes it with the model's own
+``get_rope_index`` (so it tracks transformers exactly) and hands it to decode in :class:`PrefillOutput`.
+
+``Qwen2VLProcessor`` needs torchvision (its video processor), which this platform cannot install; Prism expands
+``<|image_pad|>`` itself from the span map, which is all the processor would have done for text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import (
+    AutoImageProcessor,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+)
+
+from common.model.families.base import FamilyAdapter, PresetDims, ProcessedPixels
+from common.protocol.handoff import Modality, PlaceholderSpan, ProcessedMedia
+
+_MODALITY_TYPE = {"image": 1, "video": 2}
+
+_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ['image', 'image_url'] -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] in ['video', 'video_url'] -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+class Qwen2VLAdapter(FamilyAdapter):
+    name = "qwen2_vl"
+    model_types = ("qwen2_vl",)
+    model_class = Qwen2VLForConditionalGeneration
+    modalities = ("image", "video")
+    vision_prefixes = ("model.visual.", "visual.")
+    projector_prefixes = ("model.visual.merger.", "visual.merger.")
+
+    def placeholder_token(self, modality: Modality) -> str:
+        return "<|image_pad|>" if modality == "image" else "<|video_pad|>"
+
+    def placeholder_token_id(self, config: Any, tokenizer: Any, modality: Modality) -> int:
+        return int(config.image_token_id if modality == "image" else config.video_token_id)
+
+    def load_image_processor(self, model_dir: str) -> Any:
+        return AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+
+    def process_image(self, image_processor: Any, config: Any, image: Image.Image) -> ProcessedPixels:
+        out = image_processor(images=[image], return_tensors="np")
+        grid = tuple(int(v) for v in out["image_grid_thw"][0])
+        merge = int(config.vision_config.spatial_merge_size)
+        tokens = grid[0] * grid[1] * grid[2] // (merge * merge)
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        return ProcessedPixels(pixel_values=pixels, grid_thw=grid, num_visual_tokens=tokens)
+
+    def encode(self, model: Any, items: list[ProcessedMedia]) -> list[torch.Tensor]:
+        dtype = model.model.visual.dtype
+        pixels = torch.from_numpy(np.concatenate([m.pixel_values for m in items])).to(dtype)
+        grid = torch.tensor([m.grid_thw for m in items], dtype=torch.long)
+        if all(m.modality == "image" for m in items):
+            out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
+        else:
+            out = model.model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid, return_dict=True)
+        return list(out.pooler_output)
+
+    def prefill_positions(
+        self, model: Any, token_ids: torch.Tensor, spans: tuple[PlaceholderSpan, ...]
+    ) -> tuple[torch.Tensor | None, int]:
+        if not spans:
+            return None, 0
+        types = torch.zeros_like(token_ids)
+        for s in spans:
+            types[s.prompt_token_start : s.end] = _MODALITY_TYPE[s.modality]
+        images = [s.grid_thw for s in spans if s.modality == "image"]
+        videos = [s.grid_thw for s in spans if s.modality == "video"]
+        positions, deltas = model.model.get_rope_index(
+            token_ids[None],
+            mm_token_type_ids=types[None],
+            image_grid_thw=torch.tensor(images, dtype=torch.long) if images else None,
+            video_grid_thw=torch.tensor(videos, dtype=torch.long) if videos else None,
+        )
+        return positions, int(deltas.reshape(-1)[0])
+
+    def decode_positions(self, past_len: int, rope_delta: int, n: int) -> torch.Tensor | None:
+        pos = torch.arange(past_len, past_len + n, dtype=torch.long) + rope_delta
+        return pos.view(1, 1, n).expand(3, 1, n)
+
+    # ---- builder ------------------------------------------------------------------------------------------
+    def special_tokens(self) -> list[str]:
+        return [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+        ]
+
+    def tokenizer_kwargs(self) -> dict[str, str]:
+        return {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
+
+    def chat_template(self) -> str:
+        return _CHAT_TEMPLATE
+
+    def build_config(self, dims: PresetDims, tokenizer: Any, dtype: str) -> Any:
+        head_dim = dims.lm_hidden // dims.lm_heads
+        half = head_dim // 2
+        # M-RoPE splits the rotary half-dimension into (temporal, height, width) sections, Qwen's 1:1.5:1.5.
+        t = half // 4
+        h = (half - t) // 2
+        section = [t, h, half - t - h]
+        tok = tokenizer.convert_tokens_to_ids
+        return Qwen2VLConfig(
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": dims.lm_hidden,
+                "intermediate_size": dims.lm_intermediate,
+                "num_hidden_layers": dims.lm_layers,
+                "num_attention_heads": dims.lm_heads,
+                "num_key_value_heads": dims.lm_kv_heads,
+                "max_position_embeddings": 4096,
+                "initializer_range": dims.initializer_range,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+                "bos_token_id": tok("<|endoftext|>"),
+                "eos_token_id": tok("<|im_end|>"),
+                "pad_token_id": tok("<|endoftext|>"),
+            },
+            vision_config={
+                "depth": dims.vision_layers,
+                "embed_dim": dims.vision_hidden,
+                "hidden_size": dims.lm_hidden,
+                "num_heads": dims.vision_heads,
+                "mlp_ratio": 2,
+                "patch_size": dims.patch_size,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "initializer_range": dims.initializer_range,
+            },
+            image_token_id=tok("<|image_pad|>"),
+            video_token_id=tok("<|video_pad|>"),
+            vision_start_token_id=tok("<|vision_start|>"),
+            vision_end_token_id=tok("<|vision_end|>"),
+            dtype=dtype,
+        )
+
+    def build_image_processor(self, dims: PresetDims) -> Any:
+        factor = dims.patch_size * 2
+        return Qwen2VLImageProcessorPil(
+            size={"shortest_edge": factor * factor * 4, "longest_edge": dims.image_size * dims.image_size},
+            patch_size=dims.patch_size,
+            merge_size=2,
+            temporal_patch_size=2,
+        )

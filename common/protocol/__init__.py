@@ -1,0 +1,1 @@
+"""Typed objects that cross stage boundaries, and their pickle-free wire encoding."""

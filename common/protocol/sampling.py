@@ -1,0 +1,58 @@
+"""Sampling parameters of one request, validated at the edge.
+
+``seed`` is resolved once when the request is created (:meth:`SamplingParams.resolved`), and each step's random
+draw is seeded from ``(seed, step)``; so a sequence samples the same tokens whether its steps run in one process or
+its first token is drawn by prefill in one replica and the rest by decode in another.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 64
+
+
+class SamplingParams(BaseModel):
+    """OpenAI-style sampling controls."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(default=64, ge=1)
+    """Tokens to generate at most (the first token counts)."""
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    """0 means greedy (argmax), exactly what ``generate(do_sample=False)`` does."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass; ignored when greedy."""
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    """Seed for sampling; ``None`` picks one at random when the request is created."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends when the text contains one; it is cut from the returned text."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks use it for fixed output lengths)."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = (v,)
+        if v is None:
+            return ()
+        if not isinstance(v, (list, tuple)) or len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must be a string or at most {MAX_STOP_STRINGS} strings")
+        for s in v:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_LENGTH:
+                raise ValueError(f"each stop string must be 1..{MAX_STOP_LENGTH} characters")
+        return tuple(v)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def resolved(self) -> SamplingParams:
+        """A copy with a concrete seed, so every stage that samples for this request agrees."""
+        if self.seed is not None:
+            return self
+        return self.model_copy(update={"seed": secrets.randbits(63)})

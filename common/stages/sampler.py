@@ -1,0 +1,35 @@
+"""Token sampling shared by prefill (first token) and decode (the rest).
+
+Greedy is ``argmax`` over the logits, exactly ``generate(do_sample=False)``. Otherwise temperature scaling, then
+nucleus (top-p) filtering, then one multinomial draw from a generator seeded by ``(seed, step)`` — a pure function
+of the request and the step index, so it does not matter which process draws which step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from common.protocol.sampling import SamplingParams
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{step}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """One token id from a ``[vocab]`` logits row."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    if params.seed is None:
+        raise ValueError("sampling needs a resolved seed (SamplingParams.resolved())")
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
+        filtered = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        probs = filtered / filtered.sum()
+    return int(torch.multinomial(probs, 1, generator=_step_generator(params.seed, step)))

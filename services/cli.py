@@ -1,0 +1,80 @@
+"""Prism command line.
+
+* ``python -m services.cli demo [--model NAME] [--images N] [--repeat K]`` — loads (building if needed) a model and
+  runs requests through every stage in this process, printing the answer and per-stage timings (median of K runs).
+  This is what ``make serve`` runs until the Ray Serve application lands; it needs no Ray cluster.
+* ``python -m services.cli build-model NAME [--out DIR]`` — builds an embedded model directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from common.config import EngineConfig, ModelConfig
+from common.media.synthetic import synthetic_image
+from common.model.builder import EMBEDDED_MODELS, build_embedded_model, resolve_model_dir
+from common.model.loader import load_model
+from common.protocol.sampling import SamplingParams
+from common.stages.pipeline import run_request
+
+
+def _demo(args: argparse.Namespace) -> int:
+    lm = load_model(
+        ModelConfig(model=args.model, cache_dir=args.cache_dir, dtype=args.dtype, torch_threads=args.threads)
+    )
+    sizes = [(640, 480), (320, 240), (800, 600), (256, 256)]
+    images = [synthetic_image(*sizes[i % len(sizes)], seed=i) for i in range(args.images)]
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Describe the image."}]
+    messages = [{"role": "user", "content": content}]
+    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    runs = [run_request(lm, messages, images, sampling, EngineConfig()) for _ in range(args.repeat)]
+    stages = list(runs[0].timings.seconds)
+    median_ms = {s: round(1000 * statistics.median(r.timings.seconds[s] for r in runs), 2) for s in stages}
+    report = {
+        "model": lm.served_name,
+        "family": lm.contract.family,
+        "dtype": lm.contract.dtype,
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "images": args.images,
+        "prompt_tokens": len(runs[0].prompt_token_ids),
+        "output_tokens": len(runs[0].output.token_ids),
+        "median_stage_ms": median_ms,
+        "decode_ms_per_token": round(median_ms["decode"] / max(1, len(runs[0].output.token_ids)), 3),
+        "text": runs[0].output.text,
+        "contract": lm.contract.model_dump(),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    path = build_embedded_model(args.name, args.out) if args.out else resolve_model_dir(args.name, args.cache_dir)
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prism", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--cache-dir", default=ModelConfig().cache_dir, help="where embedded models are built")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="run requests through every stage in-process and print timings")
+    demo.add_argument("--model", default=ModelConfig().model, help="embedded model name or HF model directory")
+    demo.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    demo.add_argument("--images", type=int, default=1, help="images per request")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--repeat", type=int, default=5, help="requests to run; timings are medians")
+    demo.add_argument("--threads", type=int, default=None, help="torch threads")
+    demo.set_defaults(func=_demo)
+    build = sub.add_parser("build-model", help="build an embedded model directory")
+    build.add_argument("name", choices=sorted(EMBEDDED_MODELS))
+    build.add_argument("--out", default=None, help="directory to write (default: the model cache)")
+    build.set_defaults(func=_build)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
