@@ -44,7 +44,8 @@ class LlavaAdapter(FamilyAdapter):
     model_types = ("llava",)
     model_class = LlavaForConditionalGeneration
     modalities = ("image",)
-    # transformers ≥4.52 nests everything under ``model.``; older llava-hf checkpoints use the bare names.
+    # Checkpoints on disk (llava-hf's and what transformers 5 itself saves) use the bare names; the ``model.``
+    # forms are the in-memory module paths, accepted in case a checkpoint was saved with them.
     vision_prefixes = ("model.vision_tower.", "vision_tower.")
     projector_prefixes = ("model.multi_modal_projector.", "multi_modal_projector.")
 

@@ -53,8 +53,9 @@ class Qwen2VLAdapter(FamilyAdapter):
     model_types = ("qwen2_vl",)
     model_class = Qwen2VLForConditionalGeneration
     modalities = ("image", "video")
-    vision_prefixes = ("model.visual.", "visual.")
-    projector_prefixes = ("model.visual.merger.", "visual.merger.")
+    # On-disk names first (``visual.``), then the in-memory module path form.
+    vision_prefixes = ("visual.", "model.visual.")
+    projector_prefixes = ("visual.merger.", "model.visual.merger.")
 
     def placeholder_token(self, modality: Modality) -> str:
         return "<|image_pad|>" if modality == "image" else "<|video_pad|>"

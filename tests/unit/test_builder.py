@@ -1,0 +1,109 @@
+"""The embedded-model builder: deterministic bytes, standard HF directories, non-degenerate weights, caching."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from common.config import ModelConfig
+from common.errors import UnsupportedModelError
+from common.model.builder import EMBEDDED_MODELS, build_embedded_model, resolve_model_dir
+from common.model.loader import load_model
+
+
+def _file_hashes(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("name", ["prism-tiny-llava", "prism-tiny-qwen2vl"])
+def test_build_is_deterministic(name, tmp_path):
+    a = _file_hashes(build_embedded_model(name, tmp_path / "a"))
+    b = _file_hashes(build_embedded_model(name, tmp_path / "b"))
+    assert a == b
+    for required in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"):
+        assert required in a
+
+
+@pytest.mark.parametrize("name", ["prism-tiny-llava", "prism-tiny-qwen2vl"])
+def test_loads_with_plain_transformers_and_is_not_degenerate(name, tmp_path):
+    d = build_embedded_model(name, tmp_path / name)
+    model = AutoModelForImageTextToText.from_pretrained(d).eval()
+    tok = AutoTokenizer.from_pretrained(d)
+    assert AutoImageProcessor.from_pretrained(d, backend="pil") is not None
+    assert tok.chat_template
+    text = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=32, do_sample=False)[0, ids["input_ids"].shape[1] :].tolist()
+    assert len(set(out)) >= 8, f"greedy output is degenerate: {out}"
+
+
+def test_resolve_builds_once_and_concurrently(tmp_path):
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(resolve_model_dir("prism-tiny-llava", tmp_path)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1
+    before = _file_hashes(results[0])
+    assert resolve_model_dir("prism-tiny-llava", tmp_path) == results[0]
+    assert _file_hashes(results[0]) == before
+    leftovers = [p.name for p in tmp_path.iterdir() if p.is_dir() and p != results[0]]
+    assert leftovers == [], "temp build directories must not be left behind"
+
+
+def test_checkpoint_directory_loads_through_the_same_path(tmp_path, model_cache):
+    """Any local HF directory of a supported family loads; the family comes from config.json, not the name."""
+    src = resolve_model_dir("prism-tiny-llava", model_cache)
+    ckpt = tmp_path / "qwen2-vl-looking-name"  # a misleading name must not matter
+    shutil.copytree(src, ckpt)
+    lm = load_model(ModelConfig(model=str(ckpt), cache_dir=str(tmp_path / "unused")))
+    assert lm.contract.family == "llava"
+    assert lm.served_name == "qwen2-vl-looking-name"
+    assert not (tmp_path / "unused").exists()
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="neither a local model directory"):
+        resolve_model_dir("llava-1.5-7b-hf", tmp_path)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "whisper"}')
+    with pytest.raises(UnsupportedModelError, match="'whisper' is not a supported family"):
+        load_model(ModelConfig(model=str(bad), cache_dir=str(tmp_path)))
+
+
+def test_embedded_model_names_cover_both_families_and_presets():
+    assert set(EMBEDDED_MODELS) == {
+        "prism-tiny-llava",
+        "prism-tiny-qwen2vl",
+        "prism-small-llava",
+        "prism-small-qwen2vl",
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["prism-small-llava", "prism-small-qwen2vl"])
+def test_small_preset_size_and_bf16(name, model_cache):
+    lm = load_model(ModelConfig(model=name, cache_dir=model_cache, dtype="bfloat16"))
+    params = sum(p.numel() for p in lm.model.parameters())
+    assert 10_000_000 <= params <= 100_000_000, params
+    assert lm.dtype == torch.bfloat16 and lm.contract.dtype == "bfloat16"
+    from common.media.synthetic import synthetic_image
+    from common.protocol.sampling import SamplingParams
+    from common.stages.pipeline import run_request
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
+    out = run_request(lm, messages, [synthetic_image(320, 240)], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert len(out.output.token_ids) == 16
+    assert len(set(out.output.token_ids)) >= 4

@@ -1,0 +1,103 @@
+"""KV exported by prefill crosses an OS process boundary as numpy (wire bytes, no pickle) and decodes to the same
+tokens; blocks round-trip exactly for fp32 and bf16; inconsistent hand-offs are refused with typed errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from common.errors import HandoffError
+from common.kv.blocks import export_kv, import_kv
+from common.media.synthetic import synthetic_image
+from common.protocol.handoff import PrefillOutput
+from common.protocol.sampling import SamplingParams
+from common.protocol.wire import from_bytes, to_bytes
+from common.stages.decode import decode
+from common.stages.encode import encode_media
+from common.stages.merge import merge
+from common.stages.prefill import prefill
+from common.stages.process import process_images
+from common.stages.prompt import build_prompt
+
+WORKER = Path(__file__).with_name("kv_decode_worker.py")
+
+
+def _prefill(lm, n_images: int, sampling: SamplingParams, block_size: int = 16) -> PrefillOutput:
+    images = [synthetic_image(200 + 40 * i, 160, seed=i) for i in range(n_images)]
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": "What do you see?"}]
+    media = process_images(lm, images)
+    prompt = build_prompt(lm, [{"role": "user", "content": content}], media, 4096)
+    return prefill(lm, merge(lm, prompt, encode_media(lm, media)), sampling, block_size)
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=5)]
+)
+def test_decode_in_another_process_gives_same_tokens(tiny_model, model_cache, tmp_path, sampling):
+    lm = tiny_model
+    pre = _prefill(lm, 2, sampling)
+    local = decode(lm, pre, sampling)
+    path = tmp_path / "prefill.npz"
+    path.write_bytes(to_bytes(pre))
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), lm.served_name, model_cache, str(path), sampling.model_dump_json()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    remote = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert remote["token_ids"] == list(local.token_ids)
+    assert remote["text"] == local.text
+
+
+def test_prefill_output_is_numpy_only(tiny_qwen):
+    pre = _prefill(tiny_qwen, 1, SamplingParams(max_tokens=4))
+    assert isinstance(pre.kv.keys, np.ndarray) and isinstance(pre.prompt_token_ids, np.ndarray)
+    assert pre.rope_delta != 0, "Qwen2-VL with an image must carry a non-zero M-RoPE delta to decode"
+    assert pre.kv.num_blocks == -(-len(pre.prompt_token_ids) // 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_tokens,block", [(1, 16), (16, 16), (37, 16), (37, 5)])
+def test_blocks_round_trip_exactly(dtype, n_tokens, block):
+    g = torch.Generator().manual_seed(0)
+    layers, heads, dim = 3, 2, 8
+    cache = DynamicCache()
+    originals = []
+    for i in range(layers):
+        k = torch.randn(1, heads, n_tokens, dim, generator=g).to(dtype)
+        v = torch.randn(1, heads, n_tokens, dim, generator=g).to(dtype)
+        cache.update(k, v, i)
+        originals.append((k, v))
+    kv = export_kv(cache, block)
+    assert kv.keys.shape == (layers, -(-n_tokens // block), heads, block, dim)
+    kv = from_bytes(type(kv), to_bytes(kv))  # through the wire, too
+    back = import_kv(kv, None, (layers, heads, dim), dtype)
+    for i, (k, v) in enumerate(originals):
+        assert torch.equal(back.layers[i].keys, k) and torch.equal(back.layers[i].values, v)
+
+
+def test_inconsistent_handoffs_are_refused(tiny_llava):
+    lm = tiny_llava
+    sampling = SamplingParams(max_tokens=4)
+    pre = _prefill(lm, 1, sampling)
+    with pytest.raises(HandoffError, match="model revision"):
+        decode(lm, replace(pre, model_revision="someone-else"), sampling)
+    with pytest.raises(HandoffError, match="tokens"):
+        decode(lm, replace(pre, prompt_token_ids=pre.prompt_token_ids[:-1]), sampling)
+    with pytest.raises(HandoffError, match="shape"):
+        decode(lm, replace(pre, kv=replace(pre.kv, keys=pre.kv.keys[:, :-1])), sampling)
+    with pytest.raises(HandoffError, match="dtype"):
+        decode(lm, replace(pre, kv=replace(pre.kv, dtype="bfloat16")), sampling)
+    with pytest.raises(HandoffError, match="numpy dtype"):
+        decode(lm, replace(pre, kv=replace(pre.kv, values=pre.kv.values.astype(np.float64))), sampling)
