@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.media.config import MediaConfig
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -48,3 +50,4 @@ class PrismConfig(_Strict):
 
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
+    media: MediaConfig = Field(default_factory=MediaConfig)

@@ -54,3 +54,58 @@ class HandoffError(PrismError):
     """
 
     default_code = "invalid_handoff"
+
+
+class MediaFetchBlocked(PrismError):
+    """Fetch refused by policy: scheme, userinfo, domain list, non-global address, ``file://`` outside the root."""
+
+    http_status = 403
+    error_type = "invalid_request_error"
+    default_code = "media_fetch_blocked"
+
+
+class InvalidMediaURL(InvalidRequestError):
+    """A media URL that cannot be parsed."""
+
+    default_code = "invalid_media_url"
+
+
+class TooManyMediaItems(InvalidRequestError):
+    default_code = "too_many_media_items"
+
+
+class MediaTooLarge(PrismError):
+    """Bytes, pixels, frames or duration over a configured limit."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+    default_code = "media_too_large"
+
+
+class InvalidMedia(InvalidRequestError):
+    """Bytes that are not a supported, intact image or video."""
+
+    default_code = "invalid_media"
+
+
+class MediaFetchFailed(PrismError):
+    """The remote server answered, but not with the media (404, 403, 500 …): the client's URL is at fault."""
+
+    http_status = 422
+    error_type = "invalid_request_error"
+    default_code = "media_fetch_failed"
+
+
+class MediaFetchUnavailable(PrismError):
+    """Network fault reaching the media host (DNS, connect, reset): retryable."""
+
+    http_status = 502
+    error_type = "upstream_error"
+    default_code = "media_fetch_unavailable"
+
+
+class MediaFetchTimeout(MediaFetchUnavailable):
+    """The media host did not answer in time: retryable."""
+
+    http_status = 504
+    default_code = "media_fetch_timeout"

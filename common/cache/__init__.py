@@ -1,0 +1,1 @@
+"""Content-addressed caches (processor outputs, encoder outputs), bounded by bytes and scoped by tenant."""

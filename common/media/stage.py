@@ -1,0 +1,29 @@
+"""The media stage engine that a Media deployment (or an offline batch task) holds for its lifetime.
+
+Start-up refuses to run if Pillow's own guards were switched off in this process (defence in depth: Prism checks
+pixels itself, but a disabled guard means someone changed global decoder state). Each call then runs the two-layer
+checks, fetch and decode of :func:`common.media.loader.load_media` under the configured policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.media.config import MediaConfig
+from common.media.fetch import MediaFetcher, Resolver, system_resolver
+from common.media.image import check_pillow_guard
+from common.media.loader import LoadedMedia, MediaRef, load_media
+
+
+class MediaStage:
+    def __init__(self, cfg: MediaConfig, resolver: Resolver = system_resolver) -> None:
+        check_pillow_guard()
+        self.cfg = cfg
+        self.fetcher = MediaFetcher(cfg, resolver=resolver)
+
+    def load(self, refs: Sequence[MediaRef]) -> list[LoadedMedia]:
+        return load_media(refs, self.cfg, self.fetcher)
+
+    def decode_options(self) -> dict[str, object]:
+        """Decode settings that shape pixels before the processor: part of every processor-cache key."""
+        return {"background_rgb": list(self.cfg.background_rgb), "exif_transpose": True}
