@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import httpx
 import pytest
 
 from common.errors import InvalidMediaURL, MediaFetchBlocked, PrismError
@@ -85,7 +86,15 @@ def test_loopback_in_any_spelling_is_blocked(server, host):
     ],
 )
 def test_private_link_local_and_metadata_are_blocked(host):
-    _blocked(MediaFetcher(MediaConfig()), f"http://{host}/latest/meta-data/")
+    sent = []
+
+    class NeverConnect(httpx.BaseTransport):
+        def handle_request(self, request):
+            sent.append(request.url)
+            raise AssertionError("a blocked fetch must not reach the transport")
+
+    _blocked(MediaFetcher(MediaConfig(), transport=NeverConnect()), f"http://{host}/latest/meta-data/")
+    assert sent == []
 
 
 def test_octal_ipv4_is_refused_as_invalid_url():
@@ -159,8 +168,6 @@ def test_redirects_are_followed_by_hand_and_capped(server):
 
 
 def test_https_to_http_downgrade_is_refused():
-    import httpx
-
     fetcher = MediaFetcher(MediaConfig())
     with pytest.raises(MediaFetchBlocked, match="https to http"):
         fetcher._next_hop(httpx.URL("https://a.example/x"), "http://a.example/y")
@@ -226,3 +233,24 @@ def test_file_urls_only_under_the_root(tmp_path):
 def test_invalid_url_is_a_400():
     err = _blocked(MediaFetcher(MediaConfig()), "http://[::1/x", code="invalid_media_url")
     assert isinstance(err, InvalidMediaURL) and err.http_status == 400
+
+
+def test_https_goes_to_the_checked_ip_with_name_in_host_and_sni():
+    """The transport sees the IP that was checked; the name travels in Host and as the TLS SNI/verify name."""
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, content=PNG, headers={"Content-Type": "image/png"})
+
+    fetcher = MediaFetcher(
+        MediaConfig(),
+        resolver=fake_resolver({"images.example": ["93.184.216.34"]}),
+        transport=httpx.MockTransport(handler),
+    )
+    assert fetcher.fetch("https://images.example/cat.png").data == PNG
+    (req,) = seen
+    assert req.url.host == "93.184.216.34" and req.url.scheme == "https"
+    assert req.headers["host"] == "images.example"
+    assert req.extensions["sni_hostname"] == "images.example"
+    assert req.headers["accept-encoding"] == "identity"
