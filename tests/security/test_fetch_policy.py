@@ -241,7 +241,7 @@ def test_https_goes_to_the_checked_ip_with_name_in_host_and_sni():
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen.append(request)
-        return httpx.Response(200, content=PNG, headers={"Content-Type": "image/png"})
+        return httpx.Response(200, stream=httpx.ByteStream(PNG), headers={"Content-Type": "image/png"})
 
     fetcher = MediaFetcher(
         MediaConfig(),
