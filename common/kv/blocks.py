@@ -20,13 +20,13 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 _WIRE_NUMPY = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16}
 
 
-def _to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
+def to_numpy(t: torch.Tensor, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return t.contiguous().view(torch.uint16).numpy()
     return t.contiguous().numpy()
 
 
-def _to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
+def to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(a))
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
@@ -45,7 +45,7 @@ def export_kv(cache: DynamicCache, block_size: int) -> KVBlocks:
     def blocks(x: torch.Tensor) -> np.ndarray:
         x = torch.nn.functional.pad(x, (0, 0, 0, pad))
         x = x.view(n_layers, n_heads, n_blocks, block_size, head_dim).permute(0, 2, 1, 3, 4)
-        return _to_numpy(x, dtype)
+        return to_numpy(x, dtype)
 
     return KVBlocks(block_size=block_size, num_tokens=n_tokens, dtype=dtype, keys=blocks(keys), values=blocks(values))
 
@@ -72,7 +72,7 @@ def import_kv(kv: KVBlocks, config, kv_shape: tuple[int, int, int], dtype: torch
     n_layers, n_heads, head_dim = kv_shape
 
     def tokens(arr: np.ndarray) -> torch.Tensor:
-        t = _to_torch(arr, kv.dtype).permute(0, 2, 1, 3, 4).reshape(n_layers, n_heads, -1, head_dim)
+        t = to_torch(arr, kv.dtype).permute(0, 2, 1, 3, 4).reshape(n_layers, n_heads, -1, head_dim)
         return t[:, :, : kv.num_tokens].contiguous()
 
     keys, values = tokens(kv.keys), tokens(kv.values)

@@ -1,27 +1,23 @@
 """Decode stage: imports a prefill's KV blocks and generates until a stop condition, streaming tokens.
 
-One sequence at a time on a ``DynamicCache`` (the continuous-batching engine over a paged pool builds on the same
-hand-off). Stop conditions, checked after every token in this order: EOS (unless ``ignore_eos``), a stop string in
-the decoded text (the text is cut before it), ``max_tokens``. EOS and the token that completed a stop string are
-kept in ``token_ids`` (as ``generate()`` keeps EOS) but never appear in ``text``.
+One sequence at a time on a ``DynamicCache``: the reference path, and what the batched engine
+(:mod:`common.engine.decode`) must match token for token. Stop conditions live in :mod:`common.stages.stops`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from common.errors import HandoffError
-from common.kv.blocks import import_kv
+from common.kv.blocks import import_kv, validate_kv
 from common.model.loader import LoadedModel
 from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.stages.sampler import sample_token
-
-FinishReason = Literal["stop", "length"]
+from common.stages.stops import FinishReason, StopChecker, visible_text
 
 
 @dataclass(frozen=True)
@@ -39,14 +35,20 @@ class DecodeResult:
     finish_reason: FinishReason
 
 
-def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams) -> Iterator[DecodeStep]:
-    """Yield tokens one by one, starting with prefill's first token."""
+def check_prefill(lm: LoadedModel, pre: PrefillOutput) -> None:
+    """Refuse a prefill hand-off from another model or whose KV does not match its prompt."""
     if pre.model_revision != lm.contract.model_revision:
         raise HandoffError(f"KV from model revision {pre.model_revision}, this is {lm.contract.model_revision}")
     if pre.kv.num_tokens != len(pre.prompt_token_ids):
         raise HandoffError(f"KV holds {pre.kv.num_tokens} tokens but the prompt has {len(pre.prompt_token_ids)}")
+    validate_kv(pre.kv, lm.kv_shape, lm.dtype)
+
+
+def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams) -> Iterator[DecodeStep]:
+    """Yield tokens one by one, starting with prefill's first token."""
+    check_prefill(lm, pre)
     cache = import_kv(pre.kv, lm.text_config, lm.kv_shape, lm.dtype)
-    stops = _StopChecker(lm, sampling)
+    stops = StopChecker(lm, sampling)
     token = pre.first_token_id
     past = pre.kv.num_tokens
     step = 0
@@ -59,7 +61,7 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
             step += 1
             out = lm.adapter.language_model(lm.model)(
                 input_ids=torch.tensor([[token]]),
-                position_ids=lm.adapter.decode_positions(past, pre.rope_delta, 1),
+                position_ids=lm.adapter.decode_positions(torch.tensor([past]), torch.tensor([pre.rope_delta])),
                 cache=cache,
                 use_cache=True,
             )
@@ -72,35 +74,3 @@ def decode(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams) -> Dec
     steps = list(decode_stream(lm, pre, sampling))
     ids = tuple(s.token_id for s in steps)
     return DecodeResult(token_ids=ids, text=visible_text(lm, ids, sampling), finish_reason=steps[-1].finish_reason)
-
-
-def visible_text(lm: LoadedModel, token_ids: tuple[int, ...], sampling: SamplingParams) -> str:
-    """The text a client sees: special tokens dropped, cut before the first stop string."""
-    text = lm.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-    cut = min((i for i in (text.find(s) for s in sampling.stop) if i >= 0), default=len(text))
-    return text[:cut]
-
-
-class _StopChecker:
-    """Per-sequence stop state; decodes only a short tail of text to look for stop strings."""
-
-    def __init__(self, lm: LoadedModel, sampling: SamplingParams) -> None:
-        self._lm = lm
-        self._sampling = sampling
-        self._eos = frozenset() if sampling.ignore_eos else lm.eos_token_ids
-        self._ids: list[int] = []
-        # A stop string can span tokens. Visible tokens carry ≥1 character, but byte-level pieces of one UTF-8
-        # character may not, so look back twice the longest stop string (plus slack) in tokens.
-        self._tail = 2 * max((len(s) for s in sampling.stop), default=0) + 4
-
-    def check(self, token: int, n_generated: int) -> FinishReason | None:
-        self._ids.append(token)
-        if token in self._eos:
-            return "stop"
-        if self._sampling.stop:
-            tail = self._lm.tokenizer.decode(self._ids[-self._tail :], skip_special_tokens=True)
-            if any(s in tail for s in self._sampling.stop):
-                return "stop"
-        if n_generated >= self._sampling.max_tokens:
-            return "length"
-        return None

@@ -95,9 +95,9 @@ class FamilyAdapter(ABC):
         """Position ids for the prompt (``None`` = the model's default 1-D positions) and the rope delta."""
         return None, 0
 
-    def decode_positions(self, past_len: int, rope_delta: int, n: int) -> torch.Tensor | None:
-        """Position ids for ``n`` new tokens after ``past_len`` cached ones (``None`` = default)."""
-        return None
+    def decode_positions(self, past_lens: torch.Tensor, rope_deltas: torch.Tensor) -> torch.Tensor:
+        """Position ids for one new token per sequence, after ``past_lens[i]`` cached tokens (``[B]`` each)."""
+        return past_lens.view(-1, 1)
 
     # ---- builder ------------------------------------------------------------------------------------------
     @abstractmethod

@@ -102,9 +102,9 @@ class Qwen2VLAdapter(FamilyAdapter):
         )
         return positions, int(deltas.reshape(-1)[0])
 
-    def decode_positions(self, past_len: int, rope_delta: int, n: int) -> torch.Tensor | None:
-        pos = torch.arange(past_len, past_len + n, dtype=torch.long) + rope_delta
-        return pos.view(1, 1, n).expand(3, 1, n)
+    def decode_positions(self, past_lens: torch.Tensor, rope_deltas: torch.Tensor) -> torch.Tensor:
+        pos = (past_lens + rope_deltas).view(1, -1, 1)
+        return pos.expand(3, -1, 1)
 
     # ---- builder ------------------------------------------------------------------------------------------
     def special_tokens(self) -> list[str]:

@@ -1,0 +1,165 @@
+"""Continuous-batching decode engine over the paged KV pool.
+
+Queues and lifecycle of one sequence:
+
+``submit`` → (lease queue, if the pool is full) → **admitted**: its prefill KV blocks are copied into pool blocks
+and its first token (sampled by prefill) is emitted → **running**: every :meth:`step` generates one token for up to
+``max_batch`` running sequences in a single forward pass → finished (EOS / stop string / max_tokens) or cancelled →
+its lease is released, which may admit waiting sequences. Sequences join and leave the batch at every step.
+
+A step writes each sequence's new key/value straight into its pool slot and attends over its block table
+(:mod:`common.kv.paged_attention`); a sequence takes a new block only when its last one is full, always inside its
+lease (reserved for prompt + ``max_tokens`` at submit), so a running sequence can never run out of KV.
+Each token is sampled with the request's ``(seed, step)`` rule, so batching never changes what a sequence says.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from common.engine.paged_step import build_step_context
+from common.kv.blocks import to_torch
+from common.kv.paged_attention import enable_paged_attention
+from common.kv.pool import KVPool, Lease
+from common.model.loader import LoadedModel
+from common.protocol.handoff import PrefillOutput
+from common.protocol.sampling import SamplingParams
+from common.stages.decode import check_prefill
+from common.stages.sampler import sample_token
+from common.stages.stops import FinishReason, StopChecker
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_id: int
+    finish_reason: FinishReason | None
+    """``None`` while the sequence goes on; ``"cancelled"`` is never emitted (cancel is the caller's act)."""
+
+
+@dataclass
+class _Sequence:
+    request_id: str
+    sampling: SamplingParams
+    lease: Lease
+    rope_delta: int
+    length: int
+    """Tokens whose KV is in the pool."""
+    last_token: int
+    """Sampled but not yet fed to the model."""
+    step: int
+    stops: StopChecker
+
+
+class DecodeEngine:
+    def __init__(self, lm: LoadedModel, pool: KVPool, max_batch: int = 32) -> None:
+        if pool.kv_shape != lm.kv_shape or pool.dtype != lm.dtype:
+            raise ValueError("KV pool geometry/dtype does not match the model")
+        enable_paged_attention(lm.text_config)
+        self.lm = lm
+        self.pool = pool
+        self.max_batch = max_batch
+        self._pending: OrderedDict[str, tuple[PrefillOutput, SamplingParams]] = OrderedDict()
+        self._running: OrderedDict[str, _Sequence] = OrderedDict()
+        self._events: list[TokenEvent] = []
+
+    # ---- queue management -----------------------------------------------------------------------------------
+    def submit(self, request_id: str, pre: PrefillOutput, sampling: SamplingParams) -> None:
+        """Queue a prefilled sequence; raises :class:`LeaseTooLarge` if it can never fit its lease."""
+        check_prefill(self.lm, pre)
+        sampling = sampling.resolved()
+        need = self.pool.blocks_for(pre.kv.num_tokens + sampling.max_tokens)
+        self._pending[request_id] = (pre, sampling)
+        try:
+            lease = self.pool.request_lease(request_id, need)
+        except Exception:
+            del self._pending[request_id]
+            raise
+        if lease is not None:
+            self._admit(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a sequence wherever it is and free its KV; True if it was known."""
+        known = self._pending.pop(request_id, None) is not None or self._running.pop(request_id, None) is not None
+        self._release(request_id)
+        return known
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._events)
+
+    def _release(self, request_id: str) -> None:
+        for granted in self.pool.release(request_id):
+            self._admit(granted)
+
+    def _admit(self, request_id: str) -> None:
+        pre, sampling = self._pending.pop(request_id)
+        lease = self.pool.lease(request_id)
+        assert lease is not None  # granted by the pool just now
+        blocks = self.pool.allocate(lease, pre.kv.num_blocks)
+        index = torch.tensor(blocks)
+        self.pool.keys[:, index] = to_torch(pre.kv.keys, pre.kv.dtype)
+        self.pool.values[:, index] = to_torch(pre.kv.values, pre.kv.dtype)
+        seq = _Sequence(
+            request_id=request_id,
+            sampling=sampling,
+            lease=lease,
+            rope_delta=pre.rope_delta,
+            length=pre.kv.num_tokens,
+            last_token=pre.first_token_id,
+            step=0,
+            stops=StopChecker(self.lm, sampling),
+        )
+        self._running[request_id] = seq
+        self._emit(seq, pre.first_token_id)
+
+    def _emit(self, seq: _Sequence, token: int) -> None:
+        reason = seq.stops.check(token, seq.step + 1)
+        self._events.append(TokenEvent(seq.request_id, token, reason))
+        if reason is not None:
+            del self._running[seq.request_id]
+            self._release(seq.request_id)
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """One forward pass over up to ``max_batch`` running sequences; returns every token produced since the
+        last call (first tokens of newly admitted sequences included)."""
+        batch = list(self._running.values())[: self.max_batch]
+        if batch:
+            self._decode(batch)
+            # Rotate so sequences beyond max_batch get their turn next step.
+            for seq in batch:
+                if seq.request_id in self._running:
+                    self._running.move_to_end(seq.request_id)
+        events, self._events = self._events, []
+        return events
+
+    def _decode(self, batch: list[_Sequence]) -> None:
+        for seq in batch:
+            if seq.length == len(seq.lease.blocks) * self.pool.block_size:
+                self.pool.allocate(seq.lease, 1)
+        lengths = torch.tensor([s.length for s in batch])
+        ctx = build_step_context(self.pool, [s.lease.blocks for s in batch], lengths)
+        with torch.inference_mode():
+            out = self.lm.adapter.language_model(self.lm.model)(
+                input_ids=torch.tensor([[s.last_token] for s in batch]),
+                position_ids=self.lm.adapter.decode_positions(lengths, torch.tensor([s.rope_delta for s in batch])),
+                use_cache=False,
+                prism_paged=ctx,
+            )
+            logits = self.lm.model.lm_head(out.last_hidden_state[:, -1:, :])[:, -1]
+        for i, seq in enumerate(batch):
+            seq.length += 1
+            seq.step += 1
+            seq.last_token = sample_token(logits[i], seq.sampling, seq.step)
+            self._emit(seq, seq.last_token)

@@ -1,0 +1,70 @@
+"""Attention over the paged KV pool, plugged into transformers' attention dispatch.
+
+The language model's text config is switched to the ``prism_paged`` implementation. Calls that carry no paged
+context (prefill, the single-sequence decode stage, ``generate()``) fall straight through to transformers' own SDPA
+function, bit for bit. A batched decode step passes ``prism_paged=PagedContext(...)`` through the model's kwargs;
+then, per layer, the new token's key/value are written into each sequence's slot in the pool and attention reads the
+sequence's blocks through its block table — the pool is the cache, nothing is concatenated or re-built per step.
+The gather of a step's blocks is the read attention has to do anyway (memory-bound), done once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from common.kv.pool import KVPool
+
+IMPLEMENTATION = "prism_paged"
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """One decode step's view of the pool: where each sequence writes its new token and which blocks it reads."""
+
+    pool: KVPool
+    write_blocks: torch.Tensor
+    """``[B]`` block receiving each sequence's new token."""
+    write_offsets: torch.Tensor
+    """``[B]`` slot inside that block."""
+    tables: torch.Tensor
+    """``[B, max_blocks]`` block ids (padded with any valid id; masked out)."""
+    mask: torch.Tensor
+    """``[B, 1, 1, max_blocks * block_size]`` True where a slot holds one of the sequence's tokens."""
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    ctx: PagedContext | None = kwargs.pop("prism_paged", None)
+    if ctx is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    pool, layer = ctx.pool, module.layer_idx
+    # key/value: [B, kv_heads, 1, head_dim] → this step's slot of each sequence.
+    pool.keys[layer, ctx.write_blocks, :, ctx.write_offsets] = key[:, :, 0].to(pool.dtype)
+    pool.values[layer, ctx.write_blocks, :, ctx.write_offsets] = value[:, :, 0].to(pool.dtype)
+    b, n_blocks = ctx.tables.shape
+    heads, bs, dim = pool.keys.shape[2], pool.block_size, pool.keys.shape[4]
+    keys = pool.keys[layer][ctx.tables].permute(0, 2, 1, 3, 4).reshape(b, heads, n_blocks * bs, dim)
+    values = pool.values[layer][ctx.tables].permute(0, 2, 1, 3, 4).reshape(b, heads, n_blocks * bs, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=ctx.mask, scale=scaling, enable_gqa=query.shape[1] != heads
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def enable_paged_attention(text_config) -> None:
+    """Route the language model's attention through :func:`paged_attention_forward` (idempotent)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
+        _registered = True
+    text_config._attn_implementation = IMPLEMENTATION

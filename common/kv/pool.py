@@ -1,0 +1,177 @@
+"""Paged KV block pool with per-request leases.
+
+Storage: one key and one value tensor per pool, ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` —
+the same layout as :class:`KVBlocks`, so importing a prefill's blocks is a slice assignment.
+
+Accounting, as queues:
+
+* A request first takes a **lease**: a reservation of the blocks it may need (prompt + max output). A lease is
+  capped at ``max_lease_fraction`` of the pool; a bigger request is refused at once (400 ``kv_lease_exceeded``),
+  since it could never run. A lease that does not fit now waits in a FIFO queue; leases are granted strictly in
+  arrival order as blocks free up, so a large request at the head cannot be starved by a stream of small ones (and
+  it always fits eventually: it is at most a fraction of the pool).
+* Inside its lease a request **allocates** blocks one by one (reference count 1) or **shares** an existing block
+  (a prefix-cache hit: reference count +1, no new capacity used).
+* :meth:`release` (finish, cancel, timeout, error — the caller does not care which) drops every reference the lease
+  holds and the unused reservation, then grants waiting leases that now fit.
+
+:meth:`check_no_leaks` verifies that everything not held by an external owner (the prefix cache) is free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.errors import InvalidRequestError
+
+
+class LeaseTooLarge(InvalidRequestError):
+    default_code = "kv_lease_exceeded"
+
+
+@dataclass
+class Lease:
+    request_id: str
+    reserved: int
+    """Blocks this request may newly allocate."""
+    blocks: list[int] = field(default_factory=list)
+    """Blocks this request references, in sequence order (allocated or shared)."""
+    allocated: int = 0
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        max_lease_fraction: float = 0.5,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0 or not 0 < max_lease_fraction <= 1:
+            raise ValueError("num_blocks, block_size > 0 and 0 < max_lease_fraction ≤ 1")
+        layers, heads, head_dim = kv_shape
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_shape = kv_shape
+        self.dtype = dtype
+        self.keys = torch.zeros(layers, num_blocks, heads, block_size, head_dim, dtype=dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.max_lease_blocks = max(1, int(num_blocks * max_lease_fraction))
+        self._refs = np.zeros(num_blocks, dtype=np.int64)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._leases: dict[str, Lease] = {}
+        self._waiting: OrderedDict[str, int] = OrderedDict()
+
+    # ---- capacity -------------------------------------------------------------------------------------------
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def _unallocated_reservations(self) -> int:
+        return sum(lease.reserved - lease.allocated for lease in self._leases.values())
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    # ---- leases ---------------------------------------------------------------------------------------------
+    def request_lease(self, request_id: str, blocks: int) -> Lease | None:
+        """Grant a lease now, or queue it (``None``); raise :class:`LeaseTooLarge` if it can never be granted."""
+        if request_id in self._leases or request_id in self._waiting:
+            raise ValueError(f"request {request_id} already holds or awaits a lease")
+        if blocks > self.max_lease_blocks:
+            raise LeaseTooLarge(
+                f"request needs {blocks} KV blocks ({blocks * self.block_size} tokens of prompt + output); "
+                f"the per-request limit is {self.max_lease_blocks} blocks ({self.max_lease_blocks * self.block_size} "
+                f"tokens)",
+                param="max_tokens",
+            )
+        self._waiting[request_id] = blocks
+        self._grant_waiting()
+        return self._leases.get(request_id)
+
+    def lease(self, request_id: str) -> Lease | None:
+        return self._leases.get(request_id)
+
+    def is_waiting(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def _grant_waiting(self) -> list[str]:
+        granted = []
+        while self._waiting:
+            rid, blocks = next(iter(self._waiting.items()))
+            if self.free_blocks - self._unallocated_reservations < blocks:
+                break  # FIFO: nobody overtakes the head, so the head cannot starve
+            del self._waiting[rid]
+            self._leases[rid] = Lease(request_id=rid, reserved=blocks)
+            granted.append(rid)
+        return granted
+
+    def allocate(self, lease: Lease, n: int = 1) -> list[int]:
+        if lease.allocated + n > lease.reserved:
+            raise RuntimeError(f"request {lease.request_id} allocates past its lease of {lease.reserved} blocks")
+        out = []
+        for _ in range(n):
+            block = self._free.pop()
+            self._refs[block] = 1
+            out.append(block)
+        lease.allocated += n
+        lease.blocks.extend(out)
+        return out
+
+    def share(self, lease: Lease, blocks: list[int]) -> None:
+        """Reference existing (prefix-cached) blocks; costs no reservation."""
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise RuntimeError(f"block {b} is free and cannot be shared")
+            self._refs[b] += 1
+        lease.blocks.extend(blocks)
+
+    def release(self, request_id: str) -> list[str]:
+        """Drop a request's lease (or its place in the queue); returns request ids whose leases got granted."""
+        if self._waiting.pop(request_id, None) is not None:
+            return self._grant_waiting()
+        lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return []
+        self.unref(lease.blocks)
+        return self._grant_waiting()
+
+    # ---- references held by other owners (prefix cache) -------------------------------------------------------
+    def ref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._refs[b] += 1
+
+    def unref(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] < 0:
+                raise RuntimeError(f"block {b} released twice")
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def refcount(self, block: int) -> int:
+        return int(self._refs[block])
+
+    def check_no_leaks(self, externally_held: int = 0) -> None:
+        """Raise unless no lease is open or waiting and only ``externally_held`` blocks are in use."""
+        problems = []
+        if self._leases:
+            problems.append(f"open leases: {sorted(self._leases)}")
+        if self._waiting:
+            problems.append(f"waiting leases: {list(self._waiting)}")
+        if self.used_blocks != externally_held:
+            problems.append(f"{self.used_blocks} blocks in use, expected {externally_held}")
+        if len(set(self._free)) != len(self._free):
+            problems.append("free list holds duplicates")
+        if problems:
+            raise AssertionError("KV pool leak: " + "; ".join(problems))
