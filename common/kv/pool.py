@@ -13,7 +13,8 @@ Accounting, as queues:
 * Inside its lease a request **allocates** blocks one by one (reference count 1) or **shares** an existing block
   (a prefix-cache hit: reference count +1, no new capacity used).
 * :meth:`release` (finish, cancel, timeout, error — the caller does not care which) drops every reference the lease
-  holds and the unused reservation, then grants waiting leases that now fit.
+  holds and the unused reservation, then grants waiting leases that now fit. When the head of the queue does not
+  fit, the pool first asks its reclaimer (the prefix cache) to give back blocks only the cache still references.
 
 :meth:`check_no_leaks` verifies that everything not held by an external owner (the prefix cache) is free.
 """
@@ -21,6 +22,7 @@ Accounting, as queues:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +68,11 @@ class KVPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._leases: dict[str, Lease] = {}
         self._waiting: OrderedDict[str, int] = OrderedDict()
+        self._reclaimer: Callable[[int], int] | None = None
+
+    def set_reclaimer(self, reclaim: Callable[[int], int]) -> None:
+        """``reclaim(n)`` frees up to n blocks held only by a cache; called when a lease would not fit."""
+        self._reclaimer = reclaim
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
@@ -109,7 +116,11 @@ class KVPool:
         granted = []
         while self._waiting:
             rid, blocks = next(iter(self._waiting.items()))
-            if self.free_blocks - self._unallocated_reservations < blocks:
+            short = blocks - (self.free_blocks - self._unallocated_reservations)
+            if short > 0 and self._reclaimer is not None:
+                self._reclaimer(short)
+                short = blocks - (self.free_blocks - self._unallocated_reservations)
+            if short > 0:
                 break  # FIFO: nobody overtakes the head, so the head cannot starve
             del self._waiting[rid]
             self._leases[rid] = Lease(request_id=rid, reserved=blocks)
@@ -126,6 +137,17 @@ class KVPool:
             out.append(block)
         lease.allocated += n
         lease.blocks.extend(out)
+        return out
+
+    def take_unreserved(self, n: int) -> list[int]:
+        """Up to ``n`` blocks outside any lease (reference count 1), only from capacity no lease has reserved —
+        caches use this, so they never eat into what a running request was promised."""
+        spare = self.free_blocks - self._unallocated_reservations - sum(self._waiting.values())
+        out = []
+        for _ in range(max(0, min(n, spare))):
+            block = self._free.pop()
+            self._refs[block] = 1
+            out.append(block)
         return out
 
     def share(self, lease: Lease, blocks: list[int]) -> None:

@@ -62,6 +62,10 @@ class FamilyAdapter(ABC):
     """safetensors key prefixes of the vision tower (current and legacy checkpoint layouts)."""
     projector_prefixes: tuple[str, ...]
     """safetensors key prefixes of the projector/merger; checked before ``vision_prefixes``."""
+    allows_span_split: bool = False
+    """Whether chunked prefill may cut one media item's placeholder span. Both families here could (their LM is
+    causal over precomputed embeddings), but Prism keeps spans whole unless a family opts in: families with
+    bidirectional attention inside an image (Gemma-3 style) must never be split."""
 
     # ---- tokens and prompts -------------------------------------------------------------------------------
     @abstractmethod

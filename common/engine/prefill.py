@@ -1,0 +1,206 @@
+"""Prefill engine: token-budgeted chunked prefill with a multimodal prefix cache.
+
+Lifecycle of one request, as queues:
+
+``submit`` → prefix-cache lookup (chained block hashes; the hit is trimmed so recompute never starts inside a media
+span, and at least one token is always computed for the first-token logits) → **queued** with its cached KV loaded
+→ each :meth:`step` spends a token budget across queued requests in FIFO order, one chunk per request at a time
+(chunk ends respect media spans, :mod:`common.engine.chunking`) → after its last chunk a request samples its first
+token, exports its KV as :class:`KVBlocks`, inserts its new full blocks into the prefix cache, and leaves as a
+:class:`PrefillOutput`. :meth:`cancel` drops a queued request at any point.
+
+Requests are computed one chunk at a time (no padding across prompts), which keeps the result bit-identical to an
+unchunked, unbatched prefill up to floating-point reduction order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from common.engine.chunking import next_chunk_end, usable_prefix_blocks
+from common.kv.blocks import export_kv, to_torch
+from common.kv.pool import KVPool
+from common.kv.prefix_cache import PrefixCache
+from common.kv.prefix_hash import block_hashes
+from common.model.loader import LoadedModel
+from common.protocol.handoff import KVBlocks, MergedInputs, PrefillOutput
+from common.protocol.sampling import SamplingParams
+from common.stages.sampler import sample_token
+
+SHARED_SCOPE = "*shared*"
+
+
+@dataclass
+class PrefillStats:
+    prompt_tokens: int
+    cached_tokens: int
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(e - s for s, e in self.chunks)
+
+
+@dataclass
+class _State:
+    request_id: str
+    merged: MergedInputs
+    sampling: SamplingParams
+    hashes: list[bytes]
+    cache: DynamicCache
+    positions: torch.Tensor | None
+    rope_delta: int
+    done: int
+    stats: PrefillStats
+    logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    output: PrefillOutput
+    stats: PrefillStats
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        block_size: int = 16,
+        chunk_tokens: int = 512,
+        prefix_cache_blocks: int = 0,
+        shared_prefix_scope: bool = False,
+    ) -> None:
+        self.lm = lm
+        self.block_size = block_size
+        self.chunk_tokens = chunk_tokens
+        self.shared_scope = shared_prefix_scope
+        self.pool: KVPool | None = None
+        self.prefix: PrefixCache | None = None
+        if prefix_cache_blocks > 0:
+            self.pool = KVPool(prefix_cache_blocks, block_size, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
+            self.prefix = PrefixCache(self.pool)
+        self._queue: OrderedDict[str, _State] = OrderedDict()
+
+    # ---- queue ----------------------------------------------------------------------------------------------
+    def submit(self, request_id: str, merged: MergedInputs, sampling: SamplingParams, tenant: str = "default") -> None:
+        if request_id in self._queue:
+            raise ValueError(f"request {request_id} is already queued")
+        lm, bs = self.lm, self.block_size
+        n = len(merged.token_ids)
+        token_ids = torch.from_numpy(merged.token_ids)
+        positions, rope_delta = lm.adapter.prefill_positions(lm.model, token_ids, merged.spans)
+        cache = DynamicCache(config=lm.text_config)
+        hashes: list[bytes] = []
+        hit = 0
+        if self.prefix is not None:
+            scope = SHARED_SCOPE if self.shared_scope else tenant
+            hashes = block_hashes(merged.token_ids, merged.spans, bs, lm.contract.model_revision, scope)
+            blocks = self.prefix.lookup(hashes[: (n - 1) // bs])  # keep ≥1 token to compute the logits
+            hit = usable_prefix_blocks(len(blocks), bs, merged.spans, lm.adapter.allows_span_split)
+            if hit:
+                self._load_prefix(cache, blocks[:hit])
+        stats = PrefillStats(prompt_tokens=n, cached_tokens=hit * bs)
+        self._queue[request_id] = _State(
+            request_id, merged, sampling.resolved(), hashes, cache, positions, rope_delta, hit * bs, stats
+        )
+
+    def cancel(self, request_id: str) -> bool:
+        return self._queue.pop(request_id, None) is not None
+
+    def has_work(self) -> bool:
+        return bool(self._queue)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens still to compute: the prefill stage's queue depth for autoscaling."""
+        return sum(len(s.merged.token_ids) - s.done for s in self._queue.values())
+
+    # ---- compute --------------------------------------------------------------------------------------------
+    def step(self, token_budget: int) -> list[PrefillResult]:
+        """Compute up to ``token_budget`` prompt tokens (a chunk may exceed it only to keep a media span whole)."""
+        finished = []
+        spent = 0
+        for state in list(self._queue.values()):
+            if spent >= token_budget:
+                break
+            n = len(state.merged.token_ids)
+            end = next_chunk_end(
+                state.done, n, token_budget - spent, state.merged.spans, self.lm.adapter.allows_span_split
+            )
+            self._run_chunk(state, state.done, end)
+            spent += end - state.done
+            state.stats.chunks.append((state.done, end))
+            state.done = end
+            if end == n:
+                del self._queue[state.request_id]
+                finished.append(self._finish(state))
+        return finished
+
+    def run(self, request_id: str, merged: MergedInputs, sampling: SamplingParams, tenant: str = "default"):
+        """Prefill one request to completion in ``chunk_tokens`` chunks."""
+        self.submit(request_id, merged, sampling, tenant)
+        while True:
+            for result in self.step(self.chunk_tokens):
+                if result.request_id == request_id:
+                    return result
+
+    def _run_chunk(self, state: _State, start: int, end: int) -> None:
+        lm = self.lm
+        with torch.inference_mode():
+            embeds = torch.from_numpy(state.merged.inputs_embeds[start:end]).to(lm.dtype)[None]
+            positions = None if state.positions is None else state.positions[..., start:end]
+            out = lm.adapter.language_model(lm.model)(
+                inputs_embeds=embeds, position_ids=positions, cache=state.cache, use_cache=True
+            )
+            state.logits = lm.model.lm_head(out.last_hidden_state[:, -1:, :])[0, -1]
+
+    def _finish(self, state: _State) -> PrefillResult:
+        assert state.logits is not None
+        first = sample_token(state.logits, state.sampling, step=0)
+        kv = export_kv(state.cache, self.block_size)
+        if self.prefix is not None:
+            self._insert_prefix(state.hashes, kv, state.stats.cached_tokens // self.block_size)
+        output = PrefillOutput(
+            prompt_token_ids=state.merged.token_ids,
+            first_token_id=first,
+            kv=kv,
+            rope_delta=state.rope_delta,
+            model_revision=self.lm.contract.model_revision,
+        )
+        return PrefillResult(state.request_id, output, state.stats)
+
+    # ---- prefix cache plumbing -----------------------------------------------------------------------------
+    def _load_prefix(self, cache: DynamicCache, blocks: list[int]) -> None:
+        assert self.pool is not None
+        layers, heads, dim = self.lm.kv_shape
+        index = torch.tensor(blocks)  # advanced indexing copies: the cache never aliases pool blocks
+
+        def tokens(store: torch.Tensor) -> torch.Tensor:
+            return store[:, index].permute(0, 2, 1, 3, 4).reshape(layers, heads, -1, dim)
+
+        keys, values = tokens(self.pool.keys), tokens(self.pool.values)
+        for i in range(layers):
+            cache.update(keys[i][None], values[i][None], i)
+
+    def _insert_prefix(self, hashes: list[bytes], kv: KVBlocks, already: int) -> None:
+        """Copy this prompt's new full blocks into the cache's pool; stop at the first one that does not fit
+        (later blocks of the chain are unreachable without it)."""
+        assert self.pool is not None and self.prefix is not None
+        for i in range(already, len(hashes)):
+            if hashes[i] in self.prefix:
+                continue
+            got = self.pool.take_unreserved(1) or (self.prefix.reclaim(1) and self.pool.take_unreserved(1))
+            if not got:
+                return
+            block = got[0]
+            self.pool.keys[:, block] = to_torch(kv.keys[:, i], kv.dtype)
+            self.pool.values[:, block] = to_torch(kv.values[:, i], kv.dtype)
+            inserted = self.prefix.insert(hashes[i], block)
+            self.pool.unref([block])  # the cache now holds the only reference (or none, if it refused)
+            if not inserted:
+                return

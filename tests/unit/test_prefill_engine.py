@@ -1,0 +1,145 @@
+"""Chunked prefill keeps media spans whole and equals unchunked; the prefix cache hits only on identical media."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from common.engine.chunking import plan_chunks, usable_prefix_blocks
+from common.engine.prefill import PrefillEngine
+from common.kv.prefix_hash import block_hashes
+from common.media.synthetic import synthetic_image
+from common.protocol.handoff import PlaceholderSpan
+from common.protocol.sampling import SamplingParams
+from common.stages.decode import decode
+from common.stages.encode import encode_media
+from common.stages.merge import merge
+from common.stages.prefill import prefill
+from common.stages.process import process_images
+from common.stages.prompt import build_prompt
+
+SAMPLING = SamplingParams(max_tokens=12)
+
+
+def _merged(lm, images, text="and compare them"):
+    content = [{"type": "text", "text": "Look at this picture please"}]
+    for _ in images:
+        content += [{"type": "image"}, {"type": "text", "text": "then"}]
+    content.append({"type": "text", "text": text})
+    media = process_images(lm, images)
+    prompt = build_prompt(lm, [{"role": "user", "content": content}], media, 4096)
+    return merge(lm, prompt, encode_media(lm, media))
+
+
+def _tokens(lm, pre):
+    return decode(lm, pre, SAMPLING).token_ids
+
+
+def _span(start, length):
+    return PlaceholderSpan(0, "image", start, length, (length, 8), "d", (1, 2, 2))
+
+
+def test_chunk_plan_never_cuts_a_span():
+    spans = [_span(10, 144), _span(158, 30)]
+    chunks = plan_chunks(200, spans, 40)
+    assert chunks[0] == (0, 10) and (10, 154) in chunks
+    assert chunks[0][0] == 0 and chunks[-1][1] == 200
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+    for s, e in chunks:
+        for span in spans:
+            assert not span.prompt_token_start < s < span.end and not span.prompt_token_start < e < span.end
+    assert plan_chunks(200, spans, 40, allow_split=True)[1] == (40, 80)
+    assert usable_prefix_blocks(2, 16, spans, allow_split=False) == 0  # 32 is inside the first span
+    assert usable_prefix_blocks(12, 16, spans, allow_split=False) == 12  # 192 is after both
+
+
+@pytest.mark.parametrize("chunk", [7, 40, 100])
+def test_chunked_prefill_equals_unchunked(tiny_model, chunk):
+    lm = tiny_model
+    merged = _merged(lm, [synthetic_image(200, 150, seed=1), synthetic_image(120, 300, seed=2)])
+    whole = prefill(lm, merged, SAMPLING, 16)
+    result = PrefillEngine(lm, 16, chunk_tokens=chunk).run("r", merged, SAMPLING)
+    assert len(result.stats.chunks) >= 2
+    assert result.output.first_token_id == whole.first_token_id
+    assert result.output.rope_delta == whole.rope_delta
+    np.testing.assert_allclose(result.output.kv.keys, whole.kv.keys, atol=1e-4)
+    np.testing.assert_allclose(result.output.kv.values, whole.kv.values, atol=1e-4)
+    assert _tokens(lm, result.output) == _tokens(lm, whole)
+
+
+def test_prefix_hit_equals_recompute_and_skips_compute(tiny_model):
+    lm = tiny_model
+    merged = _merged(lm, [synthetic_image(200, 150, seed=1)])
+    engine = PrefillEngine(lm, 16, chunk_tokens=64, prefix_cache_blocks=128)
+    cold = engine.run("a", merged, SAMPLING)
+    hot = engine.run("b", merged, SAMPLING)
+    n = len(merged.token_ids)
+    assert cold.stats.cached_tokens == 0 and cold.stats.computed_tokens == n
+    assert hot.stats.cached_tokens >= n - 16 and hot.stats.computed_tokens == n - hot.stats.cached_tokens
+    np.testing.assert_allclose(hot.output.kv.keys, cold.output.kv.keys, atol=1e-5)
+    assert hot.output.first_token_id == cold.output.first_token_id
+    assert _tokens(lm, hot.output) == _tokens(lm, cold.output)
+    assert engine.prefix.stats.hit_blocks == hot.stats.cached_tokens // 16
+
+
+def test_different_image_at_same_position_does_not_hit(tiny_model):
+    """Same text, same image size and position, different pixels: only blocks before the image may hit."""
+    lm = tiny_model
+    first = _merged(lm, [synthetic_image(200, 150, seed=1)])
+    other = _merged(lm, [synthetic_image(200, 150, seed=2)])
+    assert np.array_equal(first.token_ids, other.token_ids), "the token ids alone cannot tell these apart"
+    engine = PrefillEngine(lm, 16, chunk_tokens=64, prefix_cache_blocks=128)
+    engine.run("a", first, SAMPLING)
+    hit = engine.run("b", other, SAMPLING)
+    assert hit.stats.cached_tokens <= other.spans[0].prompt_token_start
+    alone = PrefillEngine(lm, 16, chunk_tokens=64).run("c", other, SAMPLING)
+    assert _tokens(lm, hit.output) == _tokens(lm, alone.output)
+    assert _tokens(lm, hit.output) != _tokens(lm, engine.run("d", first, SAMPLING).output)
+
+
+def test_prefix_hash_binds_tenant_model_and_media():
+    ids = np.arange(64)
+    span = [PlaceholderSpan(0, "image", 16, 16, (16, 8), "digest-a", (1, 4, 4))]
+    base = block_hashes(ids, span, 16, "rev1", "tenant-a")
+    assert len(base) == 4
+    assert block_hashes(ids, span, 16, "rev1", "tenant-b")[0] != base[0]
+    assert block_hashes(ids, span, 16, "rev2", "tenant-a")[0] != base[0]
+    other_media = [PlaceholderSpan(0, "image", 16, 16, (16, 8), "digest-b", (1, 4, 4))]
+    changed = block_hashes(ids, other_media, 16, "rev1", "tenant-a")
+    assert changed[0] == base[0] and changed[1] != base[1] and changed[3] != base[3]  # chained: all later differ
+
+
+def test_other_tenant_misses_unless_shared(tiny_llava):
+    merged = _merged(tiny_llava, [synthetic_image(100, 100, seed=3)])
+    engine = PrefillEngine(tiny_llava, 16, prefix_cache_blocks=128)
+    engine.run("a", merged, SAMPLING, tenant="acme")
+    assert engine.run("b", merged, SAMPLING, tenant="globex").stats.cached_tokens == 0
+    assert engine.run("c", merged, SAMPLING, tenant="acme").stats.cached_tokens > 0
+    shared = PrefillEngine(tiny_llava, 16, prefix_cache_blocks=128, shared_prefix_scope=True)
+    shared.run("a", merged, SAMPLING, tenant="acme")
+    assert shared.run("b", merged, SAMPLING, tenant="globex").stats.cached_tokens > 0
+
+
+def test_token_budget_spreads_across_requests_and_cache_stays_bounded(tiny_llava):
+    lm = tiny_llava
+    engine = PrefillEngine(lm, 16, chunk_tokens=64, prefix_cache_blocks=24)
+    merged = [_merged(lm, [synthetic_image(90, 90, seed=i)], text=f"number {i}") for i in range(4)]
+    for i, m in enumerate(merged):
+        engine.submit(f"r{i}", m, SAMPLING)
+    assert engine.queued_tokens == sum(len(m.token_ids) for m in merged)
+    done = {}
+    steps = 0
+    while engine.has_work():
+        for r in engine.step(token_budget=200):
+            done[r.request_id] = r
+        steps += 1
+    assert steps >= sum(len(m.token_ids) for m in merged) // 200 and len(done) == 4
+    for i, m in enumerate(merged):
+        assert done[f"r{i}"].output.first_token_id == prefill(lm, m, SAMPLING, 16).first_token_id
+    assert len(engine.prefix) <= 24 and engine.pool.used_blocks == len(engine.prefix)
+    engine.prefix.clear()
+    engine.pool.check_no_leaks()
+    engine.submit("gone", merged[0], SAMPLING)
+    assert engine.cancel("gone") and not engine.has_work()
