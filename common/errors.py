@@ -109,3 +109,15 @@ class MediaFetchTimeout(MediaFetchUnavailable):
 
     http_status = 504
     default_code = "media_fetch_timeout"
+
+
+class Overloaded(PrismError):
+    """A stage's in-flight budget is full: retry later (HTTP 429 with Retry-After)."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+    default_code = "server_overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s

@@ -1,0 +1,119 @@
+"""Encode engine: encoder cache in front of the shape-bucketed batcher in front of the vision tower.
+
+Lifecycle of one request: ``submit`` looks every media item up in the encoder cache (key: tenant scope, media
+digest, processor key, encoder/projector revision + dtype). If all hit, the embeddings come back at once. Misses go
+to the :class:`EncoderBatcher`; each :meth:`step` encodes one batch (items of several requests may share it), stores
+each result with its share of the batch's wall time as recompute cost, and returns the requests that are now
+complete, their embeddings in media order. ``cancel`` drops a request's queued items.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from common.cache.encoder_cache import EncoderCache, EncoderCacheKey
+from common.cache.processor_cache import canonical_options
+from common.model.loader import LoadedModel
+from common.protocol.handoff import ProcessedMedia, VisualEmbeddings
+from common.sched.encoder_batcher import EncodeItem, EncoderBatcher
+from common.stages.encode import encode_media
+
+
+@dataclass
+class _Pending:
+    slots: list[VisualEmbeddings | None]
+    keys: list[EncoderCacheKey | None]
+
+
+class EncodeEngine:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        batcher: EncoderBatcher,
+        cache: EncoderCache | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lm = lm
+        self.batcher = batcher
+        self.cache = cache
+        self.clock = clock
+        self._pending: dict[str, _Pending] = {}
+
+    def processor_key(self, options: dict[str, Any] | None) -> str:
+        return ":".join(
+            (
+                type(self.lm.image_processor).__name__,
+                self.lm.contract.processor_revision,
+                canonical_options(options or {}),
+            )
+        )
+
+    def submit(
+        self,
+        request_id: str,
+        items: list[ProcessedMedia],
+        tenant: str = "default",
+        processor_options: dict[str, Any] | None = None,
+    ) -> list[VisualEmbeddings] | None:
+        """Embeddings now if every item hits the cache; otherwise ``None`` and the request completes in a step."""
+        if request_id in self._pending:
+            raise ValueError(f"request {request_id} is already encoding")
+        state = _Pending(slots=[None] * len(items), keys=[None] * len(items))
+        pkey = self.processor_key(processor_options)
+        now = self.clock()
+        for i, item in enumerate(items):
+            if self.cache is not None:
+                key = self.cache.key(tenant, item.media_digest, pkey, self.lm.contract.encoder_key)
+                state.keys[i] = key
+                cached = self.cache.get(key)
+                if cached is not None:
+                    state.slots[i] = self._wrap(item, cached)
+                    continue
+            self.batcher.add(EncodeItem(request_id, item, now))
+        if all(s is not None for s in state.slots):
+            return list(state.slots)  # type: ignore[arg-type]
+        self._pending[request_id] = state
+        return None
+
+    def cancel(self, request_id: str) -> bool:
+        self.batcher.remove_request(request_id)
+        return self._pending.pop(request_id, None) is not None
+
+    def has_work(self) -> bool:
+        return self.batcher.pending_items > 0
+
+    def step(self) -> dict[str, list[VisualEmbeddings]]:
+        batch = self.batcher.next_batch(self.clock())
+        if not batch:
+            return {}
+        start = time.perf_counter()
+        outputs = encode_media(self.lm, [item.media for item in batch])
+        elapsed = time.perf_counter() - start
+        total = sum(item.patches for item in batch)
+        completed = {}
+        for item, emb in zip(batch, outputs, strict=True):
+            state = self._pending.get(item.request_id)
+            if state is None:
+                continue
+            index = item.media.media_index
+            key = state.keys[index]
+            if self.cache is not None and key is not None:
+                self.cache.put(key, emb.embeddings, recompute_cost=elapsed * item.patches / total)
+            state.slots[index] = emb
+            if all(s is not None for s in state.slots):
+                completed[item.request_id] = list(state.slots)
+                del self._pending[item.request_id]
+        return completed
+
+    def _wrap(self, item: ProcessedMedia, embeddings) -> VisualEmbeddings:
+        return VisualEmbeddings(
+            media_index=item.media_index,
+            modality=item.modality,
+            media_digest=item.media_digest,
+            embeddings=embeddings,
+            grid_thw=item.grid_thw,
+            encoder_revision=self.lm.contract.encoder_key,
+        )

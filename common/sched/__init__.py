@@ -1,0 +1,1 @@
+"""Scheduling: admission by resource vector, encoder batching."""
