@@ -4,8 +4,9 @@ Queues and lifecycle of one sequence:
 
 ``submit`` → (lease queue, if the pool is full) → **admitted**: its prefill KV blocks are copied into pool blocks
 and its first token (sampled by prefill) is emitted → **running**: every :meth:`step` generates one token for up to
-``max_batch`` running sequences in a single forward pass → finished (EOS / stop string / max_tokens) or cancelled →
-its lease is released, which may admit waiting sequences. Sequences join and leave the batch at every step.
+``max_batch`` running sequences in a single forward pass → finished (EOS / stop string / max_tokens), cancelled,
+past its deadline (``timeout`` event) or hit by a failed step (``error`` event) → its lease is released, which may
+admit waiting sequences. Sequences join and leave the batch at every step.
 
 A step writes each sequence's new key/value straight into its pool slot and attends over its block table
 (:mod:`common.kv.paged_attention`); a sequence takes a new block only when its last one is full, always inside its
@@ -15,8 +16,11 @@ Each token is sampled with the request's ``(seed, step)`` rule, so batching neve
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -31,13 +35,16 @@ from common.stages.decode import check_prefill
 from common.stages.sampler import sample_token
 from common.stages.stops import FinishReason, StopChecker
 
+EngineFinish = FinishReason | Literal["timeout", "error"]
+
 
 @dataclass(frozen=True)
 class TokenEvent:
     request_id: str
-    token_id: int
-    finish_reason: FinishReason | None
-    """``None`` while the sequence goes on; ``"cancelled"`` is never emitted (cancel is the caller's act)."""
+    token_id: int | None
+    """``None`` only on a ``timeout`` / ``error`` event, which carries no token."""
+    finish_reason: EngineFinish | None
+    """``None`` while the sequence goes on. Cancel emits nothing: it is the caller's own act."""
 
 
 @dataclass
@@ -52,27 +59,35 @@ class _Sequence:
     """Sampled but not yet fed to the model."""
     step: int
     stops: StopChecker
+    deadline: float | None
 
 
 class DecodeEngine:
-    def __init__(self, lm: LoadedModel, pool: KVPool, max_batch: int = 32) -> None:
+    def __init__(
+        self, lm: LoadedModel, pool: KVPool, max_batch: int = 32, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if pool.kv_shape != lm.kv_shape or pool.dtype != lm.dtype:
             raise ValueError("KV pool geometry/dtype does not match the model")
         enable_paged_attention(lm.text_config)
         self.lm = lm
         self.pool = pool
         self.max_batch = max_batch
-        self._pending: OrderedDict[str, tuple[PrefillOutput, SamplingParams]] = OrderedDict()
+        self.clock = clock
+        self.last_error: BaseException | None = None
+        self._pending: OrderedDict[str, tuple[PrefillOutput, SamplingParams, float | None]] = OrderedDict()
         self._running: OrderedDict[str, _Sequence] = OrderedDict()
         self._events: list[TokenEvent] = []
 
     # ---- queue management -----------------------------------------------------------------------------------
-    def submit(self, request_id: str, pre: PrefillOutput, sampling: SamplingParams) -> None:
-        """Queue a prefilled sequence; raises :class:`LeaseTooLarge` if it can never fit its lease."""
+    def submit(
+        self, request_id: str, pre: PrefillOutput, sampling: SamplingParams, deadline: float | None = None
+    ) -> None:
+        """Queue a prefilled sequence (``deadline`` on this engine's clock); raises :class:`LeaseTooLarge` if it
+        can never fit its lease."""
         check_prefill(self.lm, pre)
         sampling = sampling.resolved()
         need = self.pool.blocks_for(pre.kv.num_tokens + sampling.max_tokens)
-        self._pending[request_id] = (pre, sampling)
+        self._pending[request_id] = (pre, sampling, deadline)
         try:
             lease = self.pool.request_lease(request_id, need)
         except Exception:
@@ -103,7 +118,7 @@ class DecodeEngine:
             self._admit(granted)
 
     def _admit(self, request_id: str) -> None:
-        pre, sampling = self._pending.pop(request_id)
+        pre, sampling, deadline = self._pending.pop(request_id)
         lease = self.pool.lease(request_id)
         assert lease is not None  # granted by the pool just now
         blocks = self.pool.allocate(lease, pre.kv.num_blocks)
@@ -119,6 +134,7 @@ class DecodeEngine:
             last_token=pre.first_token_id,
             step=0,
             stops=StopChecker(self.lm, sampling),
+            deadline=deadline,
         )
         self._running[request_id] = seq
         self._emit(seq, pre.first_token_id)
@@ -134,15 +150,35 @@ class DecodeEngine:
     def step(self) -> list[TokenEvent]:
         """One forward pass over up to ``max_batch`` running sequences; returns every token produced since the
         last call (first tokens of newly admitted sequences included)."""
+        self._expire()
         batch = list(self._running.values())[: self.max_batch]
         if batch:
-            self._decode(batch)
+            try:
+                self._decode(batch)
+            except Exception as exc:  # a failed step must not leak KV or hang its sequences
+                self.last_error = exc
+                for seq in batch:
+                    self._abort(seq.request_id, "error")
             # Rotate so sequences beyond max_batch get their turn next step.
             for seq in batch:
                 if seq.request_id in self._running:
                     self._running.move_to_end(seq.request_id)
         events, self._events = self._events, []
         return events
+
+    def _expire(self) -> None:
+        now = self.clock()
+        expired = [rid for rid, (_, _, dl) in self._pending.items() if dl is not None and dl <= now]
+        expired += [rid for rid, seq in self._running.items() if seq.deadline is not None and seq.deadline <= now]
+        for rid in expired:
+            self._abort(rid, "timeout")
+
+    def _abort(self, request_id: str, reason: EngineFinish) -> None:
+        known = self._pending.pop(request_id, None) is not None
+        known = self._running.pop(request_id, None) is not None or known
+        if known:
+            self._events.append(TokenEvent(request_id, None, reason))
+            self._release(request_id)
 
     def _decode(self, batch: list[_Sequence]) -> None:
         for seq in batch:

@@ -142,3 +142,75 @@ def test_pool_lease_accounting_unit():
     pool.check_no_leaks()
     with pytest.raises(RuntimeError, match="twice"):
         pool.unref(blocks[:1])
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_deadlines_time_out_running_and_waiting_sequences(tiny_llava):
+    lm = tiny_llava
+    clock = _Clock()
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    pre = _prefilled(lm, 1, 1, sampling)
+    need = -(-(pre.kv.num_tokens + 40) // 16)
+    pool = KVPool(need, 16, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
+    engine = DecodeEngine(lm, pool, clock=clock)
+    engine.submit("running", pre, sampling, deadline=5.0)
+    engine.submit("waiting", pre, sampling, deadline=3.0)  # the pool fits one: this one waits for a lease
+    assert engine.num_waiting == 1
+    engine.step()
+    clock.t = 3.0
+    events = engine.step()
+    assert ("waiting", None, "timeout") in [(e.request_id, e.token_id, e.finish_reason) for e in events]
+    clock.t = 5.0
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason) for e in events] == [("running", "timeout")]
+    assert not engine.has_work()
+    pool.check_no_leaks()
+
+
+def test_a_failing_step_errors_its_sequences_and_frees_their_kv(tiny_llava, monkeypatch):
+    lm = tiny_llava
+    sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+    pool = KVPool(64, 16, lm.kv_shape, lm.dtype)
+    engine = DecodeEngine(lm, pool)
+    engine.submit("a", _prefilled(lm, 2, 0, sampling), sampling)
+    engine.step()
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine, "_decode", boom)
+    events = engine.step()
+    assert [(e.request_id, e.token_id, e.finish_reason) for e in events] == [("a", None, "error")]
+    assert isinstance(engine.last_error, RuntimeError)
+    pool.check_no_leaks()
+
+
+def test_engine_decodes_kv_prefilled_in_another_process(tiny_qwen, model_cache, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from common.protocol.handoff import PrefillOutput
+    from common.protocol.wire import from_bytes
+    from tests.unit.kv_decode_worker import fixed_request
+
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    out = tmp_path / "prefill.npz"
+    worker = Path(__file__).with_name("kv_decode_worker.py")
+    args = ["prefill", tiny_qwen.served_name, model_cache, str(out), sampling.model_dump_json(), "2"]
+    proc = subprocess.run([sys.executable, str(worker), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    remote = from_bytes(PrefillOutput, out.read_bytes())
+    local = fixed_request(tiny_qwen, 2, sampling)
+    pool = KVPool(64, 16, tiny_qwen.kv_shape, tiny_qwen.dtype)
+    engine = DecodeEngine(tiny_qwen, pool)
+    got = _run(engine, [("remote", remote, sampling), ("local", local, sampling)])
+    assert got["remote"] == got["local"] == list(decode(tiny_qwen, local, sampling).token_ids)
+    pool.check_no_leaks()

@@ -16,26 +16,17 @@ from transformers import DynamicCache
 
 from common.errors import HandoffError
 from common.kv.blocks import export_kv, import_kv
-from common.media.synthetic import synthetic_image
 from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.protocol.wire import from_bytes, to_bytes
 from common.stages.decode import decode
-from common.stages.encode import encode_media
-from common.stages.merge import merge
-from common.stages.prefill import prefill
-from common.stages.process import process_images
-from common.stages.prompt import build_prompt
+from tests.unit.kv_decode_worker import fixed_request
 
 WORKER = Path(__file__).with_name("kv_decode_worker.py")
 
 
-def _prefill(lm, n_images: int, sampling: SamplingParams, block_size: int = 16) -> PrefillOutput:
-    images = [synthetic_image(200 + 40 * i, 160, seed=i) for i in range(n_images)]
-    content = [{"type": "image"}] * n_images + [{"type": "text", "text": "What do you see?"}]
-    media = process_images(lm, images)
-    prompt = build_prompt(lm, [{"role": "user", "content": content}], media, 4096)
-    return prefill(lm, merge(lm, prompt, encode_media(lm, media)), sampling, block_size)
+def _prefill(lm, n_images: int, sampling: SamplingParams) -> PrefillOutput:
+    return fixed_request(lm, n_images, sampling)
 
 
 @pytest.mark.parametrize(
@@ -48,7 +39,7 @@ def test_decode_in_another_process_gives_same_tokens(tiny_model, model_cache, tm
     path = tmp_path / "prefill.npz"
     path.write_bytes(to_bytes(pre))
     proc = subprocess.run(
-        [sys.executable, str(WORKER), lm.served_name, model_cache, str(path), sampling.model_dump_json()],
+        [sys.executable, str(WORKER), "decode", lm.served_name, model_cache, str(path), sampling.model_dump_json()],
         capture_output=True,
         text=True,
         timeout=300,
