@@ -36,5 +36,9 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Benchmarks (not tests): ratios measured side by side in one run, written to loadtest/results/.
+bench: venv
+	$(PY) -m loadtest.bench_decode --model prism-small-llava
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

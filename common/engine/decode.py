@@ -122,9 +122,7 @@ class DecodeEngine:
         lease = self.pool.lease(request_id)
         assert lease is not None  # granted by the pool just now
         blocks = self.pool.allocate(lease, pre.kv.num_blocks)
-        index = torch.tensor(blocks)
-        self.pool.keys[:, index] = to_torch(pre.kv.keys, pre.kv.dtype)
-        self.pool.values[:, index] = to_torch(pre.kv.values, pre.kv.dtype)
+        self.pool.store_blocks(blocks, to_torch(pre.kv.keys, pre.kv.dtype), to_torch(pre.kv.values, pre.kv.dtype))
         seq = _Sequence(
             request_id=request_id,
             sampling=sampling,

@@ -177,14 +177,8 @@ class PrefillEngine:
     # ---- prefix cache plumbing -----------------------------------------------------------------------------
     def _load_prefix(self, cache: DynamicCache, blocks: list[int]) -> None:
         assert self.pool is not None
-        layers, heads, dim = self.lm.kv_shape
-        index = torch.tensor(blocks)  # advanced indexing copies: the cache never aliases pool blocks
-
-        def tokens(store: torch.Tensor) -> torch.Tensor:
-            return store[:, index].permute(0, 2, 1, 3, 4).reshape(layers, heads, -1, dim)
-
-        keys, values = tokens(self.pool.keys), tokens(self.pool.values)
-        for i in range(layers):
+        keys, values = self.pool.load_tokens(blocks)  # a copy: the cache never aliases pool blocks
+        for i in range(self.lm.kv_shape[0]):
             cache.update(keys[i][None], values[i][None], i)
 
     def _insert_prefix(self, hashes: list[bytes], kv: KVBlocks, already: int) -> None:
@@ -198,8 +192,9 @@ class PrefillEngine:
             if not got:
                 return
             block = got[0]
-            self.pool.keys[:, block] = to_torch(kv.keys[:, i], kv.dtype)
-            self.pool.values[:, block] = to_torch(kv.values[:, i], kv.dtype)
+            self.pool.store_blocks(
+                got, to_torch(kv.keys[:, i : i + 1], kv.dtype), to_torch(kv.values[:, i : i + 1], kv.dtype)
+            )
             inserted = self.prefix.insert(hashes[i], block)
             self.pool.unref([block])  # the cache now holds the only reference (or none, if it refused)
             if not inserted:

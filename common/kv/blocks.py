@@ -1,9 +1,10 @@
 """Conversion between a transformers ``DynamicCache`` and :class:`KVBlocks` (numpy, fixed block size).
 
-Prefill exports its cache as blocks so decode — possibly in another process — can import it. The block layout
-(``[layers, blocks, kv_heads, block_size, head_dim]``) is the one a paged pool stores, so a block can later be placed
-in any free pool slot without reshaping. Import validates the blocks against the receiving model's geometry and
-refuses anything inconsistent with :class:`HandoffError` (a corrupt or foreign hand-off must never reach attention).
+Prefill exports its cache as blocks so decode — possibly in another process — can import it. The hand-off layout
+is ``[layers, blocks, kv_heads, block_size, head_dim]`` (head-major, as transformers' caches hold it); the paged pool
+stores blocks token-major and converts once per request (:meth:`common.kv.pool.KVPool.store_blocks`). Import
+validates the blocks against the receiving model's geometry and refuses anything inconsistent with
+:class:`HandoffError` (a corrupt or foreign hand-off must never reach attention).
 """
 
 from __future__ import annotations

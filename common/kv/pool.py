@@ -1,7 +1,10 @@
 """Paged KV block pool with per-request leases.
 
-Storage: one key and one value tensor per pool, ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`` —
-the same layout as :class:`KVBlocks`, so importing a prefill's blocks is a slice assignment.
+Storage: one key and one value tensor per pool, ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` —
+token-major inside a block, so gathering a sequence's blocks gives ``[tokens, heads, dim]`` rows that attention can
+read through a transposed *view* (head-major blocks would need a second, permuting copy every step; measured 2×
+slower on CPU). The hand-off layout (:class:`KVBlocks`) stays head-major; :meth:`store_blocks` and
+:meth:`load_tokens` convert, once per request.
 
 Accounting, as queues:
 
@@ -61,7 +64,7 @@ class KVPool:
         self.block_size = block_size
         self.kv_shape = kv_shape
         self.dtype = dtype
-        self.keys = torch.zeros(layers, num_blocks, heads, block_size, head_dim, dtype=dtype)
+        self.keys = torch.zeros(layers, num_blocks, block_size, heads, head_dim, dtype=dtype)
         self.values = torch.zeros_like(self.keys)
         self.max_lease_blocks = max(1, int(num_blocks * max_lease_fraction))
         self._refs = np.zeros(num_blocks, dtype=np.int64)
@@ -73,6 +76,23 @@ class KVPool:
     def set_reclaimer(self, reclaim: Callable[[int], int]) -> None:
         """``reclaim(n)`` frees up to n blocks held only by a cache; called when a lease would not fit."""
         self._reclaimer = reclaim
+
+    # ---- data -----------------------------------------------------------------------------------------------
+    def store_blocks(self, blocks: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write hand-off-layout blocks ``[layers, n, kv_heads, block_size, head_dim]`` into pool ``blocks``."""
+        index = torch.tensor(blocks, dtype=torch.long)
+        self.keys[:, index] = keys.transpose(2, 3).to(self.dtype)
+        self.values[:, index] = values.transpose(2, 3).to(self.dtype)
+
+    def load_tokens(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy ``blocks`` out as ``[layers, kv_heads, n * block_size, head_dim]`` keys and values."""
+        index = torch.tensor(blocks, dtype=torch.long)
+        layers, _, bs, heads, dim = self.keys.shape
+
+        def tokens(store: torch.Tensor) -> torch.Tensor:
+            return store[:, index].reshape(layers, len(blocks) * bs, heads, dim).transpose(1, 2).contiguous()
+
+        return tokens(self.keys), tokens(self.values)
 
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
