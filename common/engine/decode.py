@@ -64,7 +64,12 @@ class _Sequence:
 
 class DecodeEngine:
     def __init__(
-        self, lm: LoadedModel, pool: KVPool, max_batch: int = 32, clock: Callable[[], float] = time.monotonic
+        self,
+        lm: LoadedModel,
+        pool: KVPool,
+        max_batch: int = 32,
+        clock: Callable[[], float] = time.monotonic,
+        prefer_contiguous: bool = True,
     ) -> None:
         if pool.kv_shape != lm.kv_shape or pool.dtype != lm.dtype:
             raise ValueError("KV pool geometry/dtype does not match the model")
@@ -73,6 +78,7 @@ class DecodeEngine:
         self.pool = pool
         self.max_batch = max_batch
         self.clock = clock
+        self.prefer_contiguous = prefer_contiguous
         self.last_error: BaseException | None = None
         self._pending: OrderedDict[str, tuple[PrefillOutput, SamplingParams, float | None]] = OrderedDict()
         self._running: OrderedDict[str, _Sequence] = OrderedDict()
@@ -121,7 +127,9 @@ class DecodeEngine:
         pre, sampling, deadline = self._pending.pop(request_id)
         lease = self.pool.lease(request_id)
         assert lease is not None  # granted by the pool just now
-        blocks = self.pool.allocate(lease, pre.kv.num_blocks)
+        # The whole lease as one run when possible: attention then reads this sequence's KV through a view.
+        run = self.pool.allocate_run(lease, lease.reserved) if self.prefer_contiguous else None
+        blocks = run[: pre.kv.num_blocks] if run is not None else self.pool.allocate(lease, pre.kv.num_blocks)
         self.pool.store_blocks(blocks, to_torch(pre.kv.keys, pre.kv.dtype), to_torch(pre.kv.values, pre.kv.dtype))
         seq = _Sequence(
             request_id=request_id,
@@ -182,12 +190,14 @@ class DecodeEngine:
         for seq in batch:
             if seq.length == len(seq.lease.blocks) * self.pool.block_size:
                 self.pool.allocate(seq.lease, 1)
-        lengths = torch.tensor([s.length for s in batch])
+        lengths = [s.length for s in batch]
         ctx = build_step_context(self.pool, [s.lease.blocks for s in batch], lengths)
         with torch.inference_mode():
             out = self.lm.adapter.language_model(self.lm.model)(
                 input_ids=torch.tensor([[s.last_token] for s in batch]),
-                position_ids=self.lm.adapter.decode_positions(lengths, torch.tensor([s.rope_delta for s in batch])),
+                position_ids=self.lm.adapter.decode_positions(
+                    torch.tensor(lengths), torch.tensor([s.rope_delta for s in batch])
+                ),
                 use_cache=False,
                 prism_paged=ctx,
             )

@@ -8,12 +8,28 @@ from common.kv.paged_attention import PagedContext
 from common.kv.pool import KVPool
 
 
-def build_step_context(pool: KVPool, tables: list[list[int]], lengths: torch.Tensor) -> PagedContext:
+def is_run(blocks: list[int]) -> bool:
+    return all(b == blocks[0] + i for i, b in enumerate(blocks))
+
+
+def build_step_context(pool: KVPool, tables: list[list[int]], lengths: list[int]) -> PagedContext:
     """``lengths[i]`` tokens already cached for sequence i; this step writes token ``lengths[i]``."""
     bs = pool.block_size
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)
-    write_blocks = padded[torch.arange(len(tables)), lengths // bs]
+    length = torch.tensor(lengths)
+    write_blocks = torch.tensor([t[n // bs] for t, n in zip(tables, lengths, strict=True)])
+    runs = [t[0] if is_run(t) else None for t in tables]
+    scattered = [i for i, r in enumerate(runs) if r is None]
+    width = max((len(tables[i]) for i in scattered), default=1)
+    padded = torch.tensor([tables[i] + [tables[i][0]] * (width - len(tables[i])) for i in scattered], dtype=torch.long)
     slots = torch.arange(width * bs)
-    mask = (slots[None, :] <= lengths[:, None]).view(len(tables), 1, 1, width * bs)
-    return PagedContext(pool=pool, write_blocks=write_blocks, write_offsets=lengths % bs, tables=padded, mask=mask)
+    mask = (slots[None, :] <= length[scattered][:, None]).view(len(scattered), 1, 1, width * bs)
+    return PagedContext(
+        pool=pool,
+        write_blocks=write_blocks,
+        write_offsets=length % bs,
+        lengths=list(lengths),
+        runs=runs,
+        scattered=torch.tensor(scattered, dtype=torch.long),
+        tables=padded.view(len(scattered), width),
+        mask=mask,
+    )

@@ -4,8 +4,9 @@ The language model's text config is switched to the ``prism_paged`` implementati
 context (prefill, the single-sequence decode stage, ``generate()``) fall straight through to transformers' own SDPA
 function, bit for bit. A batched decode step passes ``prism_paged=PagedContext(...)`` through the model's kwargs;
 then, per layer, the new token's key/value are written into each sequence's slot in the pool and attention reads the
-sequence's blocks through its block table — the pool is the cache, nothing is concatenated or re-built per step.
-The gather of a step's blocks is the read attention has to do anyway (memory-bound), done once per layer.
+sequence's blocks: the pool is the cache, nothing is concatenated or re-built per step. A sequence whose blocks are
+one contiguous run (the usual case: its whole lease is allocated as a run at admission) is attended through a view
+of the pool — its KV is never copied; only sequences with scattered blocks are gathered into a padded batch.
 """
 
 from __future__ import annotations
@@ -24,17 +25,28 @@ IMPLEMENTATION = "prism_paged"
 
 @dataclass(frozen=True)
 class PagedContext:
-    """One decode step's view of the pool: where each sequence writes its new token and which blocks it reads."""
+    """One decode step's view of the pool: where each sequence writes its new token and where it reads from.
+
+    A sequence whose blocks form one contiguous run (``runs[i]`` = first block) is read through a view of the pool —
+    no copy at all. The others (``scattered``: fragmented pool, shared prefix blocks) are gathered block by block
+    into one padded batch with a mask.
+    """
 
     pool: KVPool
     write_blocks: torch.Tensor
     """``[B]`` block receiving each sequence's new token."""
     write_offsets: torch.Tensor
     """``[B]`` slot inside that block."""
+    lengths: list[int]
+    """Tokens each sequence has cached before this step (it attends over ``lengths[i] + 1``)."""
+    runs: list[int | None]
+    """First block of each sequence's contiguous run, or ``None`` if its blocks are scattered."""
+    scattered: torch.Tensor
+    """Indices (into the batch) of the scattered sequences."""
     tables: torch.Tensor
-    """``[B, max_blocks]`` block ids (padded with any valid id; masked out)."""
+    """``[len(scattered), max_blocks]`` their block ids (padded with a valid id; masked out)."""
     mask: torch.Tensor
-    """``[B, 1, 1, max_blocks * block_size]`` True where a slot holds one of the sequence's tokens."""
+    """``[len(scattered), 1, 1, max_blocks * block_size]`` True where a slot holds one of the sequence's tokens."""
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -47,19 +59,38 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     # key/value: [B, kv_heads, 1, head_dim] → this step's slot of each sequence (pool blocks are token-major).
     pool.keys[layer, ctx.write_blocks, ctx.write_offsets] = key[:, :, 0].to(pool.dtype)
     pool.values[layer, ctx.write_blocks, ctx.write_offsets] = value[:, :, 0].to(pool.dtype)
-    b, n_blocks = ctx.tables.shape
-    n_tokens, heads, dim = n_blocks * pool.block_size, pool.keys.shape[3], pool.keys.shape[4]
-    flat_tables = ctx.tables.reshape(-1)
+    bs, heads, dim = pool.block_size, pool.keys.shape[3], pool.keys.shape[4]
+    gqa = query.shape[1] != heads
+    out = torch.empty_like(query)
+    for i, start in enumerate(ctx.runs):
+        if start is None:
+            continue
+        n = ctx.lengths[i] + 1
+        span = slice(start, start + -(-n // bs))
 
-    def gather(store: torch.Tensor) -> torch.Tensor:
-        # One index_select of whole blocks (≈2.5× faster on CPU than advanced indexing), then a transposed view.
-        rows = torch.index_select(store[layer].view(store.shape[1], -1), 0, flat_tables)
-        return rows.view(b, n_tokens, heads, dim).transpose(1, 2)
+        def view(store: torch.Tensor, span=span, n=n) -> torch.Tensor:
+            return store[layer, span].view(-1, heads, dim)[:n].transpose(0, 1)[None]
 
-    keys, values = gather(pool.keys), gather(pool.values)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=ctx.mask, scale=scaling, enable_gqa=query.shape[1] != heads
-    )
+        out[i : i + 1] = torch.nn.functional.scaled_dot_product_attention(
+            query[i : i + 1], view(pool.keys), view(pool.values), scale=scaling, enable_gqa=gqa
+        )
+    if len(ctx.scattered):
+        b, n_blocks = ctx.tables.shape
+        flat_tables = ctx.tables.reshape(-1)
+
+        def gather(store: torch.Tensor) -> torch.Tensor:
+            # One index_select of whole blocks (≈2.5× faster on CPU than advanced indexing), then a transposed view.
+            rows = torch.index_select(store[layer].view(store.shape[1], -1), 0, flat_tables)
+            return rows.view(b, n_blocks * bs, heads, dim).transpose(1, 2)
+
+        out[ctx.scattered] = torch.nn.functional.scaled_dot_product_attention(
+            query[ctx.scattered],
+            gather(pool.keys),
+            gather(pool.values),
+            attn_mask=ctx.mask,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
     return out.transpose(1, 2).contiguous(), None
 
 

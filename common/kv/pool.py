@@ -13,8 +13,9 @@ Accounting, as queues:
   since it could never run. A lease that does not fit now waits in a FIFO queue; leases are granted strictly in
   arrival order as blocks free up, so a large request at the head cannot be starved by a stream of small ones (and
   it always fits eventually: it is at most a fraction of the pool).
-* Inside its lease a request **allocates** blocks one by one (reference count 1) or **shares** an existing block
-  (a prefix-cache hit: reference count +1, no new capacity used).
+* Inside its lease a request **allocates** blocks (reference count 1) — as one contiguous run when it can, so
+  attention reads its KV through a view with no copy — or **shares** an existing block (a prefix-cache hit:
+  reference count +1, no new capacity used).
 * :meth:`release` (finish, cancel, timeout, error — the caller does not care which) drops every reference the lease
   holds and the unused reservation, then grants waiting leases that now fit. When the head of the queue does not
   fit, the pool first asks its reclaimer (the prefix cache) to give back blocks only the cache still references.
@@ -68,7 +69,7 @@ class KVPool:
         self.values = torch.zeros_like(self.keys)
         self.max_lease_blocks = max(1, int(num_blocks * max_lease_fraction))
         self._refs = np.zeros(num_blocks, dtype=np.int64)
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._is_free = np.ones(num_blocks, dtype=bool)
         self._leases: dict[str, Lease] = {}
         self._waiting: OrderedDict[str, int] = OrderedDict()
         self._reclaimer: Callable[[int], int] | None = None
@@ -97,11 +98,28 @@ class KVPool:
     # ---- capacity -------------------------------------------------------------------------------------------
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return int(self._is_free.sum())
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.free_blocks
+
+    def _take(self, blocks: np.ndarray) -> list[int]:
+        if not self._is_free[blocks].all():
+            raise RuntimeError("KV pool handed out a block that is not free")
+        self._is_free[blocks] = False
+        self._refs[blocks] = 1
+        return [int(b) for b in blocks]
+
+    def _lowest_free(self, n: int) -> np.ndarray:
+        return np.flatnonzero(self._is_free)[:n]
+
+    def _free_run(self, n: int) -> int | None:
+        """Start of the first run of ``n`` contiguous free blocks (first fit), if any."""
+        edges = np.diff(np.concatenate(([0], self._is_free.astype(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        fits = np.flatnonzero(ends - starts >= n)
+        return int(starts[fits[0]]) if len(fits) else None
 
     @property
     def _unallocated_reservations(self) -> int:
@@ -150,11 +168,23 @@ class KVPool:
     def allocate(self, lease: Lease, n: int = 1) -> list[int]:
         if lease.allocated + n > lease.reserved:
             raise RuntimeError(f"request {lease.request_id} allocates past its lease of {lease.reserved} blocks")
-        out = []
-        for _ in range(n):
-            block = self._free.pop()
-            self._refs[block] = 1
-            out.append(block)
+        blocks = self._lowest_free(n)
+        if len(blocks) < n:
+            raise RuntimeError(f"KV pool has {len(blocks)} free blocks, lease {lease.request_id} needs {n}")
+        out = self._take(blocks)
+        lease.allocated += n
+        lease.blocks.extend(out)
+        return out
+
+    def allocate_run(self, lease: Lease, n: int) -> list[int] | None:
+        """Like :meth:`allocate`, but ``n`` contiguous blocks (so attention can read them as one view), or
+        ``None`` — allocating nothing — when free space is too fragmented."""
+        if lease.allocated + n > lease.reserved:
+            raise RuntimeError(f"request {lease.request_id} allocates past its lease of {lease.reserved} blocks")
+        start = self._free_run(n)
+        if start is None:
+            return None
+        out = self._take(np.arange(start, start + n))
         lease.allocated += n
         lease.blocks.extend(out)
         return out
@@ -163,12 +193,7 @@ class KVPool:
         """Up to ``n`` blocks outside any lease (reference count 1), only from capacity no lease has reserved —
         caches use this, so they never eat into what a running request was promised."""
         spare = self.free_blocks - self._unallocated_reservations - sum(self._waiting.values())
-        out = []
-        for _ in range(max(0, min(n, spare))):
-            block = self._free.pop()
-            self._refs[block] = 1
-            out.append(block)
-        return out
+        return self._take(self._lowest_free(max(0, min(n, spare))))
 
     def share(self, lease: Lease, blocks: list[int]) -> None:
         """Reference existing (prefix-cached) blocks; costs no reservation."""
@@ -199,7 +224,7 @@ class KVPool:
             if self._refs[b] < 0:
                 raise RuntimeError(f"block {b} released twice")
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._is_free[b] = True
 
     def refcount(self, block: int) -> int:
         return int(self._refs[block])
@@ -213,7 +238,7 @@ class KVPool:
             problems.append(f"waiting leases: {list(self._waiting)}")
         if self.used_blocks != externally_held:
             problems.append(f"{self.used_blocks} blocks in use, expected {externally_held}")
-        if len(set(self._free)) != len(self._free):
-            problems.append("free list holds duplicates")
+        if np.any(self._is_free != (self._refs == 0)):
+            problems.append("free map and reference counts disagree")
         if problems:
             raise AssertionError("KV pool leak: " + "; ".join(problems))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.engine.decode import DecodeEngine
+from common.engine.paged_step import is_run
 from common.kv.pool import KVPool, LeaseTooLarge
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
@@ -51,12 +52,13 @@ def _run(engine: DecodeEngine, requests, arrive_every: int = 1) -> dict[str, lis
     return tokens
 
 
-def test_continuous_batching_equals_each_request_alone(tiny_model):
+@pytest.mark.parametrize("contiguous", [True, False], ids=["views", "gathered"])
+def test_continuous_batching_equals_each_request_alone(tiny_model, contiguous):
     lm = tiny_model
     requests = _mixed_requests(lm)
     alone = {rid: list(decode(lm, pre, sp).token_ids) for rid, pre, sp in requests}
     pool = KVPool(256, 16, lm.kv_shape, lm.dtype)
-    engine = DecodeEngine(lm, pool, max_batch=32)
+    engine = DecodeEngine(lm, pool, max_batch=32, prefer_contiguous=contiguous)
     batched = _run(engine, requests, arrive_every=2)  # staggered: sequences join while others run
     assert batched == alone
     assert max(len(t) for t in batched.values()) > 12
@@ -68,6 +70,27 @@ def test_batch_limit_rotates_and_still_matches(tiny_llava):
     alone = {rid: list(decode(tiny_llava, pre, sp).token_ids) for rid, pre, sp in requests}
     pool = KVPool(256, 16, tiny_llava.kv_shape, tiny_llava.dtype)
     assert _run(DecodeEngine(tiny_llava, pool, max_batch=3), requests) == alone
+    pool.check_no_leaks()
+
+
+def test_fragmented_pool_mixes_views_and_gathers(tiny_qwen):
+    """Holes left by finished sequences force some sequences onto scattered blocks; results do not change."""
+    lm = tiny_qwen
+    requests = _mixed_requests(lm, 12)
+    alone = {rid: list(decode(lm, pre, sp).token_ids) for rid, pre, sp in requests}
+    need = sum(-(-(pre.kv.num_tokens + sp.max_tokens) // 16) for _, pre, sp in requests[:6])
+    pool = KVPool(need, 16, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
+    engine = DecodeEngine(lm, pool)
+    modes = set()
+    original = engine._decode
+
+    def spy(batch):
+        modes.update(is_run(s.lease.blocks) for s in batch)
+        return original(batch)
+
+    engine._decode = spy
+    assert _run(engine, requests) == alone
+    assert modes == {True, False}, "the test must exercise both attention paths"
     pool.check_no_leaks()
 
 
