@@ -1,20 +1,21 @@
-"""Loads a model directory of any registered family into a :class:`LoadedModel`.
+"""Loads a model directory of any registered family: the front end alone, or front end + weights.
 
-Lifecycle: ``load_model(ModelConfig)`` resolves the directory (building an embedded model on first use), picks the
-family adapter from ``config.json``, loads weights with the family's transformers class, the tokenizer, the PIL
-image processor and the chat template, and hashes the directory into a :class:`ModelContract`. The result is
-read-only afterwards and shared by every stage in the process; stages run under ``torch.inference_mode()``.
+Lifecycle: :func:`load_frontend` resolves the directory (building an embedded model on first use), picks the family
+adapter from ``config.json`` and loads what request handling needs without weights — config, tokenizer, PIL image
+processor, chat template, generation settings — and hashes the directory into a :class:`ModelContract`. The media
+stage and the ingress stop there. :func:`load_model` adds the weights (the encode, prefill and decode stages). Both
+results are read-only afterwards and shared by every stage in the process; stages run under
+``torch.inference_mode()``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from transformers.utils import logging as hf_logging
 
 from common.config import ModelConfig
@@ -29,28 +30,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(frozen=True)
-class LoadedModel:
-    """A model ready for the stages: weights, tokenizer, processor, adapter and contract."""
+class ModelFrontend:
+    """Everything about a model except its weights: enough to parse, process and tokenize requests."""
 
     adapter: FamilyAdapter
-    model: Any
+    config: Any
     tokenizer: Any
     image_processor: Any
     contract: ModelContract
     model_dir: Path
     served_name: str
-
-    @property
-    def config(self) -> Any:
-        return self.model.config
+    eos_token_ids: frozenset[int]
 
     @property
     def text_config(self) -> Any:
-        return self.model.config.get_text_config()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return self.config.get_text_config()
 
     @property
     def hidden_size(self) -> int:
@@ -63,47 +57,73 @@ class LoadedModel:
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         return int(tc.num_hidden_layers), int(tc.num_key_value_heads), int(head_dim)
 
-    @cached_property
-    def eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for src in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
-            if src is None:
-                continue
-            ids.update(src if isinstance(src, (list, tuple)) else [src])
-        return frozenset(int(i) for i in ids)
-
     def placeholder_id(self, modality: Modality) -> int:
         return self.adapter.placeholder_token_id(self.config, self.tokenizer, modality)
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
-    """Load (building if needed) the model ``cfg`` names."""
+@dataclass(frozen=True)
+class LoadedModel(ModelFrontend):
+    """A front end plus weights; ``config`` is the model's own (live) config object."""
+
+    model: Any
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    sources: list[Any] = [tokenizer.eos_token_id]
+    if (model_dir / "generation_config.json").exists():
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    for src in sources:
+        if src is not None:
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+    return frozenset(int(i) for i in ids)
+
+
+def load_frontend(cfg: ModelConfig, config: Any = None, dtype: str | None = None) -> ModelFrontend:
+    """Load (building if needed) everything but the weights of the model ``cfg`` names."""
     hf_logging.disable_progress_bar()  # per-shard bars are noise in replica logs
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
     model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
     adapter = family_for_dir(model_dir)
-    dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
-    model = adapter.model_class.from_pretrained(model_dir, dtype=dtype).eval()
+    config = config if config is not None else AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if not tokenizer.chat_template:
         raise UnsupportedModelError(f"{model_dir} has no chat template")
     image_processor = adapter.load_image_processor(str(model_dir))
     served = cfg.served_name or (cfg.model if not Path(cfg.model).expanduser().is_dir() else model_dir.name)
+    if dtype is None:
+        dtype = cfg.dtype if cfg.dtype != "auto" else str(getattr(config, "dtype", None) or "float32")
     contract = build_contract(
         model_id=served,
         model_dir=model_dir,
         adapter=adapter,
         chat_template=tokenizer.chat_template,
         processor_class=type(image_processor).__name__,
-        dtype=str(model.dtype).removeprefix("torch."),
+        dtype=dtype.removeprefix("torch."),
     )
-    return LoadedModel(
+    return ModelFrontend(
         adapter=adapter,
-        model=model,
+        config=config,
         tokenizer=tokenizer,
         image_processor=image_processor,
         contract=contract,
         model_dir=model_dir,
         served_name=served,
+        eos_token_ids=_eos_ids(model_dir, tokenizer),
     )
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    """Load (building if needed) the model ``cfg`` names, weights included."""
+    hf_logging.disable_progress_bar()
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    model_dir = resolve_model_dir(cfg.model, cfg.cache_dir)
+    adapter = family_for_dir(model_dir)
+    dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
+    model = adapter.model_class.from_pretrained(model_dir, dtype=dtype).eval()
+    front = load_frontend(cfg, config=model.config, dtype=str(model.dtype))
+    return LoadedModel(**{f: getattr(front, f) for f in front.__dataclass_fields__}, model=model)

@@ -18,7 +18,7 @@ Layout notes that the stages rely on:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -49,6 +49,26 @@ class VisualEmbeddings:
     embeddings: np.ndarray
     grid_thw: tuple[int, int, int]
     encoder_revision: str
+
+    @property
+    def num_visual_tokens(self) -> int:
+        return int(self.embeddings.shape[0])
+
+
+class MediaSlot(Protocol):
+    """What prompt building needs of a media item: :class:`ProcessedMedia` and :class:`VisualEmbeddings` both are
+    one, so the prefill stage can build the prompt from embeddings without ever seeing pixels."""
+
+    @property
+    def media_index(self) -> int: ...
+    @property
+    def modality(self) -> Modality: ...
+    @property
+    def media_digest(self) -> str: ...
+    @property
+    def grid_thw(self) -> tuple[int, int, int]: ...
+    @property
+    def num_visual_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 from PIL import Image
 
 from common.cache.processor_cache import ProcessorCache
-from common.model.loader import LoadedModel
+from common.model.loader import ModelFrontend
 from common.protocol.handoff import ProcessedMedia
 
 
@@ -29,7 +29,7 @@ def pixel_digest(image: Image.Image) -> str:
 
 
 def process_images(
-    lm: LoadedModel,
+    lm: ModelFrontend,
     images: Sequence[Image.Image],
     digests: Sequence[str] | None = None,
     *,

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from common.errors import InvalidRequestError, SpanMismatchError
-from common.model.loader import LoadedModel
-from common.protocol.handoff import PlaceholderSpan, ProcessedMedia, TokenizedPrompt
+from common.model.loader import ModelFrontend
+from common.protocol.handoff import MediaSlot, PlaceholderSpan, TokenizedPrompt
 
 
-def render_chat(lm: LoadedModel, messages: Sequence[dict[str, Any]]) -> str:
+def render_chat(lm: ModelFrontend, messages: Sequence[dict[str, Any]]) -> str:
     """Chat template → prompt text, with the generation prompt appended."""
     try:
         return lm.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
@@ -28,7 +28,7 @@ def render_chat(lm: LoadedModel, messages: Sequence[dict[str, Any]]) -> str:
         raise InvalidRequestError(f"messages cannot be rendered by the chat template: {exc}", param="messages") from exc
 
 
-def expand_placeholders(lm: LoadedModel, token_ids: Sequence[int], media: Sequence[ProcessedMedia]) -> TokenizedPrompt:
+def expand_placeholders(lm: ModelFrontend, token_ids: Sequence[int], media: Sequence[MediaSlot]) -> TokenizedPrompt:
     """Expand one placeholder per media item into its visual-token run and record the spans."""
     placeholder = {m: lm.placeholder_id(m) for m in lm.adapter.modalities}
     for item in media:
@@ -68,7 +68,7 @@ def expand_placeholders(lm: LoadedModel, token_ids: Sequence[int], media: Sequen
 
 
 def build_prompt(
-    lm: LoadedModel, messages: Sequence[dict[str, Any]], media: Sequence[ProcessedMedia], max_prompt_tokens: int
+    lm: ModelFrontend, messages: Sequence[dict[str, Any]], media: Sequence[MediaSlot], max_prompt_tokens: int
 ) -> TokenizedPrompt:
     """Render, tokenize, expand; refuse prompts over ``max_prompt_tokens`` after expansion."""
     text = render_chat(lm, messages)
