@@ -1,17 +1,19 @@
-"""Pydantic configuration for Prism's core.
+"""Pydantic configuration for Prism.
 
 Every field has a docstring; unknown fields are refused (``extra="forbid"``), so a typo in a YAML file is an error
 at load time, not a silently ignored setting. Nothing here reads the environment at import; callers load a config
-explicitly (``PrismConfig.model_validate(yaml_dict)``).
+explicitly (``PrismConfig.model_validate(yaml_dict)``) — the media section reads
+``PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS`` at that moment.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.media.config import MediaConfig
+from common.sched.resources import AdmissionConfig
 
 
 class _Strict(BaseModel):
@@ -35,7 +37,7 @@ class ModelConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    """Stage-level settings shared by prefill and decode."""
+    """Engine settings of the encode, prefill and decode stages."""
 
     kv_block_size: int = Field(default=16, ge=1, le=1024)
     """Tokens per KV block; KV travels from prefill to decode in blocks of this size."""
@@ -43,11 +45,86 @@ class EngineConfig(_Strict):
     """Prompts longer than this (after placeholder expansion) are refused with a 400."""
     max_output_tokens: int = Field(default=1024, ge=1)
     """Upper bound on a request's ``max_tokens``."""
+    kv_pool_blocks: int = Field(default=2048, ge=1)
+    """KV blocks in each decode replica's pool."""
+    max_lease_fraction: float = Field(default=0.5, gt=0, le=1)
+    """Largest share of the pool one request may lease."""
+    max_batch: int = Field(default=32, ge=1)
+    """Sequences decoded per step."""
+    prefill_chunk_tokens: int = Field(default=512, ge=1)
+    """Prompt tokens computed per prefill step (media spans are kept whole)."""
+    prefix_cache_blocks: int = Field(default=1024, ge=0)
+    """KV blocks the prefill stage keeps for its prefix cache (0 disables it)."""
+    encoder_cache_bytes: int = Field(default=256 << 20, ge=0)
+    """Bytes of visual embeddings the encode stage caches (0 disables it)."""
+    processor_cache_bytes: int = Field(default=512 << 20, ge=0)
+    """Bytes of processed pixel arrays the media stage caches (0 disables it)."""
+    encoder_patch_budget: int = Field(default=16_384, ge=1)
+    """Vision patches per encoder batch."""
+    shared_cache_scope: bool = False
+    """Share processor/encoder/prefix caches across tenants (only for single-tenant deployments)."""
+
+
+class StageConfig(_Strict):
+    """Replicas, resources and queue bounds of one deployment."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Autoscaling floor (and the replica count when ``max_replicas == min_replicas``)."""
+    max_replicas: int = Field(default=1, ge=1)
+    """Autoscaling ceiling; above ``min_replicas`` the stage autoscales on its own queue depth."""
+    target_queue_per_replica: float = Field(default=4.0, gt=0)
+    """Queue depth (in the stage's own unit) one replica should carry before another is added."""
+    num_cpus: float = Field(default=0.25, ge=0)
+    """CPUs reserved per replica."""
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs per replica."""
+    max_ongoing_requests: int = Field(default=32, ge=1)
+    """Requests a replica works on at once."""
+    max_queued_requests: int = Field(default=64, ge=-1)
+    """Requests waiting for a replica before callers get 429 (-1: unbounded)."""
+
+    @model_validator(mode="after")
+    def _range(self) -> StageConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be ≥ min_replicas")
+        return self
+
+
+class DeploymentsConfig(_Strict):
+    ingress: StageConfig = StageConfig(num_cpus=0.1, max_ongoing_requests=64, max_queued_requests=128)
+    media: StageConfig = StageConfig()
+    encode: StageConfig = StageConfig()
+    prefill: StageConfig = StageConfig()
+    decode: StageConfig = StageConfig(max_ongoing_requests=64)
+
+
+class ServerConfig(_Strict):
+    """HTTP/gRPC front door."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP proxy binds."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port."""
+    grpc_port: int | None = Field(default=None, ge=1, le=65535)
+    """gRPC port (None: no gRPC ingress)."""
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    """API key → tenant. Empty: no authentication, every request is tenant ``default``."""
+    default_deadline_ms: int = Field(default=120_000, ge=1)
+    """Budget of a request that sends no ``X-Prism-Deadline-Ms``."""
+    max_deadline_ms: int = Field(default=600_000, ge=1)
+    """Largest budget a client may ask for."""
+    retry_after_s: int = Field(default=1, ge=1)
+    """Retry-After on 429."""
+    transport: Literal["object_store", "nixl"] = "object_store"
+    """How embeddings and KV move between stages."""
 
 
 class PrismConfig(_Strict):
-    """Top-level configuration."""
+    """Top-level configuration (the ``args.config`` of the Serve application)."""
 
     model: ModelConfig = ModelConfig()
     engine: EngineConfig = EngineConfig()
     media: MediaConfig = Field(default_factory=MediaConfig)
+    admission: AdmissionConfig = AdmissionConfig()
+    server: ServerConfig = ServerConfig()
+    deployments: DeploymentsConfig = DeploymentsConfig()

@@ -121,3 +121,23 @@ class Overloaded(PrismError):
     def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(PrismError):
+    """The request's deadline budget ran out; the stage refused rather than work for nobody."""
+
+    http_status = 504
+    error_type = "timeout_error"
+    default_code = "deadline_exceeded"
+
+
+class AuthenticationError(PrismError):
+    http_status = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class ModelNotFound(PrismError):
+    http_status = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"

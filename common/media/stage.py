@@ -25,5 +25,9 @@ class MediaStage:
         return load_media(refs, self.cfg, self.fetcher)
 
     def decode_options(self) -> dict[str, object]:
-        """Decode settings that shape pixels before the processor: part of every processor-cache key."""
-        return {"background_rgb": list(self.cfg.background_rgb), "exif_transpose": True}
+        return decode_options(self.cfg)
+
+
+def decode_options(cfg: MediaConfig) -> dict[str, object]:
+    """Decode settings that shape pixels before the processor: part of every processor/encoder cache key."""
+    return {"background_rgb": list(cfg.background_rgb), "exif_transpose": True}

@@ -1,0 +1,60 @@
+"""The one place that turns Prism's plain deployment classes into a Ray Serve application.
+
+``build_app(args)`` is the ``import_path`` target of every Serve config (``services.app:build_app``); ``args.config``
+is a :class:`PrismConfig` as a dict. Each stage gets its own replicas, resources, queue bound and — when its
+``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth. The
+ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import BackpressureConfig
+from ray.serve.deployment import Application
+
+from common.config import PrismConfig, StageConfig
+from services.decode import DecodeDeployment
+from services.encode import EncodeDeployment
+from services.ingress import IngressApp
+from services.media import MediaDeployment
+from services.prefill import PrefillDeployment
+
+
+def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "name": name,
+        "ray_actor_options": {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus},
+        "max_ongoing_requests": stage.max_ongoing_requests,
+        "max_queued_requests": stage.max_queued_requests,
+        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=retry_after_s),
+    }
+    if stage.max_replicas > stage.min_replicas:
+        opts["autoscaling_config"] = {
+            "min_replicas": stage.min_replicas,
+            "max_replicas": stage.max_replicas,
+            "metrics_interval_s": 1.0,
+            "look_back_period_s": 5.0,
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,  # the policy applies its own downscale delay
+            "policy": {
+                "policy_function": "services.autoscaling:QueueDepthPolicy",
+                "policy_kwargs": {"target_per_replica": stage.target_queue_per_replica},
+            },
+        }
+    else:
+        opts["num_replicas"] = stage.min_replicas
+    return opts
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    cfg = PrismConfig.model_validate(args.get("config", {}))
+    raw = cfg.model_dump(mode="json")
+    d, retry = cfg.deployments, cfg.server.retry_after_s
+    media = serve.deployment(**_options("Media", d.media, retry))(MediaDeployment).bind(raw)
+    encode = serve.deployment(**_options("Encode", d.encode, retry))(EncodeDeployment).bind(raw)
+    prefill = serve.deployment(**_options("Prefill", d.prefill, retry))(PrefillDeployment).bind(raw)
+    decode = serve.deployment(**_options("Decode", d.decode, retry))(DecodeDeployment).bind(raw)
+    ingress = serve.deployment(**_options("Ingress", d.ingress, retry))(IngressApp)
+    return ingress.bind(raw, media, encode, prefill, decode)

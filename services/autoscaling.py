@@ -1,0 +1,43 @@
+"""Per-stage autoscaling on the stage's own queue depth.
+
+Each deployment reports ``queue_depth`` in its own unit through ``record_autoscaling_stats`` (media: items in
+flight; encode: pending vision patches; prefill: prompt tokens still to compute; decode: running + waiting sequences).
+:class:`QueueDepthPolicy` wants ``ceil(total_depth / target_per_replica)`` replicas, clamped to the stage's range;
+it scales up at once and down only after the lower target has held for ``downscale_delay_s`` (no flapping).
+Decode also reports ``kv_used_fraction``: above ``kv_high_watermark`` on average it asks for one more replica even if
+the sequence count alone would not.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class QueueDepthPolicy:
+    def __init__(
+        self, target_per_replica: float, downscale_delay_s: float = 10.0, kv_high_watermark: float = 0.85
+    ) -> None:
+        self.target = target_per_replica
+        self.downscale_delay_s = downscale_delay_s
+        self.kv_high = kv_high_watermark
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        metrics = ctx.aggregated_metrics or {}
+        depth = sum(metrics.get("queue_depth", {}).values())
+        want = math.ceil(depth / self.target) if depth > 0 else 0
+        kv = list(metrics.get("kv_used_fraction", {}).values())
+        if kv and sum(kv) / len(kv) > self.kv_high:
+            want = max(want, ctx.current_num_replicas + 1)
+        low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+        want = max(low, min(high, want))
+        state = dict(ctx.policy_state or {})
+        now = ctx.current_time or 0.0
+        if want >= ctx.current_num_replicas:
+            state.pop("below_since", None)
+            return want, state
+        since = state.setdefault("below_since", now)
+        if now - since >= self.downscale_delay_s:
+            state.pop("below_since", None)
+            return want, state
+        return ctx.current_num_replicas, state

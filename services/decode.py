@@ -1,0 +1,72 @@
+"""Decode deployment: continuous batching over the replica's paged KV pool, tokens streamed to the caller.
+
+``generate`` is a streaming method: it yields the prompt's token ids first (for usage and ``return_token_ids``), then
+each token as the :class:`DecodeEngine` produces it. When the caller goes away (client disconnect → Serve cancels
+the call), the ``finally`` cancels the sequence in the engine, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from common.config import PrismConfig
+from common.engine.decode import DecodeEngine, TokenEvent
+from common.kv.pool import KVPool
+from common.model.loader import load_model
+from common.protocol.handoff import PrefillOutput
+from common.protocol.sampling import SamplingParams
+from services.runtime import EngineDriver, check_deadline, monotonic_deadline
+
+
+class DecodeDeployment:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.cfg = PrismConfig.model_validate(config)
+        self.lm = load_model(self.cfg.model)
+        eng = self.cfg.engine
+        self.pool = KVPool(
+            eng.kv_pool_blocks, eng.kv_block_size, self.lm.kv_shape, self.lm.dtype, eng.max_lease_fraction
+        )
+        self.engine = DecodeEngine(self.lm, self.pool, max_batch=eng.max_batch)
+        self.queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self.driver = EngineDriver(self.engine.step, self._has_work, self._deliver)
+
+    def _has_work(self) -> bool:
+        return self.engine.has_work() or self.engine.num_waiting > 0
+
+    async def generate(
+        self, pre: PrefillOutput, sampling: SamplingParams, request_id: str, deadline: float
+    ) -> AsyncIterator[dict[str, Any]]:
+        check_deadline(deadline, "decode")
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.queues[request_id] = queue
+        try:
+            async with self.driver.lock:
+                self.engine.submit(request_id, pre, sampling, deadline=monotonic_deadline(deadline))
+            self.driver.poke()
+            yield {"prompt_token_ids": pre.prompt_token_ids.tolist()}
+            while True:
+                event = await queue.get()
+                yield {"token_id": event.token_id, "finish_reason": event.finish_reason}
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            async with self.driver.lock:
+                self.engine.cancel(request_id)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            queue = self.queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    async def kv_blocks_used(self) -> int:
+        return self.pool.used_blocks
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {
+            "queue_depth": float(self.engine.num_running + self.engine.num_waiting),
+            "kv_used_fraction": self.pool.used_blocks / self.pool.num_blocks,
+        }

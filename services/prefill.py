@@ -1,0 +1,75 @@
+"""Prefill deployment: prompt building, span validation and chunked prefill with the prefix cache.
+
+Receives the chat messages (media reduced to markers) and the visual embeddings — never pixels — builds the prompt
+with the model's chat template, validates the span map against the embeddings (:func:`common.stages.merge.merge`),
+and queues the request on the :class:`PrefillEngine`. The driver spends ``prefill_chunk_tokens`` per step across
+queued prompts. The result is a :class:`PrefillOutput`: first token + KV blocks as numpy, ready for any decode
+replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from common.config import PrismConfig
+from common.engine.prefill import PrefillEngine, PrefillResult
+from common.model.loader import load_model
+from common.protocol.handoff import PrefillOutput, VisualEmbeddings
+from common.protocol.sampling import SamplingParams
+from common.stages.merge import merge
+from common.stages.prompt import build_prompt
+from services.runtime import EngineDriver, check_deadline
+
+
+class PrefillDeployment:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.cfg = PrismConfig.model_validate(config)
+        self.lm = load_model(self.cfg.model)
+        eng = self.cfg.engine
+        self.engine = PrefillEngine(
+            self.lm,
+            block_size=eng.kv_block_size,
+            chunk_tokens=eng.prefill_chunk_tokens,
+            prefix_cache_blocks=eng.prefix_cache_blocks,
+            shared_prefix_scope=eng.shared_cache_scope,
+        )
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.driver = EngineDriver(
+            lambda: self.engine.step(eng.prefill_chunk_tokens), self.engine.has_work, self._deliver
+        )
+
+    async def prefill(
+        self,
+        messages: list[dict[str, Any]],
+        embeddings: list[VisualEmbeddings],
+        sampling: SamplingParams,
+        request_id: str,
+        tenant: str,
+        deadline: float,
+    ) -> PrefillOutput:
+        check_deadline(deadline, "prefill")
+        prompt = build_prompt(self.lm, messages, embeddings, self.cfg.engine.max_prompt_tokens)
+        merged = merge(self.lm, prompt, embeddings)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = future
+        async with self.driver.lock:
+            self.engine.submit(request_id, merged, sampling, tenant=tenant)
+        self.driver.poke()
+        try:
+            result: PrefillResult = await future
+            return result.output
+        finally:
+            self.waiting.pop(request_id, None)
+            if not future.done():
+                async with self.driver.lock:
+                    self.engine.cancel(request_id)
+
+    def _deliver(self, results: list[PrefillResult]) -> None:
+        for result in results:
+            future = self.waiting.get(result.request_id)
+            if future is not None and not future.done():
+                future.set_result(result)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"queue_depth": float(self.engine.queued_tokens)}
