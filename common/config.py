@@ -91,7 +91,7 @@ class StageConfig(_Strict):
 
 
 class DeploymentsConfig(_Strict):
-    ingress: StageConfig = StageConfig(num_cpus=0.1, max_ongoing_requests=64, max_queued_requests=128)
+    ingress: StageConfig = StageConfig(num_cpus=0.1, max_ongoing_requests=512, max_queued_requests=128)
     media: StageConfig = StageConfig()
     encode: StageConfig = StageConfig()
     prefill: StageConfig = StageConfig()
@@ -115,6 +115,9 @@ class ServerConfig(_Strict):
     """Largest budget a client may ask for."""
     retry_after_s: int = Field(default=1, ge=1)
     """Retry-After on 429."""
+    max_in_flight_per_ingress: int = Field(default=256, ge=1)
+    """Requests one ingress replica carries at once; more get 429 with an OpenAI error body (keep it below the
+    ingress's ``max_ongoing_requests`` so Serve's own, body-less backpressure is only the last line of defence)."""
     transport: Literal["object_store", "nixl"] = "object_store"
     """How embeddings and KV move between stages."""
 

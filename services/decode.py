@@ -30,6 +30,7 @@ class DecodeDeployment:
         )
         self.engine = DecodeEngine(self.lm, self.pool, max_batch=eng.max_batch)
         self.queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self.cancelled = 0
         self.driver = EngineDriver(self.engine.step, self._has_work, self._deliver)
 
     def _has_work(self) -> bool:
@@ -54,7 +55,8 @@ class DecodeDeployment:
         finally:
             self.queues.pop(request_id, None)
             async with self.driver.lock:
-                self.engine.cancel(request_id)
+                if self.engine.cancel(request_id):  # still running: the caller went away
+                    self.cancelled += 1
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:
@@ -62,8 +64,13 @@ class DecodeDeployment:
             if queue is not None:
                 queue.put_nowait(event)
 
-    async def kv_blocks_used(self) -> int:
-        return self.pool.used_blocks
+    async def stats(self) -> dict[str, int]:
+        return {
+            "kv_blocks_used": self.pool.used_blocks,
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+            "cancelled": self.cancelled,
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {

@@ -55,6 +55,7 @@ class IngressDeployment:
         self.cfg = PrismConfig.model_validate(config)
         self.frontend = load_frontend(self.cfg.model)
         self.media, self.encode, self.prefill, self.decode = media, encode, prefill, decode
+        self.in_flight = 0
 
     # ---- small endpoints ------------------------------------------------------------------------------------
     @api.get("/health")
@@ -80,6 +81,23 @@ class IngressDeployment:
     # ---- chat completions -----------------------------------------------------------------------------------
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
+        if self.in_flight >= self.cfg.server.max_in_flight_per_ingress:
+            return error_response(
+                Overloaded("the server is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s)
+            )
+        self.in_flight += 1
+        try:
+            response = await self._chat(request)
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if isinstance(response, StreamingResponse):  # the stream holds its place until it ends
+            response.background = _Release(self)
+        else:
+            self.in_flight -= 1
+        return response
+
+    async def _chat(self, request: Request) -> Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             tenant = self._tenant(request)
@@ -227,6 +245,16 @@ class IngressDeployment:
             )
         log.exception("request %s failed", rid)
         return error_response(PrismError("internal error; see server logs for request " + rid))
+
+
+class _Release:
+    """Background task of a streaming response: gives the ingress place back when the stream ends (either way)."""
+
+    def __init__(self, ingress: IngressDeployment) -> None:
+        self.ingress = ingress
+
+    async def __call__(self) -> None:
+        self.ingress.in_flight -= 1
 
 
 # FastAPI's class-based view rewrite must happen at import time in every process (replicas re-import this module;

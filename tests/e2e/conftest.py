@@ -1,0 +1,83 @@
+"""A real local Ray cluster running the Prism Serve application, on 127.0.0.1, shared by the e2e tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+API_KEY = "test-key-a"
+OTHER_KEY = "test-key-b"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def prism_server(model_cache):
+    """(base_url, config) of a deployed app; the media stage may fetch from 127.0.0.1 (through the env var)."""
+    os.environ["PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS"] = "127.0.0.1/32"
+    import ray
+    from ray import serve
+
+    from common.model.builder import resolve_model_dir
+    from services.app import build_app
+
+    resolve_model_dir("prism-tiny-llava", model_cache)  # build once here, not in five replicas at once
+    port = _free_port()
+    stage = {"num_cpus": 0.1}
+    config = {
+        "model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1},
+        "engine": {"kv_pool_blocks": 256, "max_output_tokens": 256},
+        "server": {
+            "port": port,
+            "api_keys": {API_KEY: "tenant-a", OTHER_KEY: "tenant-b"},
+            "retry_after_s": 2,
+            "max_in_flight_per_ingress": 4,
+        },
+        "deployments": {
+            "ingress": {"num_cpus": 0.1, "max_ongoing_requests": 16, "max_queued_requests": 16},
+            "media": stage,
+            "encode": stage,
+            "prefill": stage,
+            "decode": stage,
+        },
+    }
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"config": config}), name="prism", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    yield base, config
+    serve.shutdown()
+    ray.shutdown()
+    os.environ.pop("PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS", None)
+
+
+@pytest.fixture(scope="session")
+def decode_stats(prism_server):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Decode", app_name="prism")
+    return lambda: handle.stats.remote().result(timeout_s=30)
+
+
+@pytest.fixture(scope="session")
+def client(prism_server):
+    import openai
+
+    base, _ = prism_server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
