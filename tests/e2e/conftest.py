@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
@@ -21,8 +20,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def prism_server(model_cache):
-    """(base_url, config) of a deployed app; the media stage may fetch from 127.0.0.1 (through the env var)."""
-    os.environ["PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS"] = "127.0.0.1/32"
+    """(base_url, config) of a deployed app; its media stage may fetch from 127.0.0.1 — opened through the
+    environment variable in the cluster's processes only, never in this test process."""
     import ray
     from ray import serve
 
@@ -49,7 +48,12 @@ def prism_server(model_cache):
             "decode": stage,
         },
     }
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS": "127.0.0.1/32", "RAY_AUTH_MODE": "disabled"}},
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"config": config}), name="prism", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
@@ -64,7 +68,6 @@ def prism_server(model_cache):
     yield base, config
     serve.shutdown()
     ray.shutdown()
-    os.environ.pop("PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS", None)
 
 
 @pytest.fixture(scope="session")
