@@ -10,8 +10,9 @@ TORCH    := torch==2.13.0
 WHEELS   := $(wildcard /opt/wheels)
 PIP      := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),--find-links $(WHEELS))
 MODEL    ?= prism-tiny-llava
+CONFIG   ?= ray_configs/local_cpu.yaml
 
-.PHONY: venv serve test lint format bench clean
+.PHONY: venv serve demo test lint format bench clean
 
 venv: $(STAMP)
 
@@ -23,6 +24,9 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 serve: venv
+	$(PY) -m services.cli serve --config $(CONFIG)
+
+demo: venv
 	$(PY) -m services.cli demo --model $(MODEL)
 
 test: venv

@@ -78,6 +78,8 @@ class StageConfig(_Strict):
     """CPUs reserved per replica."""
     num_gpus: float = Field(default=0.0, ge=0)
     """GPUs per replica."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources per replica: pins the stage to the nodes (worker groups) that advertise them."""
     max_ongoing_requests: int = Field(default=32, ge=1)
     """Requests a replica works on at once."""
     max_queued_requests: int = Field(default=64, ge=-1)

@@ -25,7 +25,7 @@ from services.prefill import PrefillDeployment
 def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any]:
     opts: dict[str, Any] = {
         "name": name,
-        "ray_actor_options": {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus},
+        "ray_actor_options": {"num_cpus": stage.num_cpus, "num_gpus": stage.num_gpus, "resources": stage.resources},
         "max_ongoing_requests": stage.max_ongoing_requests,
         "max_queued_requests": stage.max_queued_requests,
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=retry_after_s),

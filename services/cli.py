@@ -1,8 +1,11 @@
 """Prism command line.
 
+* ``python -m services.cli serve [--config ray_configs/local_cpu.yaml]`` — starts a local Ray head (Prometheus
+  metrics export on port 8080), builds the configured model if needed, deploys the application with ``serve run``
+  and serves until interrupted; then stops the head it started. This is ``make serve``.
 * ``python -m services.cli demo [--model NAME] [--images N] [--repeat K]`` — loads (building if needed) a model and
-  runs requests through every stage in this process, printing the answer and per-stage timings (median of K runs).
-  This is what ``make serve`` runs until the Ray Serve application lands; it needs no Ray cluster.
+  runs requests through every stage in this process, printing the answer and per-stage timings (median of K runs);
+  needs no Ray cluster (``make demo``).
 * ``python -m services.cli build-model NAME [--out DIR]`` — builds an embedded model directory.
 """
 
@@ -12,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 from common.config import EngineConfig, ModelConfig
 from common.media.synthetic import synthetic_image
@@ -50,6 +54,47 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import subprocess
+
+    import yaml
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM takes the same path as Ctrl-C: stop serving, stop the head we started
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+    from common.config import PrismConfig
+
+    raw = yaml.safe_load(open(args.config))
+    for app in raw.get("applications", []):
+        cfg = PrismConfig.model_validate(app.get("args", {}).get("config", {}))  # fail fast on a bad config
+        print(f"model: {resolve_model_dir(cfg.model.model, cfg.model.cache_dir)}", flush=True)
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    bindir = Path(sys.executable).parent  # the ray/serve CLIs of this environment, whatever PATH says
+    ray, serve = str(bindir / "ray"), str(bindir / "serve")
+    start = [
+        ray,
+        "start",
+        "--head",
+        f"--metrics-export-port={args.metrics_port}",
+        "--disable-usage-stats",
+        "--include-dashboard=false",
+    ]
+    started = subprocess.run(start, env=env, check=False).returncode == 0
+    if not started:
+        print("ray start failed (is a head already running?); deploying to the existing cluster", flush=True)
+    try:
+        return subprocess.run([serve, "run", args.config], env=env, check=False).returncode
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if started:
+            subprocess.run([ray, "stop"], env=env, check=False)
+
+
 def _build(args: argparse.Namespace) -> int:
     path = build_embedded_model(args.name, args.out) if args.out else resolve_model_dir(args.name, args.cache_dir)
     print(path)
@@ -60,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prism", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--cache-dir", default=ModelConfig().cache_dir, help="where embedded models are built")
     sub = parser.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser("serve", help="start a local Ray head and serve the application until interrupted")
+    serve.add_argument("--config", default="ray_configs/local_cpu.yaml", help="Serve config YAML")
+    serve.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics export port")
+    serve.set_defaults(func=_serve)
     demo = sub.add_parser("demo", help="run requests through every stage in-process and print timings")
     demo.add_argument("--model", default=ModelConfig().model, help="embedded model name or HF model directory")
     demo.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
