@@ -13,6 +13,8 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.decode import DecodeEngine, TokenEvent
+from common.errors import HandoffError
+from common.kv.nixl_transport import NixlKVReceiver, RemotePrefillOutput
 from common.kv.pool import KVPool
 from common.model.loader import load_model
 from common.protocol.handoff import PrefillOutput
@@ -31,15 +33,22 @@ class DecodeDeployment:
         self.engine = DecodeEngine(self.lm, self.pool, max_batch=eng.max_batch)
         self.queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self.cancelled = 0
+        self.nixl_fetches = 0
         self.driver = EngineDriver(self.engine.step, self._has_work, self._deliver)
+        self.nixl = NixlKVReceiver() if self.cfg.server.transport == "nixl" else None
 
     def _has_work(self) -> bool:
         return self.engine.has_work() or self.engine.num_waiting > 0
 
     async def generate(
-        self, pre: PrefillOutput, sampling: SamplingParams, request_id: str, deadline: float
+        self, pre: PrefillOutput | RemotePrefillOutput, sampling: SamplingParams, request_id: str, deadline: float
     ) -> AsyncIterator[dict[str, Any]]:
         check_deadline(deadline, "decode")
+        if isinstance(pre, RemotePrefillOutput):
+            if self.nixl is None:
+                raise HandoffError("received a NIXL KV descriptor but this replica's transport is object_store")
+            pre = await asyncio.to_thread(self.nixl.fetch, pre)
+            self.nixl_fetches += 1
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.queues[request_id] = queue
         try:
@@ -70,6 +79,7 @@ class DecodeDeployment:
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
             "cancelled": self.cancelled,
+            "nixl_fetches": self.nixl_fetches,
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -3,8 +3,10 @@
 Receives the chat messages (media reduced to markers) and the visual embeddings — never pixels — builds the prompt
 with the model's chat template, validates the span map against the embeddings (:func:`common.stages.merge.merge`),
 and queues the request on the :class:`PrefillEngine`. The driver spends ``prefill_chunk_tokens`` per step across
-queued prompts. The result is a :class:`PrefillOutput`: first token + KV blocks as numpy, ready for any decode
-replica.
+queued prompts. The result is a :class:`PrefillOutput` (first token + KV blocks as numpy) that travels through the
+object store — or, with ``server.transport: nixl``, a small :class:`RemotePrefillOutput` descriptor; the decode
+replica then reads the KV straight from this replica's memory, which is freed on its notification or at the
+request's deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
+from common.kv.nixl_transport import NixlKVSender, RemotePrefillOutput
 from common.model.loader import load_model
 from common.protocol.handoff import PrefillOutput, VisualEmbeddings
 from common.protocol.sampling import SamplingParams
@@ -35,6 +38,8 @@ class PrefillDeployment:
             shared_prefix_scope=eng.shared_cache_scope,
         )
         self.waiting: dict[str, asyncio.Future] = {}
+        self.nixl = NixlKVSender() if self.cfg.server.transport == "nixl" else None
+        self._nixl_poller: asyncio.Task | None = None
         self.driver = EngineDriver(
             lambda: self.engine.step(eng.prefill_chunk_tokens), self.engine.has_work, self._deliver
         )
@@ -47,7 +52,8 @@ class PrefillDeployment:
         request_id: str,
         tenant: str,
         deadline: float,
-    ) -> PrefillOutput:
+    ) -> PrefillOutput | RemotePrefillOutput:
+        """The prefill result; with the NIXL transport, a descriptor the decode replica reads the KV through."""
         check_deadline(deadline, "prefill")
         prompt = build_prompt(self.lm, messages, embeddings, self.cfg.engine.max_prompt_tokens)
         merged = merge(self.lm, prompt, embeddings)
@@ -58,12 +64,23 @@ class PrefillDeployment:
         self.driver.poke()
         try:
             result: PrefillResult = await future
-            return result.output
+            if self.nixl is None:
+                return result.output
+            remote = self.nixl.publish(result.output, expires_at=deadline)
+            if self._nixl_poller is None or self._nixl_poller.done():
+                self._nixl_poller = asyncio.get_running_loop().create_task(self._poll_nixl())
+            return remote
         finally:
             self.waiting.pop(request_id, None)
             if not future.done():
                 async with self.driver.lock:
                     self.engine.cancel(request_id)
+
+    async def _poll_nixl(self) -> None:
+        """Free published KV once read (or expired); stops when nothing is held."""
+        assert self.nixl is not None
+        while await asyncio.to_thread(self.nixl.poll):
+            await asyncio.sleep(0.02)
 
     def _deliver(self, results: list[PrefillResult]) -> None:
         for result in results:

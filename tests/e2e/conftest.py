@@ -71,6 +71,20 @@ def prism_server(model_cache):
 
 
 @pytest.fixture(scope="session")
+def nixl_base(prism_server):
+    """Base URL of a second application in the same cluster whose KV hand-off goes through NIXL (UCX)."""
+    from ray import serve
+
+    from services.app import build_app
+
+    base, config = prism_server
+    nixl = {**config, "server": {**config["server"], "transport": "nixl"}}
+    serve.run(build_app({"config": nixl}), name="prism-nixl", route_prefix="/nixl")
+    yield f"{base}/nixl"
+    serve.delete("prism-nixl")
+
+
+@pytest.fixture(scope="session")
 def decode_stats(prism_server):
     from ray import serve
 
