@@ -12,7 +12,7 @@ PIP      := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),-
 MODEL    ?= prism-tiny-llava
 CONFIG   ?= ray_configs/local_cpu.yaml
 
-.PHONY: venv serve demo test lint format bench clean
+.PHONY: venv serve demo test lint format bench proto clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,10 @@ format: venv
 # Benchmarks (not tests): ratios measured side by side in one run, written to loadtest/results/.
 bench: venv
 	$(PY) -m loadtest.bench_decode --model prism-small-llava
+
+# Regenerate the gRPC stubs (committed) after editing services/proto/prism.proto.
+proto: venv
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. services/proto/prism.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -107,8 +107,6 @@ class ServerConfig(_Strict):
     """Address the HTTP proxy binds."""
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port."""
-    grpc_port: int | None = Field(default=None, ge=1, le=65535)
-    """gRPC port (None: no gRPC ingress)."""
     api_keys: dict[str, str] = Field(default_factory=dict)
     """API key → tenant. Empty: no authentication, every request is tenant ``default``."""
     default_deadline_ms: int = Field(default=120_000, ge=1)

@@ -15,20 +15,19 @@ from starlette.responses import JSONResponse
 
 from common.errors import Overloaded, PrismError
 from common.protocol.sampling import SamplingParams
+from common.stages.stops import visible_text
 
 
 class Detokenizer:
     def __init__(self, tokenizer: Any, sampling: SamplingParams) -> None:
         self.tokenizer = tokenizer
-        self.stop = sampling.stop
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.sampling = sampling
+        self.hold = max((len(s) for s in sampling.stop), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0
 
     def text(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=len(text))
-        return text[:cut]
+        return visible_text(self.tokenizer, self.ids, self.sampling)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

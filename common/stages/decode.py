@@ -73,4 +73,6 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
 def decode(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams) -> DecodeResult:
     steps = list(decode_stream(lm, pre, sampling))
     ids = tuple(s.token_id for s in steps)
-    return DecodeResult(token_ids=ids, text=visible_text(lm, ids, sampling), finish_reason=steps[-1].finish_reason)
+    return DecodeResult(
+        token_ids=ids, text=visible_text(lm.tokenizer, ids, sampling), finish_reason=steps[-1].finish_reason
+    )

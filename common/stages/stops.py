@@ -7,7 +7,8 @@ cut before it), ``max_tokens``. EOS and the token that completed a stop string s
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from common.model.loader import LoadedModel
 from common.protocol.sampling import SamplingParams
@@ -15,9 +16,9 @@ from common.protocol.sampling import SamplingParams
 FinishReason = Literal["stop", "length"]
 
 
-def visible_text(lm: LoadedModel, token_ids: tuple[int, ...], sampling: SamplingParams) -> str:
+def visible_text(tokenizer: Any, token_ids: Sequence[int], sampling: SamplingParams) -> str:
     """The text a client sees: special tokens dropped, cut before the first stop string."""
-    text = lm.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
     cut = min((i for i in (text.find(s) for s in sampling.stop) if i >= 0), default=len(text))
     return text[:cut]
 

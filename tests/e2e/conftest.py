@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+GRPC_SERVICER = "services.proto.prism_pb2_grpc.add_PrismServicer_to_server"
 API_KEY = "test-key-a"
 OTHER_KEY = "test-key-b"
 
@@ -29,7 +30,7 @@ def prism_server(model_cache):
     from services.app import build_app
 
     resolve_model_dir("prism-tiny-llava", model_cache)  # build once here, not in five replicas at once
-    port = _free_port()
+    port, grpc_port = _free_port(), _free_port()
     stage = {"num_cpus": 0.1}
     config = {
         "model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1},
@@ -54,8 +55,11 @@ def prism_server(model_cache):
         log_to_driver=False,
         runtime_env={"env_vars": {"PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS": "127.0.0.1/32", "RAY_AUTH_MODE": "disabled"}},
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"config": config}), name="prism", route_prefix="/")
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+    )
+    serve.run(build_app({"config": config}), name="prism", route_prefix="/")  # before _grpc_port is added
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -65,6 +69,7 @@ def prism_server(model_cache):
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+    config["_grpc_port"] = grpc_port
     yield base, config
     serve.shutdown()
     ray.shutdown()
@@ -78,7 +83,8 @@ def nixl_base(prism_server):
     from services.app import build_app
 
     base, config = prism_server
-    nixl = {**config, "server": {**config["server"], "transport": "nixl"}}
+    nixl = {k: v for k, v in config.items() if not k.startswith("_")}
+    nixl["server"] = {**config["server"], "transport": "nixl"}
     serve.run(build_app({"config": nixl}), name="prism-nixl", route_prefix="/nixl")
     yield f"{base}/nixl"
     serve.delete("prism-nixl")

@@ -40,3 +40,31 @@ def _deployments(app):
         seen.append(node._bound_deployment)
         stack.extend(a for a in node._bound_deployment.init_args if hasattr(a, "_bound_deployment"))
     return seen
+
+
+def test_generated_grpc_stubs_match_the_proto(tmp_path):
+    """The committed stubs are what ``make proto`` generates from the committed .proto."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "services" / "proto").mkdir(parents=True)
+    shutil.copy(root / "services/proto/prism.proto", tmp_path / "services/proto/prism.proto")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I.",
+            "--python_out=.",
+            "--grpc_python_out=.",
+            "services/proto/prism.proto",
+        ],
+        cwd=tmp_path,
+        check=True,
+    )
+    for name in ("prism_pb2.py", "prism_pb2_grpc.py"):
+        assert (tmp_path / "services/proto" / name).read_text() == (root / "services/proto" / name).read_text()
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((root / "ray_configs/local_cpu.yaml").read_text()))
+    assert schema.grpc_options.grpc_servicer_functions == ["services.proto.prism_pb2_grpc.add_PrismServicer_to_server"]

@@ -1,0 +1,159 @@
+"""What the ingress does for one request, whatever the protocol (HTTP or gRPC).
+
+:meth:`PipelineClient.begin` authenticates (API key → tenant), validates the OpenAI body and the pre-fetch media
+limits (400s that cost nothing downstream), fixes the absolute deadline, and chains the stages through Serve handles —
+media → encode → prefill → decode — passing each stage's *response* to the next, so pixels, embeddings and KV go
+replica to replica through the object store (or NIXL) and never through the ingress. It waits for the decode
+stream's first item (the prompt's token ids), so every stage's error surfaces before a protocol commits to a
+status. :meth:`PipelineClient.tokens` then yields ``(token_id, finish_reason)`` under the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from common.config import PrismConfig
+from common.errors import (
+    AuthenticationError,
+    DeadlineExceeded,
+    InvalidRequestError,
+    ModelNotFound,
+    Overloaded,
+    PrismError,
+)
+from common.media.loader import check_request
+from common.model.loader import ModelFrontend
+from common.protocol.openai import ChatCompletionRequest, parse_chat_request
+from common.protocol.sampling import SamplingParams
+
+
+@dataclass
+class Call:
+    rid: str
+    req: ChatCompletionRequest
+    sampling: SamplingParams
+    stream: DeploymentResponseGenerator
+    prompt_ids: list[int]
+    deadline: float
+
+
+class PipelineClient:
+    def __init__(self, cfg: PrismConfig, frontend: ModelFrontend, media, encode, prefill, decode) -> None:
+        self.cfg = cfg
+        self.frontend = frontend
+        self.media: DeploymentHandle = media
+        self.encode: DeploymentHandle = encode
+        self.prefill: DeploymentHandle = prefill
+        self.decode: DeploymentHandle = decode
+
+    def tenant(self, api_key: str | None) -> str:
+        keys = self.cfg.server.api_keys
+        if not keys:
+            return "default"
+        if not api_key or api_key not in keys:
+            raise AuthenticationError("missing or invalid API key (Authorization: Bearer <key>)")
+        return keys[api_key]
+
+    def deadline(self, budget_ms: str | int | None) -> float:
+        server = self.cfg.server
+        budget = server.default_deadline_ms
+        if budget_ms not in (None, "", 0):
+            text = str(budget_ms).strip()
+            if not text.isdigit() or int(text) < 1:
+                raise InvalidRequestError("X-Prism-Deadline-Ms must be a positive integer", param="X-Prism-Deadline-Ms")
+            budget = int(text)
+            if budget > server.max_deadline_ms:
+                raise InvalidRequestError(
+                    f"X-Prism-Deadline-Ms is {budget}; the limit is {server.max_deadline_ms}",
+                    param="X-Prism-Deadline-Ms",
+                )
+        return time.time() + budget / 1000.0
+
+    async def begin(self, api_key: str | None, body: Any, budget_ms: str | int | None) -> Call:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        tenant = self.tenant(api_key)
+        req = parse_chat_request(body)
+        if req.model != self.frontend.served_name:
+            raise ModelNotFound(f"model {req.model!r} is not served here; try {self.frontend.served_name!r}")
+        deadline = self.deadline(budget_ms)
+        sampling = req.sampling(self.cfg.engine.max_output_tokens).resolved()
+        if sampling.max_tokens > self.cfg.engine.max_output_tokens:
+            raise InvalidRequestError(
+                f"max_tokens is {sampling.max_tokens}; the limit is {self.cfg.engine.max_output_tokens}",
+                param="max_tokens",
+            )
+        check_request(req.media_refs(), self.cfg.media)
+        stream = self._start(req, sampling, rid, tenant, deadline)
+        try:
+            first = await self._next(stream, deadline)
+        except BackPressureError:
+            stream.cancel()
+            raise Overloaded(
+                "a stage is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s
+            ) from None
+        return Call(rid, req, sampling, stream, first["prompt_token_ids"], deadline)
+
+    def _start(
+        self, req: ChatCompletionRequest, sampling: SamplingParams, rid: str, tenant: str, deadline: float
+    ) -> DeploymentResponseGenerator:
+        refs = req.media_refs()
+        embeddings: Any = []
+        if refs:
+            media = self.media.process.remote(refs, tenant, deadline)
+            embeddings = self.encode.encode.remote(media, rid, tenant, deadline)
+        pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, rid, tenant, deadline)
+        return self.decode.generate.options(stream=True).remote(pre, sampling, rid, deadline)
+
+    async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
+        """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure."""
+        while True:
+            event = await self._next(call.stream, call.deadline)
+            finish = event["finish_reason"]
+            if finish == "timeout":
+                raise DeadlineExceeded("deadline exceeded during decode")
+            if finish == "error":
+                raise PrismError("decode failed")
+            yield event["token_id"], finish
+            if finish is not None:
+                return
+
+    async def collect(self, call: Call) -> tuple[list[int], str]:
+        """Every token of a non-streaming call and its finish reason; the stream is closed either way."""
+        out: list[int] = []
+        finish: str | None = None
+        try:
+            async for token, reason in self.tokens(call):
+                out.append(token)
+                finish = reason
+        finally:
+            call.stream.cancel()
+        return out, finish or "stop"
+
+    async def _next(self, stream: DeploymentResponseGenerator, deadline: float) -> dict[str, Any]:
+        left = deadline - time.time()
+        if left <= 0:
+            stream.cancel()
+            raise DeadlineExceeded("deadline exceeded")
+        try:
+            return await asyncio.wait_for(stream.__anext__(), timeout=left)
+        except TimeoutError:
+            stream.cancel()
+            raise DeadlineExceeded("deadline exceeded while the request was in flight") from None
+        except StopAsyncIteration:
+            raise PrismError("decode stream ended unexpectedly") from None
+
+    def as_prism_error(self, exc: BaseException) -> PrismError | None:
+        """The typed error a failure maps to; ``None`` for unexpected failures (500, logged by the caller)."""
+        if isinstance(exc, PrismError):
+            return exc
+        if isinstance(exc, BackPressureError):
+            return Overloaded("a stage is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s)
+        return None

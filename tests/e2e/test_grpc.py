@@ -1,0 +1,77 @@
+"""The gRPC API (unary and server-streaming) gives the same tokens as HTTP and maps errors to gRPC status codes."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from services.proto import prism_pb2, prism_pb2_grpc
+from tests.e2e.conftest import API_KEY
+
+MODEL = "prism-tiny-llava"
+ROUTE = (("application", "prism"),)
+
+
+@pytest.fixture(scope="module")
+def stub(prism_server):
+    _, config = prism_server
+    channel = grpc.insecure_channel(f"127.0.0.1:{config['_grpc_port']}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    yield prism_pb2_grpc.PrismStub(channel)
+    channel.close()
+
+
+def _request(content, key: str = API_KEY, max_tokens: int = 12, deadline_ms: int = 0) -> prism_pb2.GenerateRequest:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    return prism_pb2.GenerateRequest(chat_completion_json=json.dumps(body), api_key=key, deadline_ms=deadline_ms)
+
+
+def test_unary_and_streaming_match_http(stub, client):
+    http = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    unary = stub.Generate(_request("Name three colours."), metadata=ROUTE, timeout=60)
+    assert list(unary.token_ids) == http.choices[0].model_extra["token_ids"]
+    assert list(unary.prompt_token_ids) == http.model_extra["prompt_token_ids"]
+    assert unary.text == http.choices[0].message.content and unary.finish_reason == "length"
+    assert unary.usage.completion_tokens == 12
+
+    chunks = list(stub.GenerateStream(_request("Name three colours."), metadata=ROUTE, timeout=60))
+    assert [c.token_id for c in chunks] == list(unary.token_ids)
+    assert "".join(c.delta for c in chunks) == unary.text
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize(
+    "request_kwargs,code",
+    [
+        ({"key": "wrong"}, grpc.StatusCode.UNAUTHENTICATED),
+        ({"max_tokens": 100_000}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"deadline_ms": 1}, grpc.StatusCode.DEADLINE_EXCEEDED),
+    ],
+)
+def test_errors_map_to_status_codes(stub, request_kwargs, code):
+    for call in (stub.Generate, lambda *a, **k: list(stub.GenerateStream(*a, **k))):
+        with pytest.raises(grpc.RpcError) as info:
+            call(_request("hi", **request_kwargs), metadata=ROUTE, timeout=60)
+        assert info.value.code() == code
+        assert "error" in json.loads(info.value.details())
+
+
+def test_blocked_media_is_permission_denied(stub):
+    content = [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/x.png"}}]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(content), metadata=ROUTE, timeout=60)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert json.loads(info.value.details())["error"]["code"] == "media_fetch_blocked"
