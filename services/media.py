@@ -1,4 +1,4 @@
-"""Media deployment (CPU): fetch, check, decode and process a request's images → ``ProcessedMedia``.
+"""Media deployment (CPU): fetch, check, decode and process a request's images and videos → ``ProcessedMedia``.
 
 Thin wrapper: :class:`common.media.stage.MediaStage` does the safe fetch and decoding, the family processor and the
 processor cache run in :func:`common.stages.process.process_images`. Work runs in a thread so one slow download never
@@ -17,7 +17,7 @@ from common.media.loader import MediaRef
 from common.media.stage import MediaStage
 from common.model.loader import load_frontend
 from common.protocol.handoff import ProcessedMedia
-from common.stages.process import process_images
+from common.stages.process import process_loaded
 from services.runtime import check_deadline, set_threads
 
 
@@ -42,18 +42,15 @@ class MediaDeployment:
             self.in_flight -= 1
 
     def _process(self, refs: list[MediaRef], tenant: str) -> list[ProcessedMedia]:
-        loaded = self.stage.load(refs)
-        if any(m.kind != "image" for m in loaded):
+        unsupported = {r.kind for r in refs} - set(self.frontend.adapter.modalities)
+        if unsupported:  # refuse before fetching anything
             raise InvalidRequestError(
-                f"model {self.frontend.served_name} does not accept video input yet", code="unsupported_modality"
+                f"model {self.frontend.served_name} does not accept {', '.join(sorted(unsupported))} input",
+                param="messages",
             )
-        return process_images(
-            self.frontend,
-            [m.image for m in loaded],
-            [m.digest for m in loaded],
-            cache=self.cache,
-            tenant=tenant,
-            options=self.stage.decode_options(),
+        loaded = self.stage.load(refs)
+        return process_loaded(
+            self.frontend, loaded, cache=self.cache, tenant=tenant, options=self.stage.decode_options()
         )
 
     def record_autoscaling_stats(self) -> dict[str, float]:

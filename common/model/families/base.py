@@ -84,6 +84,11 @@ class FamilyAdapter(ABC):
     def process_image(self, image_processor: Any, config: Any, image: Image.Image) -> ProcessedPixels:
         """One RGB image → pixel array in the family layout + patch grid + visual-token count."""
 
+    def process_video(self, image_processor: Any, config: Any, frames: list[Image.Image]) -> ProcessedPixels:
+        """Sampled RGB frames → one video item; families without video refuse (the prompt stage has already
+        refused video for them, so this is a second line)."""
+        raise NotImplementedError(f"{self.name} does not take video input")
+
     # ---- encoding -----------------------------------------------------------------------------------------
     @abstractmethod
     def encode(self, model: Any, items: list[ProcessedMedia]) -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
 )
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from common.model.families.base import FamilyAdapter, PresetDims, ProcessedPixels
 from common.protocol.handoff import Modality, PlaceholderSpan, ProcessedMedia
@@ -74,15 +75,53 @@ class Qwen2VLAdapter(FamilyAdapter):
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         return ProcessedPixels(pixel_values=pixels, grid_thw=grid, num_visual_tokens=tokens)
 
+    def process_video(self, image_processor: Any, config: Any, frames: list[Image.Image]) -> ProcessedPixels:
+        """Sampled RGB frames → temporal patches, the layout ``Qwen2VLVideoProcessor`` produces (which needs
+        torchvision, unavailable here): frames resized to one grid with the image processor's pixel bounds,
+        rescaled and normalized, padded to a multiple of ``temporal_patch_size`` by repeating the last frame, then
+        cut into ``(t, h, w)`` patches of ``C × temporal × patch × patch`` values."""
+        ps, merge, tp = image_processor.patch_size, image_processor.merge_size, image_processor.temporal_patch_size
+        size = image_processor.size
+        height, width = smart_resize(
+            frames[0].height, frames[0].width, ps * merge, size.shortest_edge, size.longest_edge
+        )
+        mean = np.asarray(image_processor.image_mean, np.float32)[:, None, None]
+        std = np.asarray(image_processor.image_std, np.float32)[:, None, None]
+        scale = np.float32(image_processor.rescale_factor)
+        arrays = [
+            (
+                np.asarray(f.convert("RGB").resize((width, height), Image.BICUBIC), np.float32).transpose(2, 0, 1)
+                * scale
+                - mean
+            )
+            / std
+            for f in frames
+        ]
+        arrays += [arrays[-1]] * (-len(arrays) % tp)
+        video = np.stack(arrays)  # [T, C, H, W]
+        t, c = video.shape[0] // tp, video.shape[1]
+        gh, gw = height // ps, width // ps
+        patches = video.reshape(t, tp, c, gh // merge, merge, ps, gw // merge, merge, ps)
+        patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * gh * gw, c * tp * ps * ps)
+        grid = (t, gh, gw)
+        return ProcessedPixels(np.ascontiguousarray(patches, np.float32), grid, t * gh * gw // (merge * merge))
+
     def encode(self, model: Any, items: list[ProcessedMedia]) -> list[torch.Tensor]:
+        """One tower call per modality present, results returned in the items' order."""
         dtype = model.model.visual.dtype
-        pixels = torch.from_numpy(np.concatenate([m.pixel_values for m in items])).to(dtype)
-        grid = torch.tensor([m.grid_thw for m in items], dtype=torch.long)
-        if all(m.modality == "image" for m in items):
-            out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
-        else:
-            out = model.model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid, return_dict=True)
-        return list(out.pooler_output)
+        out: dict[int, torch.Tensor] = {}
+        for modality in ("image", "video"):
+            group = [i for i, m in enumerate(items) if m.modality == modality]
+            if not group:
+                continue
+            pixels = torch.from_numpy(np.concatenate([items[i].pixel_values for i in group])).to(dtype)
+            grid = torch.tensor([items[i].grid_thw for i in group], dtype=torch.long)
+            if modality == "image":
+                res = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
+            else:
+                res = model.model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid, return_dict=True)
+            out.update(zip(group, res.pooler_output, strict=True))
+        return [out[i] for i in range(len(items))]
 
     def prefill_positions(
         self, model: Any, token_ids: torch.Tensor, spans: tuple[PlaceholderSpan, ...]
