@@ -74,6 +74,8 @@ class StageConfig(_Strict):
     """Autoscaling ceiling; above ``min_replicas`` the stage autoscales on its own queue depth."""
     target_queue_per_replica: float = Field(default=4.0, gt=0)
     """Queue depth (in the stage's own unit) one replica should carry before another is added."""
+    downscale_delay_s: float = Field(default=30.0, ge=0)
+    """How long the queue must stay low before a replica is removed (no flapping)."""
     num_cpus: float = Field(default=0.25, ge=0)
     """CPUs reserved per replica."""
     num_gpus: float = Field(default=0.0, ge=0)

@@ -141,3 +141,11 @@ class ModelNotFound(PrismError):
     http_status = 404
     error_type = "invalid_request_error"
     default_code = "model_not_found"
+
+
+class StageUnavailable(Overloaded):
+    """A stage replica died or is restarting under this request: retry later (HTTP 503 with Retry-After)."""
+
+    http_status = 503
+    error_type = "server_error"
+    default_code = "stage_unavailable"

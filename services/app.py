@@ -40,7 +40,10 @@ def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any
             "downscale_delay_s": 0.0,  # the policy applies its own downscale delay
             "policy": {
                 "policy_function": "services.autoscaling:QueueDepthPolicy",
-                "policy_kwargs": {"target_per_replica": stage.target_queue_per_replica},
+                "policy_kwargs": {
+                    "target_per_replica": stage.target_queue_per_replica,
+                    "downscale_delay_s": stage.downscale_delay_s,
+                },
             },
         }
     else:

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from common.config import PrismConfig
@@ -28,6 +29,7 @@ from common.errors import (
     ModelNotFound,
     Overloaded,
     PrismError,
+    StageUnavailable,
 )
 from common.media.loader import check_request
 from common.model.loader import ModelFrontend
@@ -156,4 +158,8 @@ class PipelineClient:
             return exc
         if isinstance(exc, BackPressureError):
             return Overloaded("a stage is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s)
+        if isinstance(exc, (RayActorError, ActorUnavailableError, DeploymentUnavailableError)):
+            return StageUnavailable(
+                "a stage replica failed while serving this request; retry", retry_after_s=self.cfg.server.retry_after_s
+            )
         return None

@@ -1,0 +1,47 @@
+"""The queue-depth policy: scale up at once, down only after the delay, KV pressure adds a replica."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from services.autoscaling import QueueDepthPolicy
+
+
+def ctx(depth, current, now, state=None, kv=None, low=1, high=4):
+    metrics = {"queue_depth": {f"r{i}": depth / max(1, current) for i in range(max(1, current))}}
+    if kv is not None:
+        metrics["kv_used_fraction"] = {"r0": kv}
+    return SimpleNamespace(
+        aggregated_metrics=metrics,
+        current_num_replicas=current,
+        capacity_adjusted_min_replicas=low,
+        capacity_adjusted_max_replicas=high,
+        policy_state=state or {},
+        current_time=now,
+    )
+
+
+def test_scales_up_immediately_and_clamps():
+    policy = QueueDepthPolicy(target_per_replica=4, downscale_delay_s=10)
+    assert policy(ctx(9, 1, 0.0))[0] == 3
+    assert policy(ctx(100, 1, 0.0))[0] == 4
+    assert policy(ctx(0, 1, 0.0))[0] == 1
+
+
+def test_scales_down_only_after_the_delay():
+    policy = QueueDepthPolicy(target_per_replica=4, downscale_delay_s=10)
+    want, state = policy(ctx(0, 3, 100.0))
+    assert want == 3 and state["below_since"] == 100.0
+    want, state = policy(ctx(0, 3, 105.0, state))
+    assert want == 3
+    want, state = policy(ctx(0, 3, 110.5, state))
+    assert want == 1 and "below_since" not in state
+    _, state = policy(ctx(0, 3, 200.0))
+    want, state = policy(ctx(12, 3, 201.0, state))  # load came back: the pending downscale is forgotten
+    assert want == 3 and "below_since" not in state
+
+
+def test_kv_pressure_adds_a_replica():
+    policy = QueueDepthPolicy(target_per_replica=100, kv_high_watermark=0.8)
+    assert policy(ctx(1, 1, 0.0, kv=0.95))[0] == 2
+    assert policy(ctx(1, 1, 0.0, kv=0.5))[0] == 1
