@@ -5,7 +5,8 @@ limits (400s that cost nothing downstream), fixes the absolute deadline, and cha
 media → encode → prefill → decode — passing each stage's *response* to the next, so pixels, embeddings and KV go
 replica to replica through the object store (or NIXL) and never through the ingress. It waits for the decode
 stream's first item (the prompt's token ids), so every stage's error surfaces before a protocol commits to a
-status. :meth:`PipelineClient.tokens` then yields ``(token_id, finish_reason)`` under the deadline.
+status; a chain that lost a replica before that point is restarted (bounded, jittered — :mod:`services.retry`).
+:meth:`PipelineClient.tokens` then yields ``(token_id, finish_reason)`` under the deadline.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from common.media.loader import check_request
 from common.model.loader import ModelFrontend
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
+
+_REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 
 
 @dataclass
@@ -158,7 +161,7 @@ class PipelineClient:
             return exc
         if isinstance(exc, BackPressureError):
             return Overloaded("a stage is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s)
-        if isinstance(exc, (RayActorError, ActorUnavailableError, DeploymentUnavailableError)):
+        if isinstance(exc, _REPLICA_LOST):
             return StageUnavailable(
                 "a stage replica failed while serving this request; retry", retry_after_s=self.cfg.server.retry_after_s
             )

@@ -75,3 +75,18 @@ def test_blocked_media_is_permission_denied(stub):
         stub.Generate(_request(content), metadata=ROUTE, timeout=60)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert json.loads(info.value.details())["error"]["code"] == "media_fetch_blocked"
+
+
+def test_overload_is_resource_exhausted(stub):
+    calls = [
+        stub.Generate.future(_request("A long story.", max_tokens=256), metadata=ROUTE, timeout=120) for _ in range(16)
+    ]
+    codes = []
+    for call in calls:
+        try:
+            call.result()
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+    assert grpc.StatusCode.OK in codes and grpc.StatusCode.RESOURCE_EXHAUSTED in codes, codes
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes

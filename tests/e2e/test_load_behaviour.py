@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,16 +38,23 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(prism_server, decode_stat
 
     def one(_):
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(256), headers=HEADERS, timeout=120)
-        return r.status_code, r.headers.get("retry-after"), r.json()
+        return r.status_code, r.headers.get("retry-after"), r.text
 
     with ThreadPoolExecutor(max_workers=24) as pool:
         results = list(pool.map(one, range(24)))
     codes = [c for c, _, _ in results]
-    assert codes.count(200) >= 1 and codes.count(429) >= 1, codes
-    assert set(codes) <= {200, 429}, codes
-    for code, retry, body in results:
+    assert codes.count(200) >= 1 and codes.count(429) >= 1, results
+    assert set(codes) <= {200, 429}, results
+    ours = 0
+    for code, retry, text in results:
         if code == 429:
-            assert retry == "2" and body["error"]["type"] == "rate_limit_error"
+            # Ours carry an OpenAI error body; Serve's own queue bound (the last line of defence behind ours) only
+            # the status and Retry-After — both are acceptable, a 5xx never is.
+            assert retry == "2", results
+            if text.startswith("{"):
+                assert json.loads(text)["error"]["type"] == "rate_limit_error", text
+                ours += 1
+    assert ours >= 1, results
     assert _wait_idle(decode_stats)["kv_blocks_used"] == 0
     # capacity comes back once the flood is over
     assert httpx.post(f"{base}/v1/chat/completions", json=_body(4), headers=HEADERS, timeout=60).status_code == 200

@@ -1,0 +1,37 @@
+"""Bounded retries with jittered exponential backoff, for stage calls that failed because a replica went away.
+
+Only failures that say nothing about the request itself are retried (a replica died or is restarting); a typed 4xx
+or a deadline is final. Attempts are capped, and a retry is never started if its backoff would end past the
+request's deadline — the client gets a prompt 503 instead of a late 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def with_retries(
+    attempt: Callable[[], Awaitable[T]],
+    deadline: float,
+    retry_on: tuple[type[BaseException], ...],
+    max_attempts: int = 3,
+    base_delay_s: float = 0.1,
+    max_delay_s: float = 1.0,
+    rng: random.Random | None = None,
+) -> T:
+    rng = rng or random.Random()
+    for n in range(1, max_attempts + 1):
+        try:
+            return await attempt()
+        except retry_on:
+            delay = min(max_delay_s, base_delay_s * 2 ** (n - 1)) * (0.5 + rng.random())  # full jitter around 2^n
+            if n == max_attempts or time.time() + delay >= deadline:
+                raise
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
