@@ -8,9 +8,10 @@ explicitly (``PrismConfig.model_validate(yaml_dict)``) — the media section rea
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.media.config import MediaConfig
 from common.sched.resources import AdmissionConfig
@@ -102,6 +103,16 @@ class DeploymentsConfig(_Strict):
     decode: StageConfig = StageConfig(max_ongoing_requests=64)
 
 
+_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _check_tenants(keys: dict[str, str]) -> dict[str, str]:
+    for tenant in keys.values():
+        if not _TENANT.match(tenant):
+            raise ValueError(f"tenant name {tenant!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return keys
+
+
 class ServerConfig(_Strict):
     """HTTP/gRPC front door."""
 
@@ -110,7 +121,8 @@ class ServerConfig(_Strict):
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port."""
     api_keys: dict[str, str] = Field(default_factory=dict)
-    """API key → tenant. Empty: no authentication, every request is tenant ``default``."""
+    """API key → tenant (letters, digits, ``_ . -``). Empty: no authentication, every request is tenant
+    ``default``."""
     default_deadline_ms: int = Field(default=120_000, ge=1)
     """Budget of a request that sends no ``X-Prism-Deadline-Ms``."""
     max_deadline_ms: int = Field(default=600_000, ge=1)
@@ -122,6 +134,11 @@ class ServerConfig(_Strict):
     ingress's ``max_ongoing_requests`` so Serve's own, body-less backpressure is only the last line of defence)."""
     transport: Literal["object_store", "nixl"] = "object_store"
     """How embeddings and KV move between stages."""
+
+    @field_validator("api_keys")
+    @classmethod
+    def _tenants(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_tenants(v)
 
 
 class PrismConfig(_Strict):

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.cache.lru import CacheStats
-
-SHARED_SCOPE = "*shared*"
+from common.cache.scope import cache_scope
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class EncoderCache:
         self._stats = CacheStats()
 
     def key(self, tenant: str, media_digest: str, processor_key: str, encoder_key: str) -> EncoderCacheKey:
-        return EncoderCacheKey(SHARED_SCOPE if self.shared else tenant, media_digest, processor_key, encoder_key)
+        return EncoderCacheKey(cache_scope(tenant, self.shared), media_digest, processor_key, encoder_key)
 
     def get(self, key: EncoderCacheKey) -> np.ndarray | None:
         with self._lock:

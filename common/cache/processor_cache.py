@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.cache.lru import ByteLRU, CacheStats
+from common.cache.scope import cache_scope
 from common.model.families.base import ProcessedPixels
-
-SHARED_SCOPE = "*shared*"
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class ProcessorCache:
         dtype: str,
     ) -> ProcessorCacheKey:
         return ProcessorCacheKey(
-            scope=SHARED_SCOPE if self.shared else tenant,
+            scope=cache_scope(tenant, self.shared),
             media_digest=media_digest,
             processor_class=processor_class,
             processor_revision=processor_revision,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from common.cache.scope import cache_scope
 from common.engine.chunking import next_chunk_end, usable_prefix_blocks
 from common.kv.blocks import export_kv, to_torch
 from common.kv.pool import KVPool
@@ -30,8 +31,6 @@ from common.model.loader import LoadedModel
 from common.protocol.handoff import KVBlocks, MergedInputs, PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.stages.sampler import sample_token
-
-SHARED_SCOPE = "*shared*"
 
 
 @dataclass
@@ -98,7 +97,7 @@ class PrefillEngine:
         hashes: list[bytes] = []
         hit = 0
         if self.prefix is not None:
-            scope = SHARED_SCOPE if self.shared_scope else tenant
+            scope = cache_scope(tenant, self.shared_scope)
             hashes = block_hashes(merged.token_ids, merged.spans, bs, lm.contract.model_revision, scope)
             blocks = self.prefix.lookup(hashes[: (n - 1) // bs])  # keep ≥1 token to compute the logits
             hit = usable_prefix_blocks(len(blocks), bs, merged.spans, lm.adapter.allows_span_split)

@@ -44,3 +44,14 @@ def test_media_stage_refuses_to_start_with_pillow_guard_disabled(monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
     with pytest.raises(RuntimeError):
         MediaStage(MediaConfig())
+
+
+def test_tenant_names_cannot_collide_with_the_shared_scope():
+    from pydantic import ValidationError
+
+    from common.cache.scope import SHARED_SCOPE
+    from common.config import ServerConfig
+
+    with pytest.raises(ValidationError):
+        ServerConfig(api_keys={"key": SHARED_SCOPE})
+    assert ServerConfig(api_keys={"key": "acme-prod.eu_1"}).api_keys == {"key": "acme-prod.eu_1"}
