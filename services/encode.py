@@ -13,6 +13,7 @@ from typing import Any
 from common.cache.encoder_cache import EncoderCache
 from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
+from common.errors import PrismError
 from common.media.stage import decode_options
 from common.model.loader import load_model
 from common.protocol.handoff import ProcessedMedia, VisualEmbeddings
@@ -32,7 +33,7 @@ class EncodeDeployment:
         self.engine = EncodeEngine(self.lm, batcher, cache, time.monotonic)
         self.options = decode_options(self.cfg.media)
         self.waiting: dict[str, asyncio.Future] = {}
-        self.driver = EngineDriver(self.engine.step, self.engine.has_work, self._deliver)
+        self.driver = EngineDriver(self.engine.step, self.engine.has_work, self._deliver, self._fail)
 
     async def encode(
         self, media: list[ProcessedMedia], request_id: str, tenant: str, deadline: float
@@ -54,6 +55,13 @@ class EncodeDeployment:
             if not future.done():
                 async with self.driver.lock:
                     self.engine.cancel(request_id)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A step failed: drop every queued request (the failure may be any of theirs) and fail its caller."""
+        for rid, future in list(self.waiting.items()):
+            self.engine.cancel(rid)
+            if not future.done():
+                future.set_exception(PrismError(f"{type(exc).__name__} in the engine; the request was dropped"))
 
     def _deliver(self, completed: dict[str, list[VisualEmbeddings]]) -> None:
         for rid, embeddings in completed.items():

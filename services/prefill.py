@@ -16,6 +16,7 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
+from common.errors import PrismError
 from common.kv.nixl_transport import NixlKVSender, RemotePrefillOutput
 from common.model.loader import load_model
 from common.protocol.handoff import PrefillOutput, VisualEmbeddings
@@ -41,7 +42,7 @@ class PrefillDeployment:
         self.nixl = NixlKVSender() if self.cfg.server.transport == "nixl" else None
         self._nixl_poller: asyncio.Task | None = None
         self.driver = EngineDriver(
-            lambda: self.engine.step(eng.prefill_chunk_tokens), self.engine.has_work, self._deliver
+            lambda: self.engine.step(eng.prefill_chunk_tokens), self.engine.has_work, self._deliver, self._fail
         )
 
     async def prefill(
@@ -81,6 +82,13 @@ class PrefillDeployment:
         assert self.nixl is not None
         while await asyncio.to_thread(self.nixl.poll):
             await asyncio.sleep(0.02)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A step failed: drop every queued request (the failure may be any of theirs) and fail its caller."""
+        for rid, future in list(self.waiting.items()):
+            self.engine.cancel(rid)
+            if not future.done():
+                future.set_exception(PrismError(f"{type(exc).__name__} in the engine; the request was dropped"))
 
     def _deliver(self, results: list[PrefillResult]) -> None:
         for result in results:

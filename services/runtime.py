@@ -9,6 +9,7 @@ and hands results to the waiting coroutines.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 
 from common.errors import DeadlineExceeded
+
+log = logging.getLogger("prism.stage")
 
 
 def check_deadline(deadline: float, stage: str) -> float:
@@ -37,11 +40,21 @@ def set_threads(n: int | None) -> None:
 
 
 class EngineDriver:
-    """Runs ``step()`` in a thread whenever ``has_work()``; ``deliver(result)`` routes each step's output."""
+    """Runs ``step()`` in a thread whenever ``has_work()``; ``deliver(result)`` routes each step's output.
 
-    def __init__(self, step: Callable[[], Any], has_work: Callable[[], bool], deliver: Callable[[Any], None]) -> None:
+    If a step raises, ``fail(exc)`` must drop everything the engine holds and fail its waiters — otherwise the same
+    poisoned work would fail every step and its callers would wait until their deadlines.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[], Any],
+        has_work: Callable[[], bool],
+        deliver: Callable[[Any], None],
+        fail: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.lock = asyncio.Lock()
-        self._step, self._has_work, self._deliver = step, has_work, deliver
+        self._step, self._has_work, self._deliver, self._fail = step, has_work, deliver, fail
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -57,6 +70,13 @@ class EngineDriver:
                 await self._wake.wait()
                 continue
             async with self.lock:
-                result = await asyncio.to_thread(self._step)
+                try:
+                    result = await asyncio.to_thread(self._step)
+                except Exception as exc:
+                    log.exception("engine step failed")
+                    if self._fail is None:
+                        raise
+                    self._fail(exc)
+                    continue
             self._deliver(result)
             await asyncio.sleep(0)  # let waiting submits take the lock between steps
