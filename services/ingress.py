@@ -39,6 +39,7 @@ _GRPC_CODES = {
     422: grpc.StatusCode.FAILED_PRECONDITION,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
