@@ -110,7 +110,10 @@ class IngressDeployment:
             call = await self.client.begin(_bearer(request), body, request.headers.get("x-prism-deadline-ms"))
             if call.req.stream:
                 streaming = True
-                return StreamingResponse(self._sse(call), media_type="text/event-stream")
+                place = _Place(self, call)
+                # Released by whichever ends first: the generator's own cleanup, or Starlette's background task
+                # (which also runs when the client left before the generator was ever started).
+                return StreamingResponse(self._sse(call, place), media_type="text/event-stream", background=place)
             return await self._complete(call)
         except Exception as exc:  # every failure becomes an OpenAI error body
             return error_response(self._typed(exc))
@@ -126,7 +129,7 @@ class IngressDeployment:
         )
         return JSONResponse(body)
 
-    async def _sse(self, call: Call) -> AsyncIterator[str]:
+    async def _sse(self, call: Call, place: "_Place") -> AsyncIterator[str]:
         rid, model, created = call.rid, self.frontend.served_name, int(time.time())
         detok = Detokenizer(self.frontend.tokenizer, call.sampling)
         out_ids: list[int] = []
@@ -149,8 +152,7 @@ class IngressDeployment:
         except Exception as exc:  # mid-stream failure: an error event, then the stream ends cleanly
             yield sse(self._typed(exc, rid).to_body())
         finally:
-            call.stream.cancel()  # client gone or done: free the sequence's KV now
-            self._release()
+            place.release()  # client gone or done: cancel the stream (frees the sequence's KV now)
         yield "data: [DONE]\n\n"
 
     # ---- gRPC (method names are the service's RPCs) -------------------------------------------------------
@@ -200,6 +202,23 @@ class IngressDeployment:
             if call is not None:
                 call.stream.cancel()
             self._release()
+
+
+class _Place:
+    """One streaming request's place in the ingress's in-flight count and its decode stream, released exactly once
+    (cancelling the stream frees the sequence's KV even if the response generator never ran)."""
+
+    def __init__(self, ingress: IngressDeployment, call: Call) -> None:
+        self.ingress, self.call, self.done = ingress, call, False
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.call.stream.cancel()
+            self.ingress._release()
+
+    async def __call__(self) -> None:
+        self.release()
 
 
 def _bearer(request: Request) -> str | None:

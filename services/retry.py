@@ -24,6 +24,7 @@ async def with_retries(
     base_delay_s: float = 0.1,
     max_delay_s: float = 1.0,
     rng: random.Random | None = None,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
 ) -> T:
     rng = rng or random.Random()
     for n in range(1, max_attempts + 1):
@@ -33,5 +34,5 @@ async def with_retries(
             delay = min(max_delay_s, base_delay_s * 2 ** (n - 1)) * (0.5 + rng.random())  # full jitter around 2^n
             if n == max_attempts or time.time() + delay >= deadline:
                 raise
-            await asyncio.sleep(delay)
+            await sleep(delay)
     raise AssertionError("unreachable")

@@ -1,4 +1,8 @@
-"""A real local Ray cluster running the Prism Serve application, on 127.0.0.1, shared by the e2e tests."""
+"""A real local Ray cluster running the Prism Serve application, on 127.0.0.1, shared by the e2e tests.
+
+Package-scoped: the cluster (and its background threads in this process) is gone before the unit and security
+tests run, so their monkeypatching of global functions cannot race with Ray's own threads.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prism_server(model_cache):
     """(base_url, config) of a deployed app; its media stage may fetch from 127.0.0.1 — opened through the
     environment variable in the cluster's processes only, never in this test process."""
@@ -75,7 +79,7 @@ def prism_server(model_cache):
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def nixl_base(prism_server):
     """Base URL of a second application in the same cluster whose KV hand-off goes through NIXL (UCX)."""
     from ray import serve
@@ -90,7 +94,7 @@ def nixl_base(prism_server):
     serve.delete("prism-nixl")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def decode_stats(prism_server):
     from ray import serve
 
@@ -98,7 +102,7 @@ def decode_stats(prism_server):
     return lambda: handle.stats.remote().result(timeout_s=30)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def client(prism_server):
     import openai
 

@@ -19,13 +19,12 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def test_retries_until_success_with_growing_jittered_delays(monkeypatch):
+def test_retries_until_success_with_growing_jittered_delays():
     sleeps = []
 
-    async def fake_sleep(d):
+    async def fake_sleep(d):  # injected, not patched: other event loops in the process use asyncio.sleep too
         sleeps.append(d)
 
-    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
     calls = []
 
     async def attempt():
@@ -34,7 +33,8 @@ def test_retries_until_success_with_growing_jittered_delays(monkeypatch):
             raise Lost()
         return "ok"
 
-    assert _run(with_retries(attempt, time.time() + 60, (Lost,), max_attempts=3, rng=random.Random(1))) == "ok"
+    retried = with_retries(attempt, time.time() + 60, (Lost,), max_attempts=3, rng=random.Random(1), sleep=fake_sleep)
+    assert _run(retried) == "ok"
     assert len(calls) == 3 and len(sleeps) == 2
     assert 0.05 <= sleeps[0] <= 0.15 and 0.1 <= sleeps[1] <= 0.3
 
