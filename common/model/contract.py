@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -109,13 +110,10 @@ def hash_tensors(weight_files: list[Path], select: Any) -> str:
     return _digest(h)
 
 
-def build_contract(
-    model_id: str, model_dir: Path, adapter: FamilyAdapter, chat_template: str, processor_class: str, dtype: str
-) -> ModelContract:
-    """Hash a model directory into its contract. Reads every weight byte once (the loader reads them anyway)."""
-    weights = sorted(model_dir.glob("*.safetensors"))
-    if not weights:
-        raise ValueError(f"{model_dir} has no .safetensors weights")
+def _weight_hashes(weights: list[Path], adapter: FamilyAdapter, cache_dir: Path | None) -> tuple[str, str, str]:
+    """(all weights, vision tower, projector) hashes. Reading every weight byte is the one expensive part of a
+    contract, and every replica of every stage loads one, so the result is kept on disk, keyed by each weight file's
+    real path, size and modification time (the same staleness rule ``make`` uses) and the family's prefixes."""
 
     def is_projector(name: str) -> bool:
         return name.startswith(adapter.projector_prefixes)
@@ -123,17 +121,51 @@ def build_contract(
     def is_vision(name: str) -> bool:
         return name.startswith(adapter.vision_prefixes) and not is_projector(name)
 
+    stamp = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
+    key = hashlib.sha256(json.dumps([stamp, adapter.vision_prefixes, adapter.projector_prefixes]).encode()).hexdigest()
+    path = cache_dir / "contracts" / f"{key}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            cached = json.loads(path.read_text())
+            return cached["all"], cached["vision"], cached["projector"]
+        except (ValueError, KeyError):
+            pass  # a torn or foreign file: recompute and overwrite it
+    result = (
+        hash_tensors(weights, lambda n: True),
+        hash_tensors(weights, is_vision),
+        hash_tensors(weights, is_projector),
+    )
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(zip(("all", "vision", "projector"), result, strict=True))))
+        os.replace(tmp, path)
+    return result
+
+
+def build_contract(
+    model_id: str,
+    model_dir: Path,
+    adapter: FamilyAdapter,
+    chat_template: str,
+    processor_class: str,
+    dtype: str,
+    cache_dir: Path | None = None,
+) -> ModelContract:
+    """Hash a model directory into its contract (weight hashes remembered under ``cache_dir`` when given)."""
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{model_dir} has no .safetensors weights")
+    all_weights, vision, projector = _weight_hashes(weights, adapter, cache_dir)
     return ModelContract(
         model_id=model_id,
         family=adapter.name,
         model_dir=str(model_dir),
         dtype=dtype,
-        model_revision=_hash_files(
-            model_dir, ["config.json", "generation_config.json"], extra=hash_tensors(weights, lambda n: True)
-        ),
+        model_revision=_hash_files(model_dir, ["config.json", "generation_config.json"], extra=all_weights),
         tokenizer_revision=_hash_files(model_dir, _TOKENIZER_FILES),
         chat_template_revision=_digest(hashlib.sha256(chat_template.encode())),
         processor_revision=_hash_files(model_dir, _PROCESSOR_FILES, extra=processor_class),
-        vision_encoder_revision=hash_tensors(weights, is_vision),
-        projector_revision=hash_tensors(weights, is_projector),
+        vision_encoder_revision=vision,
+        projector_revision=projector,
     )

@@ -103,6 +103,7 @@ def load_frontend(cfg: ModelConfig, config: Any = None, dtype: str | None = None
         chat_template=tokenizer.chat_template,
         processor_class=type(image_processor).__name__,
         dtype=dtype.removeprefix("torch."),
+        cache_dir=Path(cfg.cache_dir).expanduser(),
     )
     return ModelFrontend(
         adapter=adapter,

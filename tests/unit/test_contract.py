@@ -87,3 +87,29 @@ def test_dtype_is_part_of_the_encoder_key(model_cache):
     bf16 = load_model(ModelConfig(model="prism-tiny-llava", cache_dir=model_cache, dtype="bfloat16"))
     assert fp32.contract.vision_encoder_revision == bf16.contract.vision_encoder_revision
     assert fp32.contract.encoder_key != bf16.contract.encoder_key
+
+
+def test_weight_hashes_are_remembered_until_a_weight_file_changes(tmp_path, model_cache, monkeypatch):
+    from common.model import contract as contract_mod
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(resolve_model_dir("prism-tiny-llava", model_cache), ckpt)
+    cache = str(tmp_path / "cache")
+    first = _contract_with_cache(ckpt, cache)
+    assert list((tmp_path / "cache" / "contracts").glob("*.json"))
+
+    def no_reading(*a, **k):
+        raise AssertionError("weights were re-hashed although nothing changed")
+
+    monkeypatch.setattr(contract_mod, "hash_tensors", no_reading)
+    assert _contract_with_cache(ckpt, cache) == first
+    monkeypatch.undo()
+
+    _edit_tensor(ckpt, lambda k: k.startswith("language_model."))  # rewrites the file: new size/mtime
+    changed = _contract_with_cache(ckpt, cache)
+    assert changed.model_revision != first.model_revision
+    assert changed.vision_encoder_revision == first.vision_encoder_revision
+
+
+def _contract_with_cache(path, cache):
+    return load_model(ModelConfig(model=str(path), cache_dir=cache)).contract
