@@ -6,19 +6,17 @@ future; the driver loop encodes one batch per step. A cancelled call (client gon
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
 from common.cache.encoder_cache import EncoderCache
 from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
-from common.errors import PrismError
 from common.media.stage import decode_options
 from common.model.loader import load_model
 from common.protocol.handoff import ProcessedMedia, VisualEmbeddings
 from common.sched.encoder_batcher import EncoderBatcher
-from services.runtime import EngineDriver, check_deadline
+from services.runtime import AwaitedEngine, check_deadline
 
 
 class EncodeDeployment:
@@ -32,8 +30,7 @@ class EncodeDeployment:
         batcher = EncoderBatcher(patch_budget=eng.encoder_patch_budget)
         self.engine = EncodeEngine(self.lm, batcher, cache, time.monotonic)
         self.options = decode_options(self.cfg.media)
-        self.waiting: dict[str, asyncio.Future] = {}
-        self.driver = EngineDriver(self.engine.step, self.engine.has_work, self._deliver, self._fail)
+        self.runner = AwaitedEngine(self.engine.step, self.engine.has_work, dict.items, self.engine.cancel)
 
     async def encode(
         self, media: list[ProcessedMedia], request_id: str, tenant: str, deadline: float
@@ -41,33 +38,13 @@ class EncodeDeployment:
         if not media:
             return []
         check_deadline(deadline, "encode")
-        async with self.driver.lock:
-            done = self.engine.submit(request_id, media, tenant=tenant, processor_options=self.options)
-        if done is not None:
-            return done
-        future = asyncio.get_running_loop().create_future()
-        self.waiting[request_id] = future
-        self.driver.poke()
-        try:
-            return await future
-        finally:
-            self.waiting.pop(request_id, None)
-            if not future.done():
-                async with self.driver.lock:
-                    self.engine.cancel(request_id)
-
-    def _fail(self, exc: BaseException) -> None:
-        """A step failed: drop every queued request (the failure may be any of theirs) and fail its caller."""
-        for rid, future in list(self.waiting.items()):
-            self.engine.cancel(rid)
-            if not future.done():
-                future.set_exception(PrismError(f"{type(exc).__name__} in the engine; the request was dropped"))
-
-    def _deliver(self, completed: dict[str, list[VisualEmbeddings]]) -> None:
-        for rid, embeddings in completed.items():
-            future = self.waiting.get(rid)
-            if future is not None and not future.done():
-                future.set_result(embeddings)
+        return await self.runner.run(
+            request_id,
+            lambda: self.engine.submit(request_id, media, tenant=tenant, processor_options=self.options),
+        )
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return {"queue_depth": float(self.engine.batcher.pending_patches), "pending_items": float(len(self.waiting))}
+        return {
+            "queue_depth": float(self.engine.batcher.pending_patches),
+            "pending_items": float(len(self.runner.waiting)),
+        }

@@ -16,14 +16,13 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
-from common.errors import PrismError
 from common.kv.nixl_transport import NixlKVSender, RemotePrefillOutput
 from common.model.loader import load_model
 from common.protocol.handoff import PrefillOutput, VisualEmbeddings
 from common.protocol.sampling import SamplingParams
 from common.stages.merge import merge
 from common.stages.prompt import build_prompt
-from services.runtime import EngineDriver, check_deadline
+from services.runtime import AwaitedEngine, check_deadline
 
 
 class PrefillDeployment:
@@ -38,11 +37,13 @@ class PrefillDeployment:
             prefix_cache_blocks=eng.prefix_cache_blocks,
             shared_prefix_scope=eng.shared_cache_scope,
         )
-        self.waiting: dict[str, asyncio.Future] = {}
         self.nixl = NixlKVSender() if self.cfg.server.transport == "nixl" else None
         self._nixl_poller: asyncio.Task | None = None
-        self.driver = EngineDriver(
-            lambda: self.engine.step(eng.prefill_chunk_tokens), self.engine.has_work, self._deliver, self._fail
+        self.runner = AwaitedEngine(
+            lambda: self.engine.step(eng.prefill_chunk_tokens),
+            self.engine.has_work,
+            lambda results: ((r.request_id, r) for r in results),
+            self.engine.cancel,
         )
 
     async def prefill(
@@ -58,43 +59,21 @@ class PrefillDeployment:
         check_deadline(deadline, "prefill")
         prompt = build_prompt(self.lm, messages, embeddings, self.cfg.engine.max_prompt_tokens)
         merged = merge(self.lm, prompt, embeddings)
-        future = asyncio.get_running_loop().create_future()
-        self.waiting[request_id] = future
-        async with self.driver.lock:
-            self.engine.submit(request_id, merged, sampling, tenant=tenant)
-        self.driver.poke()
-        try:
-            result: PrefillResult = await future
-            if self.nixl is None:
-                return result.output
-            remote = self.nixl.publish(result.output, expires_at=deadline)
-            if self._nixl_poller is None or self._nixl_poller.done():
-                self._nixl_poller = asyncio.get_running_loop().create_task(self._poll_nixl())
-            return remote
-        finally:
-            self.waiting.pop(request_id, None)
-            if not future.done():
-                async with self.driver.lock:
-                    self.engine.cancel(request_id)
+        result: PrefillResult = await self.runner.run(
+            request_id, lambda: self.engine.submit(request_id, merged, sampling, tenant=tenant)
+        )
+        if self.nixl is None:
+            return result.output
+        remote = self.nixl.publish(result.output, expires_at=deadline)
+        if self._nixl_poller is None or self._nixl_poller.done():
+            self._nixl_poller = asyncio.get_running_loop().create_task(self._poll_nixl())
+        return remote
 
     async def _poll_nixl(self) -> None:
         """Free published KV once read (or expired); stops when nothing is held."""
         assert self.nixl is not None
         while await asyncio.to_thread(self.nixl.poll):
             await asyncio.sleep(0.02)
-
-    def _fail(self, exc: BaseException) -> None:
-        """A step failed: drop every queued request (the failure may be any of theirs) and fail its caller."""
-        for rid, future in list(self.waiting.items()):
-            self.engine.cancel(rid)
-            if not future.done():
-                future.set_exception(PrismError(f"{type(exc).__name__} in the engine; the request was dropped"))
-
-    def _deliver(self, results: list[PrefillResult]) -> None:
-        for result in results:
-            future = self.waiting.get(result.request_id)
-            if future is not None and not future.done():
-                future.set_result(result)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queue_depth": float(self.engine.queued_tokens)}

@@ -3,7 +3,8 @@
 An engine (encode, prefill, decode) is single-threaded state. Its deployment owns one :class:`EngineDriver`: request
 coroutines submit/cancel under an ``asyncio.Lock`` and wait on their own futures/queues; one background task runs
 ``engine.step()`` in a worker thread (so the replica's event loop keeps accepting requests) whenever there is work,
-and hands results to the waiting coroutines.
+and hands results to the waiting coroutines. :class:`AwaitedEngine` is that pattern for one result per request
+(encode, prefill); decode streams tokens through per-request queues instead.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from common.errors import DeadlineExceeded
+from common.errors import DeadlineExceeded, PrismError
 
 log = logging.getLogger("prism.stage")
 
@@ -80,3 +81,56 @@ class EngineDriver:
                     continue
             self._deliver(result)
             await asyncio.sleep(0)  # let waiting submits take the lock between steps
+
+
+class AwaitedEngine:
+    """An engine whose callers each wait for one result per request id (the encode and prefill stages).
+
+    :meth:`run` submits under the engine lock and awaits the request's future; each step's output is routed to the
+    futures by ``results(output) → (request_id, value) pairs``. A caller that goes away (cancelled) has its request
+    dropped from the engine; a failing step drops every queued request and fails its caller with a 500.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[], Any],
+        has_work: Callable[[], bool],
+        results: Callable[[Any], Iterable[tuple[str, Any]]],
+        cancel: Callable[[str], object],
+    ) -> None:
+        self._results, self._cancel = results, cancel
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.driver = EngineDriver(step, has_work, self._deliver, self._fail)
+
+    async def run(self, request_id: str, submit: Callable[[], Any]) -> Any:
+        """``submit()`` queues the request (under the lock); a non-``None`` return is the result, at once."""
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = future
+        queued = False
+        try:
+            async with self.driver.lock:
+                immediate = submit()
+            if immediate is not None:
+                return immediate
+            queued = True
+            self.driver.poke()
+            return await future
+        finally:
+            self.waiting.pop(request_id, None)
+            # A caller cancelled while waiting also cancels the future itself, so "done" alone does not mean the
+            # engine finished with this request: only a result or an exception does.
+            if queued and (future.cancelled() or not future.done()):
+                async with self.driver.lock:
+                    self._cancel(request_id)
+
+    def _deliver(self, output: Any) -> None:
+        for rid, value in self._results(output):
+            future = self.waiting.get(rid)
+            if future is not None and not future.done():
+                future.set_result(value)
+
+    def _fail(self, exc: BaseException) -> None:
+        for rid, future in list(self.waiting.items()):
+            self._cancel(rid)
+            if not future.done():
+                future.set_exception(PrismError(f"{type(exc).__name__} in the engine; the request was dropped"))
