@@ -134,11 +134,29 @@ class ServerConfig(_Strict):
     ingress's ``max_ongoing_requests`` so Serve's own, body-less backpressure is only the last line of defence)."""
     transport: Literal["object_store", "nixl"] = "object_store"
     """How embeddings and KV move between stages."""
+    max_chain_attempts: int = Field(default=3, ge=1, le=10)
+    """Times the ingress issues a request's stage chain when a replica is lost before the first token id comes
+    back (jittered backoff between attempts; never past the deadline). A typed error is never retried."""
 
     @field_validator("api_keys")
     @classmethod
     def _tenants(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_tenants(v)
+
+
+class ObservabilityConfig(_Strict):
+    """Request traces and the request log (metrics need no settings: they go to Ray's metrics port)."""
+
+    media_hash_key: str = ""
+    """Secret key of the keyed hash that names media in traces and logs (HMAC of the bytes' digest). Empty: the app
+    builder draws a random one per deployment of the application (hashes then correlate only within it)."""
+    request_log: bool = True
+    """Write one JSON line per finished request (ids, shapes, cache outcomes, timings; never content)."""
+    request_log_path: str | None = None
+    """Append the request log to this file instead of the ingress replica's stderr (which Ray keeps in its worker
+    logs)."""
+    allow_client_traces: bool = True
+    """Honour ``X-Prism-Trace: 1`` (return the trace in the response). Off: the header is ignored."""
 
 
 class PrismConfig(_Strict):
@@ -150,3 +168,4 @@ class PrismConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     server: ServerConfig = ServerConfig()
     deployments: DeploymentsConfig = DeploymentsConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()

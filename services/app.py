@@ -8,6 +8,7 @@ ingress refuses with 429 + Retry-After when its queue is full (``BackpressureCon
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from ray import serve
@@ -54,6 +55,8 @@ def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any
 def build_app(args: dict[str, Any]) -> Application:
     cfg = PrismConfig.model_validate(args.get("config", {}))
     raw = cfg.model_dump(mode="json")
+    if not cfg.observability.media_hash_key:  # one key for every replica of this deployment of the app
+        raw["observability"]["media_hash_key"] = secrets.token_hex(16)
     d, retry = cfg.deployments, cfg.server.retry_after_s
     media = serve.deployment(**_options("Media", d.media, retry))(MediaDeployment).bind(raw)
     encode = serve.deployment(**_options("Encode", d.encode, retry))(EncodeDeployment).bind(raw)

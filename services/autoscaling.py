@@ -5,24 +5,38 @@ flight; encode: pending vision patches; prefill: prompt tokens still to compute;
 :class:`QueueDepthPolicy` wants ``ceil(total_depth / target_per_replica)`` replicas, clamped to the stage's range;
 it scales up at once and down only after the lower target has held for ``downscale_delay_s`` (no flapping).
 Decode also reports ``kv_used_fraction``: above ``kv_high_watermark`` on average it asks for one more replica even if
-the sequence count alone would not.
+the sequence count alone would not. Each decision is exported as ``prism_autoscale_desired_replicas`` (recorded in
+the Serve controller, where the policy runs) so dashboards can show wanted vs running replicas next to the queue.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
+
+Report = Callable[[Any, int], None]
 
 
 class QueueDepthPolicy:
     def __init__(
-        self, target_per_replica: float, downscale_delay_s: float = 10.0, kv_high_watermark: float = 0.85
+        self,
+        target_per_replica: float,
+        downscale_delay_s: float = 10.0,
+        kv_high_watermark: float = 0.85,
+        report: Report | None = None,
     ) -> None:
         self.target = target_per_replica
         self.downscale_delay_s = downscale_delay_s
         self.kv_high = kv_high_watermark
+        self.report = report or _report_gauge
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        decision, state = self._decide(ctx)
+        self.report(ctx, decision)
+        return decision, state
+
+    def _decide(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         metrics = ctx.aggregated_metrics or {}
         depth = sum(metrics.get("queue_depth", {}).values())
         want = math.ceil(depth / self.target) if depth > 0 else 0
@@ -41,3 +55,20 @@ class QueueDepthPolicy:
             state.pop("below_since", None)
             return want, state
         return ctx.current_num_replicas, state
+
+
+_gauge: Any = None
+
+
+def _report_gauge(ctx: Any, replicas: int) -> None:
+    global _gauge
+    if _gauge is None:
+        from ray.util.metrics import Gauge
+
+        from common.obs.catalogue import BY_NAME
+
+        spec = BY_NAME["prism_autoscale_desired_replicas"]
+        _gauge = Gauge(spec.name, description=spec.description, tag_keys=spec.tags)
+    name = str(ctx.deployment_name)
+    tags = {"application": str(ctx.app_name or ""), "deployment": name, "stage": name.lower()}
+    _gauge.set(replicas, tags=tags)

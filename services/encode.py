@@ -2,6 +2,9 @@
 
 Requests from many callers share batches: each call submits its items to the :class:`EncodeEngine` and awaits a
 future; the driver loop encodes one batch per step. A cancelled call (client gone) removes its queued items.
+
+Trace: ``encode.transfer`` (media done → this call starts: the pixels' hand-off), ``encode.queue`` (waiting for a
+batch), ``encode`` (the batch that finished it; encoder-cache hits/misses and visual tokens as attributes).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
 from common.media.stage import decode_options
 from common.model.loader import load_model
+from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import ProcessedMedia, VisualEmbeddings
 from common.sched.encoder_batcher import EncoderBatcher
+from services.metrics import Metrics
 from services.runtime import AwaitedEngine, check_deadline
 
 
@@ -24,24 +29,61 @@ class EncodeDeployment:
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         eng = self.cfg.engine
-        cache = None
+        self.cache = None
         if eng.encoder_cache_bytes:
-            cache = EncoderCache(eng.encoder_cache_bytes, eng.shared_cache_scope)
+            self.cache = EncoderCache(eng.encoder_cache_bytes, eng.shared_cache_scope)
         batcher = EncoderBatcher(patch_budget=eng.encoder_patch_budget)
-        self.engine = EncodeEngine(self.lm, batcher, cache, time.monotonic)
+        self.engine = EncodeEngine(self.lm, batcher, self.cache, time.monotonic)
         self.options = decode_options(self.cfg.media)
         self.runner = AwaitedEngine(self.engine.step, self.engine.has_work, dict.items, self.engine.cancel)
+        self.metrics = Metrics("encode")
+        self.metrics.keep_fresh(self._load)
 
     async def encode(
-        self, media: list[ProcessedMedia], request_id: str, tenant: str, deadline: float
-    ) -> list[VisualEmbeddings]:
-        if not media:
-            return []
+        self,
+        media: Traced[list[ProcessedMedia]] | list[ProcessedMedia],
+        request_id: str,
+        tenant: str,
+        deadline: float,
+        sent_at: float | None = None,
+    ) -> Traced[list[VisualEmbeddings]]:
+        timeline = Timeline.after(media, sent_at if sent_at is not None else time.time())
+        items = unwrap(media)
+        nbytes = sum(int(m.pixel_values.nbytes) for m in items)
+        transfer = timeline.mark("encode.transfer", backend="object_store", bytes=nbytes)
+        self.metrics.transfer("object_store", "pixels", nbytes, transfer.duration_s)
+        if not items:
+            return timeline.wrap([])
         check_deadline(deadline, "encode")
-        return await self.runner.run(
-            request_id,
-            lambda: self.engine.submit(request_id, media, tenant=tenant, processor_options=self.options),
+        try:
+            out = await self.runner.run(request_id, lambda: self._submit(request_id, items, tenant))
+        finally:
+            stats = self.engine.pop_stats(request_id)
+            self._load()
+        hits, misses = (stats.cache_hits, stats.cache_misses) if stats else (0, 0)
+        started = stats.started_at if stats and stats.started_at is not None else time.monotonic()
+        # The batch start is on the engine's monotonic clock: place it on the wall-clock timeline via "how long ago".
+        queue = timeline.span("encode.queue", (time.time() - timeline.last) - (time.monotonic() - started))
+        work = timeline.mark(
+            "encode",
+            items=len(items),
+            visual_tokens=sum(e.num_visual_tokens for e in out),
+            encoder_cache_hits=hits,
+            encoder_cache_misses=misses,
         )
+        self.metrics.stage_time(transfer.duration_s + queue.duration_s, work.duration_s)
+        if self.cache is not None:
+            self.metrics.cache_lookups("encoder", hits, misses)
+            self.metrics.cache_bytes("encoder", self.cache.stats().bytes)
+        return timeline.wrap(out)
+
+    def _submit(self, request_id: str, items: list[ProcessedMedia], tenant: str) -> list[VisualEmbeddings] | None:
+        done = self.engine.submit(request_id, items, tenant=tenant, processor_options=self.options)
+        self._load()
+        return done
+
+    def _load(self) -> None:
+        self.metrics.load(len(self.runner.waiting), self.engine.batcher.pending_patches)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {

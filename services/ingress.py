@@ -5,8 +5,13 @@ HTTP: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /he
 ``server.max_in_flight_per_ingress`` requests and answers the rest with 429 + Retry-After (gRPC
 ``RESOURCE_EXHAUSTED``) and an OpenAI error body. A client that disconnects cancels the decode stream, which frees
 the sequence's KV, and Serve propagates the cancellation to the stages still working for it.
+
+Every request, whatever its end, is finished exactly once through the :class:`RequestObserver` (metrics + one
+JSON log line); with ``X-Prism-Trace: 1`` the trace summary is returned as ``prism_trace`` in the JSON body, in the
+final SSE chunk (the one with ``usage``), or in an error body.
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -22,7 +27,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from common.config import PrismConfig
 from common.errors import InvalidRequestError, Overloaded, PrismError
 from common.model.loader import load_frontend
+from common.obs.request_trace import RequestTrace
 from common.stages.stops import visible_text
+from services.observer import CANCELLED, RequestObserver
 from services.openai_format import Detokenizer, chunk, completion_body, error_response, sse, usage
 from services.pipeline_client import Call, PipelineClient
 from services.proto import prism_pb2
@@ -56,16 +63,26 @@ class IngressDeployment:
         self.cfg = PrismConfig.model_validate(config)
         self.frontend = load_frontend(self.cfg.model)
         self.client = PipelineClient(self.cfg, self.frontend, media, encode, prefill, decode)
+        self.observer = RequestObserver(self.cfg.observability)
         self.in_flight = 0
+        self.observer.metrics.keep_fresh(lambda: self.observer.metrics.load(self.in_flight, self.in_flight))
 
     # ---- admission ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
         if self.in_flight >= self.cfg.server.max_in_flight_per_ingress:
             raise Overloaded("the server is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s)
         self.in_flight += 1
+        self.observer.metrics.load(self.in_flight, self.in_flight)
 
     def _release(self) -> None:
         self.in_flight -= 1
+        self.observer.metrics.load(self.in_flight, self.in_flight)
+
+    def _fail(self, trace: RequestTrace, exc: BaseException) -> PrismError:
+        """The typed error for a failure, with the request finished under its status and code."""
+        typed = self._typed(exc, trace.request_id)
+        self.observer.finish(trace, typed.http_status, typed.code)
+        return typed
 
     def _typed(self, exc: BaseException, rid: str = "") -> PrismError:
         typed = self.client.as_prism_error(exc)
@@ -97,39 +114,53 @@ class IngressDeployment:
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
+        trace = self.observer.start("http")
+        traced = self.observer.wants_trace(request.headers.get("x-prism-trace"))
         try:
             self._admit()
         except PrismError as exc:
-            return error_response(exc)
+            return self._error(trace, exc, traced)
         streaming = False
         try:
             try:
                 body = await request.json()
             except ValueError:
                 raise InvalidRequestError("request body is not valid JSON") from None
-            call = await self.client.begin(_bearer(request), body, request.headers.get("x-prism-deadline-ms"))
+            call = await self.client.begin(_bearer(request), body, request.headers.get("x-prism-deadline-ms"), trace)
             if call.req.stream:
                 streaming = True
                 place = _Place(self, call)
                 # Released by whichever ends first: the generator's own cleanup, or Starlette's background task
                 # (which also runs when the client left before the generator was ever started).
-                return StreamingResponse(self._sse(call, place), media_type="text/event-stream", background=place)
-            return await self._complete(call)
+                return StreamingResponse(
+                    self._sse(call, place, traced), media_type="text/event-stream", background=place
+                )
+            return await self._complete(call, traced)
+        except asyncio.CancelledError:  # the client went away (Serve cancels the handler)
+            self.observer.finish(trace, *CANCELLED)
+            raise
         except Exception as exc:  # every failure becomes an OpenAI error body
-            return error_response(self._typed(exc))
+            return self._error(trace, exc, traced)
         finally:
             if not streaming:
                 self._release()
 
-    async def _complete(self, call: Call) -> Response:
+    def _error(self, trace: RequestTrace, exc: BaseException, traced: bool) -> Response:
+        typed = self._fail(trace, exc)
+        return error_response(typed, trace.summary() if traced else None)
+
+    async def _complete(self, call: Call, traced: bool) -> Response:
         out_ids, finish = await self.client.collect(call)
         text = visible_text(self.frontend.tokenizer, out_ids, call.sampling)
         body = completion_body(
             call.rid, self.frontend.served_name, text, finish, call.prompt_ids, out_ids, call.req.return_token_ids
         )
+        self.observer.finish(call.trace, 200, "ok", call.kv_blocks)
+        if traced:
+            body["prism_trace"] = call.trace.summary()
         return JSONResponse(body)
 
-    async def _sse(self, call: Call, place: "_Place") -> AsyncIterator[str]:
+    async def _sse(self, call: Call, place: "_Place", traced: bool) -> AsyncIterator[str]:
         rid, model, created = call.rid, self.frontend.served_name, int(time.time())
         detok = Detokenizer(self.frontend.tokenizer, call.sampling)
         out_ids: list[int] = []
@@ -144,26 +175,34 @@ class IngressDeployment:
                     continue
                 extra = {"token_ids": out_ids} if call.req.return_token_ids else {}
                 yield chunk(rid, model, created, {"content": delta + detok.finish()}, finish, **extra)
+                self.observer.finish(call.trace, 200, "ok", call.kv_blocks)
                 final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created}
                 final.update(model=model, choices=[], usage=usage(call.prompt_ids, out_ids))
                 if call.req.return_token_ids:
                     final["prompt_token_ids"] = call.prompt_ids
+                if traced:
+                    final["prism_trace"] = call.trace.summary()
                 yield sse(final)
         except Exception as exc:  # mid-stream failure: an error event, then the stream ends cleanly
-            yield sse(self._typed(exc, rid).to_body())
+            body = self._fail(call.trace, exc).to_body()
+            if traced:
+                body["prism_trace"] = call.trace.summary()
+            yield sse(body)
         finally:
             place.release()  # client gone or done: cancel the stream (frees the sequence's KV now)
         yield "data: [DONE]\n\n"
 
     # ---- gRPC (method names are the service's RPCs) -------------------------------------------------------
     async def Generate(self, request: prism_pb2.GenerateRequest, grpc_context) -> prism_pb2.GenerateResponse:
+        trace = self.observer.start("grpc")
         try:
             self._admit()
         except PrismError as exc:
-            raise _grpc_error(grpc_context, exc) from None
+            raise _grpc_error(grpc_context, self._fail(trace, exc)) from None
         try:
-            call = await self.client.begin(request.api_key, _json(request), request.deadline_ms)
+            call = await self.client.begin(request.api_key, _json(request), request.deadline_ms, trace)
             out_ids, finish = await self.client.collect(call)
+            self.observer.finish(trace, 200, "ok", call.kv_blocks)
             return prism_pb2.GenerateResponse(
                 id=call.rid,
                 text=visible_text(self.frontend.tokenizer, out_ids, call.sampling),
@@ -173,18 +212,20 @@ class IngressDeployment:
                 usage=prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids)),
             )
         except Exception as exc:
-            raise _grpc_error(grpc_context, self._typed(exc)) from None
+            raise _grpc_error(grpc_context, self._fail(trace, exc)) from None
         finally:
+            self.observer.finish(trace, *CANCELLED)  # no-op unless the call was cancelled
             self._release()
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
+        trace = self.observer.start("grpc")
         try:
             self._admit()
         except PrismError as exc:
-            raise _grpc_error(grpc_context, exc) from None
+            raise _grpc_error(grpc_context, self._fail(trace, exc)) from None
         call = None
         try:
-            call = await self.client.begin(request.api_key, _json(request), request.deadline_ms)
+            call = await self.client.begin(request.api_key, _json(request), request.deadline_ms, trace)
             detok = Detokenizer(self.frontend.tokenizer, call.sampling)
             out_ids: list[int] = []
             async for token, finish in self.client.tokens(call):
@@ -193,14 +234,16 @@ class IngressDeployment:
                 usage_msg = None
                 if finish:
                     usage_msg = prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids))
+                    self.observer.finish(trace, 200, "ok", call.kv_blocks)
                 yield prism_pb2.GenerateChunk(
                     id=call.rid, delta=delta, token_id=token, finish_reason=finish or "", usage=usage_msg
                 )
         except Exception as exc:
-            raise _grpc_error(grpc_context, self._typed(exc)) from None
+            raise _grpc_error(grpc_context, self._fail(trace, exc)) from None
         finally:
             if call is not None:
                 call.stream.cancel()
+            self.observer.finish(trace, *CANCELLED)  # no-op unless the call was cancelled
             self._release()
 
 
@@ -216,6 +259,7 @@ class _Place:
             self.done = True
             self.call.stream.cancel()
             self.ingress._release()
+            self.ingress.observer.finish(self.call.trace, *CANCELLED)  # no-op when the stream already finished
 
     async def __call__(self) -> None:
         self.release()

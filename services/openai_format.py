@@ -48,11 +48,15 @@ class Detokenizer:
         return delta
 
 
-def error_response(exc: PrismError) -> JSONResponse:
+def error_response(exc: PrismError, trace: dict[str, Any] | None = None) -> JSONResponse:
+    """The OpenAI-style error body (with ``prism_trace`` when the client asked for the trace)."""
     headers = {}
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    return JSONResponse(exc.to_body(), status_code=exc.http_status, headers=headers)
+    body = exc.to_body()
+    if trace is not None:
+        body["prism_trace"] = trace
+    return JSONResponse(body, status_code=exc.http_status, headers=headers)
 
 
 def completion_body(

@@ -7,13 +7,16 @@ replica to replica through the object store (or NIXL) and never through the ingr
 stream's first item (the prompt's token ids), so every stage's error surfaces before a protocol commits to a
 status; a chain that lost a replica before that point is restarted (bounded, jittered — :mod:`services.retry`).
 :meth:`PipelineClient.tokens` then yields ``(token_id, finish_reason)`` under the deadline.
+
+Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (each stage gets that
+moment as ``sent_at``), the stages' spans arrive with the decode stream's first item and first token, and every token
+is stamped as it arrives here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +37,10 @@ from common.errors import (
 )
 from common.media.loader import check_request
 from common.model.loader import ModelFrontend
+from common.obs.request_trace import RequestTrace
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
+from services.retry import with_retries
 
 _REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 
@@ -48,6 +53,8 @@ class Call:
     stream: DeploymentResponseGenerator
     prompt_ids: list[int]
     deadline: float
+    trace: RequestTrace
+    kv_blocks: int = 0
 
 
 class PipelineClient:
@@ -82,9 +89,9 @@ class PipelineClient:
                 )
         return time.time() + budget / 1000.0
 
-    async def begin(self, api_key: str | None, body: Any, budget_ms: str | int | None) -> Call:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        tenant = self.tenant(api_key)
+    async def begin(self, api_key: str | None, body: Any, budget_ms: str | int | None, trace: RequestTrace) -> Call:
+        rid = trace.request_id
+        tenant = trace.tenant = self.tenant(api_key)
         req = parse_chat_request(body)
         if req.model != self.frontend.served_name:
             raise ModelNotFound(f"model {req.model!r} is not served here; try {self.frontend.served_name!r}")
@@ -96,26 +103,55 @@ class PipelineClient:
                 param="max_tokens",
             )
         check_request(req.media_refs(), self.cfg.media)
-        stream = self._start(req, sampling, rid, tenant, deadline)
+        trace.sent(media_items=len(req.media_refs()), max_tokens=sampling.max_tokens)
         try:
-            first = await self._next(stream, deadline)
+            stream, first = await with_retries(
+                lambda: self._attempt(req, sampling, rid, tenant, deadline, trace.timeline.last),
+                deadline,
+                _REPLICA_LOST,
+                max_attempts=self.cfg.server.max_chain_attempts,
+            )
         except BackPressureError:
-            stream.cancel()
             raise Overloaded(
                 "a stage is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s
             ) from None
-        return Call(rid, req, sampling, stream, first["prompt_token_ids"], deadline)
+        trace.absorb(first.get("spans", ()))
+        trace.prompt_tokens = len(first["prompt_token_ids"])
+        return Call(rid, req, sampling, stream, first["prompt_token_ids"], deadline, trace)
+
+    async def _attempt(
+        self,
+        req: ChatCompletionRequest,
+        sampling: SamplingParams,
+        rid: str,
+        tenant: str,
+        deadline: float,
+        sent_at: float,
+    ) -> tuple[DeploymentResponseGenerator, dict[str, Any]]:
+        """Issue the whole chain and wait for the decode stream's first item; a failed attempt cancels its chain."""
+        stream = self._start(req, sampling, rid, tenant, deadline, sent_at)
+        try:
+            return stream, await self._next(stream, deadline)
+        except BaseException:
+            stream.cancel()
+            raise
 
     def _start(
-        self, req: ChatCompletionRequest, sampling: SamplingParams, rid: str, tenant: str, deadline: float
+        self,
+        req: ChatCompletionRequest,
+        sampling: SamplingParams,
+        rid: str,
+        tenant: str,
+        deadline: float,
+        sent_at: float,
     ) -> DeploymentResponseGenerator:
         refs = req.media_refs()
         embeddings: Any = []
         if refs:
-            media = self.media.process.remote(refs, tenant, deadline)
-            embeddings = self.encode.encode.remote(media, rid, tenant, deadline)
-        pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, rid, tenant, deadline)
-        return self.decode.generate.options(stream=True).remote(pre, sampling, rid, deadline)
+            media = self.media.process.remote(refs, tenant, deadline, sent_at)
+            embeddings = self.encode.encode.remote(media, rid, tenant, deadline, sent_at)
+        pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, rid, tenant, deadline, sent_at)
+        return self.decode.generate.options(stream=True).remote(pre, sampling, rid, deadline, sent_at)
 
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
         """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure."""
@@ -126,6 +162,9 @@ class PipelineClient:
                 raise DeadlineExceeded("deadline exceeded during decode")
             if finish == "error":
                 raise PrismError("decode failed")
+            call.trace.absorb(event.get("spans", ()))
+            call.trace.token()
+            call.kv_blocks = event.get("kv_blocks", call.kv_blocks)
             yield event["token_id"], finish
             if finish is not None:
                 return

@@ -7,21 +7,28 @@ queued prompts. The result is a :class:`PrefillOutput` (first token + KV blocks 
 object store — or, with ``server.transport: nixl``, a small :class:`RemotePrefillOutput` descriptor; the decode
 replica then reads the KV straight from this replica's memory, which is freed on its notification or at the
 request's deadline.
+
+Trace: ``prefill.transfer`` (encode done → this call starts: the embeddings' hand-off; for a text-only request,
+ingress sent → start), ``prefill.prompt`` (chat template + span validation + merge), ``prefill.queue`` (waiting for
+the engine's first chunk), ``prefill`` (the chunks; prompt tokens, prefix-cache hit, KV blocks as attributes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
 from common.kv.nixl_transport import NixlKVSender, RemotePrefillOutput
 from common.model.loader import load_model
+from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import PrefillOutput, VisualEmbeddings
 from common.protocol.sampling import SamplingParams
 from common.stages.merge import merge
 from common.stages.prompt import build_prompt
+from services.metrics import Metrics
 from services.runtime import AwaitedEngine, check_deadline
 
 
@@ -45,29 +52,70 @@ class PrefillDeployment:
             lambda results: ((r.request_id, r) for r in results),
             self.engine.cancel,
         )
+        self.metrics = Metrics("prefill")
+        self.metrics.keep_fresh(self._load)
 
     async def prefill(
         self,
         messages: list[dict[str, Any]],
-        embeddings: list[VisualEmbeddings],
+        embeddings: Traced[list[VisualEmbeddings]] | list[VisualEmbeddings],
         sampling: SamplingParams,
         request_id: str,
         tenant: str,
         deadline: float,
-    ) -> PrefillOutput | RemotePrefillOutput:
+        sent_at: float | None = None,
+    ) -> Traced[PrefillOutput | RemotePrefillOutput]:
         """The prefill result; with the NIXL transport, a descriptor the decode replica reads the KV through."""
+        timeline = Timeline.after(embeddings, sent_at if sent_at is not None else time.time())
+        visual = unwrap(embeddings)
+        nbytes = sum(int(e.embeddings.nbytes) for e in visual)
+        transfer = timeline.mark("prefill.transfer", backend="object_store", bytes=nbytes)
+        if visual:
+            self.metrics.transfer("object_store", "embeddings", nbytes, transfer.duration_s)
         check_deadline(deadline, "prefill")
-        prompt = build_prompt(self.lm, messages, embeddings, self.cfg.engine.max_prompt_tokens)
-        merged = merge(self.lm, prompt, embeddings)
-        result: PrefillResult = await self.runner.run(
-            request_id, lambda: self.engine.submit(request_id, merged, sampling, tenant=tenant)
-        )
+        prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens)
+        merged = merge(self.lm, prompt, visual)
+        prep = timeline.mark("prefill.prompt", prompt_tokens=len(merged.token_ids))
+        try:
+            result: PrefillResult = await self.runner.run(
+                request_id, lambda: self._submit(request_id, merged, sampling, tenant)
+            )
+        finally:
+            self._load()
+        self._trace(timeline, result, transfer.duration_s, prep.duration_s)
         if self.nixl is None:
-            return result.output
+            return timeline.wrap(result.output)
         remote = self.nixl.publish(result.output, expires_at=deadline)
         if self._nixl_poller is None or self._nixl_poller.done():
             self._nixl_poller = asyncio.get_running_loop().create_task(self._poll_nixl())
-        return remote
+        return timeline.wrap(remote)
+
+    def _trace(self, timeline: Timeline, result: PrefillResult, transfer_s: float, prep_s: float) -> None:
+        stats, kv, bs = result.stats, result.output.kv, self.engine.block_size
+        started = stats.started_at if stats.started_at is not None else time.monotonic()
+        # The first chunk's start is on the engine's monotonic clock: place it on the wall clock via "how long ago".
+        queue = timeline.span("prefill.queue", (time.time() - timeline.last) - (time.monotonic() - started))
+        work = timeline.mark(
+            "prefill",
+            prompt_tokens=stats.prompt_tokens,
+            prefix_cached_tokens=stats.cached_tokens,
+            chunks=len(stats.chunks),
+            kv_blocks=kv.num_blocks,
+            kv_bytes=kv.nbytes,
+        )
+        self.metrics.stage_time(transfer_s + queue.duration_s, prep_s + work.duration_s)
+        if self.engine.prefix is not None and self.engine.pool is not None:
+            hits = stats.cached_tokens // bs
+            self.metrics.cache_lookups("prefix", hits, max(0, stats.prompt_tokens // bs - hits))
+            block_bytes = kv.nbytes // max(1, kv.num_blocks)
+            self.metrics.cache_bytes("prefix", len(self.engine.prefix) * block_bytes)
+
+    def _submit(self, request_id: str, merged: Any, sampling: SamplingParams, tenant: str) -> None:
+        self.engine.submit(request_id, merged, sampling, tenant=tenant)
+        self._load()
+
+    def _load(self) -> None:
+        self.metrics.load(len(self.runner.waiting), self.engine.queued_tokens)
 
     async def _poll_nixl(self) -> None:
         """Free published KV once read (or expired); stops when nothing is held."""

@@ -5,6 +5,9 @@ digest, processor key, encoder/projector revision + dtype). If all hit, the embe
 to the :class:`EncoderBatcher`; each :meth:`step` encodes one batch (items of several requests may share it), stores
 each result with its share of the batch's wall time as recompute cost, and returns the requests that are now
 complete, their embeddings in media order. ``cancel`` drops a request's queued items.
+
+Each request's :class:`EncodeStats` (cache hits/misses, when it was queued, when its first batch started) stays
+readable through :meth:`pop_stats` until its caller collects it, so the stage can trace queue wait and work apart.
 """
 
 from __future__ import annotations
@@ -28,6 +31,17 @@ class _Pending:
     keys: list[EncoderCacheKey | None]
 
 
+@dataclass
+class EncodeStats:
+    """One request's encoder-cache outcome and timing (engine clock)."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0
+    submitted_at: float = 0.0
+    started_at: float | None = None
+    """Start of the first batch that held one of its items; ``None`` if every item hit the cache."""
+
+
 class EncodeEngine:
     def __init__(
         self,
@@ -41,6 +55,7 @@ class EncodeEngine:
         self.cache = cache
         self.clock = clock
         self._pending: dict[str, _Pending] = {}
+        self._stats: dict[str, EncodeStats] = {}
 
     def processor_key(self, options: dict[str, Any] | None) -> str:
         return ":".join(
@@ -64,6 +79,7 @@ class EncodeEngine:
         state = _Pending(slots=[None] * len(items), keys=[None] * len(items))
         pkey = self.processor_key(processor_options)
         now = self.clock()
+        stats = self._stats[request_id] = EncodeStats(submitted_at=now)
         for i, item in enumerate(items):
             if self.cache is not None:
                 key = self.cache.key(tenant, item.media_digest, pkey, self.lm.contract.encoder_key)
@@ -71,7 +87,9 @@ class EncodeEngine:
                 cached = self.cache.get(key)
                 if cached is not None:
                     state.slots[i] = self._wrap(item, cached)
+                    stats.cache_hits += 1
                     continue
+            stats.cache_misses += 1
             self.batcher.add(EncodeItem(request_id, item, now))
         if all(s is not None for s in state.slots):
             return list(state.slots)  # type: ignore[arg-type]
@@ -80,15 +98,25 @@ class EncodeEngine:
 
     def cancel(self, request_id: str) -> bool:
         self.batcher.remove_request(request_id)
+        self._stats.pop(request_id, None)
         return self._pending.pop(request_id, None) is not None
+
+    def pop_stats(self, request_id: str) -> EncodeStats | None:
+        """The request's stats, forgotten by the engine (call once its result or failure is known)."""
+        return self._stats.pop(request_id, None)
 
     def has_work(self) -> bool:
         return self.batcher.pending_items > 0
 
     def step(self) -> dict[str, list[VisualEmbeddings]]:
-        batch = self.batcher.next_batch(self.clock())
+        now = self.clock()
+        batch = self.batcher.next_batch(now)
         if not batch:
             return {}
+        for item in batch:
+            stats = self._stats.get(item.request_id)
+            if stats is not None and stats.started_at is None:
+                stats.started_at = now
         start = time.perf_counter()
         outputs = encode_media(self.lm, [item.media for item in batch])
         elapsed = time.perf_counter() - start

@@ -15,7 +15,9 @@ unchunked, unbatched prefill up to floating-point reduction order.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,8 @@ class PrefillStats:
     prompt_tokens: int
     cached_tokens: int
     chunks: list[tuple[int, int]] = field(default_factory=list)
+    started_at: float | None = None
+    """When its first chunk started (engine clock): queue wait and compute are told apart by it."""
 
     @property
     def computed_tokens(self) -> int:
@@ -73,8 +77,10 @@ class PrefillEngine:
         chunk_tokens: int = 512,
         prefix_cache_blocks: int = 0,
         shared_prefix_scope: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.lm = lm
+        self.clock = clock
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.shared_scope = shared_prefix_scope
@@ -131,6 +137,8 @@ class PrefillEngine:
             end = next_chunk_end(
                 state.done, n, token_budget - spent, state.merged.spans, self.lm.adapter.allows_span_split
             )
+            if state.stats.started_at is None:
+                state.stats.started_at = self.clock()
             self._run_chunk(state, state.done, end)
             spent += end - state.done
             state.stats.chunks.append((state.done, end))

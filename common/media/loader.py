@@ -14,6 +14,7 @@ cap is lower.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -54,6 +55,15 @@ class LoadedMedia:
         return self.frames[0]
 
 
+@dataclass
+class LoadTimings:
+    """Seconds spent fetching and decoding a request's items (summed over items), for its trace."""
+
+    fetch_s: float = 0.0
+    decode_s: float = 0.0
+    nbytes: int = 0
+
+
 def check_request(refs: Sequence[MediaRef], cfg: MediaConfig) -> None:
     """Layer-1 limits; raises before anything is fetched or decoded."""
     if len(refs) > cfg.max_items_per_request:
@@ -81,15 +91,22 @@ def check_request(refs: Sequence[MediaRef], cfg: MediaConfig) -> None:
         raise MediaTooLarge(f"request's data URLs decode to more than {cfg.max_request_bytes} bytes")
 
 
-def load_media(refs: Sequence[MediaRef], cfg: MediaConfig, fetcher: MediaFetcher) -> list[LoadedMedia]:
-    """Check, fetch, sniff, header-check and decode every item, in order."""
+def load_media(
+    refs: Sequence[MediaRef], cfg: MediaConfig, fetcher: MediaFetcher, timings: LoadTimings | None = None
+) -> list[LoadedMedia]:
+    """Check, fetch, sniff, header-check and decode every item, in order (adding to ``timings`` if given)."""
     check_request(refs, cfg)
+    timings = timings if timings is not None else LoadTimings()
     budget = cfg.max_request_bytes
     out = []
     for i, ref in enumerate(refs):
         if budget <= 0:
             raise MediaTooLarge(f"request media exceed {cfg.max_request_bytes} bytes in total")
+        t0 = time.perf_counter()
         fetched = fetcher.fetch(ref.url, max_bytes=min(budget, cfg.max_item_bytes))
+        t1 = time.perf_counter()
+        timings.fetch_s += t1 - t0
+        timings.nbytes += len(fetched.data)
         budget -= len(fetched.data)
         modality, fmt = sniff(fetched.data)
         if modality != ref.kind:
@@ -99,6 +116,7 @@ def load_media(refs: Sequence[MediaRef], cfg: MediaConfig, fetcher: MediaFetcher
         else:
             video = decode_video(fetched.data, fmt, cfg, fps=ref.fps, max_frames=ref.max_frames)
             frames, stamps = video.frames, video.timestamps_s
+        timings.decode_s += time.perf_counter() - t1
         out.append(
             LoadedMedia(
                 kind=modality,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from common.media.config import MediaConfig
 from common.media.fetch import MediaFetcher, Resolver, system_resolver
 from common.media.image import check_pillow_guard
-from common.media.loader import LoadedMedia, MediaRef, load_media
+from common.media.loader import LoadedMedia, LoadTimings, MediaRef, load_media
 
 
 class MediaStage:
@@ -21,8 +21,8 @@ class MediaStage:
         self.cfg = cfg
         self.fetcher = MediaFetcher(cfg, resolver=resolver)
 
-    def load(self, refs: Sequence[MediaRef]) -> list[LoadedMedia]:
-        return load_media(refs, self.cfg, self.fetcher)
+    def load(self, refs: Sequence[MediaRef], timings: LoadTimings | None = None) -> list[LoadedMedia]:
+        return load_media(refs, self.cfg, self.fetcher, timings)
 
     def decode_options(self) -> dict[str, object]:
         return decode_options(self.cfg)

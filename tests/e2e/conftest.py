@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="package")
-def prism_server(model_cache):
+def prism_server(model_cache, tmp_path_factory):
     """(base_url, config) of a deployed app; its media stage may fetch from 127.0.0.1 — opened through the
     environment variable in the cluster's processes only, never in this test process."""
     import ray
@@ -34,7 +34,8 @@ def prism_server(model_cache):
     from services.app import build_app
 
     resolve_model_dir("prism-tiny-llava", model_cache)  # build once here, not in five replicas at once
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    request_log = tmp_path_factory.mktemp("logs") / "requests.jsonl"
     stage = {"num_cpus": 0.1}
     config = {
         "model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1},
@@ -52,11 +53,14 @@ def prism_server(model_cache):
             "prefill": stage,
             "decode": stage,
         },
+        "observability": {"request_log_path": str(request_log)},
     }
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},  # metrics reach the endpoint within ~1 s
         runtime_env={"env_vars": {"PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS": "127.0.0.1/32", "RAY_AUTH_MODE": "disabled"}},
     )
     serve.start(
@@ -74,6 +78,8 @@ def prism_server(model_cache):
             pass
         time.sleep(0.5)
     config["_grpc_port"] = grpc_port
+    config["_metrics_url"] = f"http://127.0.0.1:{metrics_port}/metrics"
+    config["_request_log"] = str(request_log)
     yield base, config
     serve.shutdown()
     ray.shutdown()

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import API_KEY
+from tests.e2e.prometheus import total, wait_for
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -69,7 +70,9 @@ def _until(predicate, timeout: float) -> bool:
     return False
 
 
-def test_decode_scales_up_under_queue_depth_and_back(scale_base):
+def test_decode_scales_up_under_queue_depth_and_back(scale_base, prism_server):
+    url = prism_server[1]["_metrics_url"]
+    decode = {"application": "prism-scale", "deployment": "Decode"}
     assert _running_decode_replicas() == 1
     stop, results = threading.Event(), []
     workers = [threading.Thread(target=_load, args=(scale_base, stop, results), daemon=True) for _ in range(4)]
@@ -77,12 +80,21 @@ def test_decode_scales_up_under_queue_depth_and_back(scale_base):
         w.start()
     try:
         assert _until(lambda: _running_decode_replicas() == 2, 90), "decode did not scale to 2 replicas"
+        # the dashboards' autoscaling picture: the policy's decision and the live replicas, from the metrics
+        samples = wait_for(url, lambda s: total(s, "ray_prism_replicas", **decode) == 2)
+        assert total(samples, "ray_prism_replicas", **decode) == 2
+        assert total(samples, "ray_prism_autoscale_desired_replicas", **decode, stage="decode") == 2
+        assert total(samples, "ray_prism_stage_queue_depth", **decode) > 0
     finally:
         stop.set()
         for w in workers:
             w.join(90)
     assert _until(lambda: _running_decode_replicas() == 1, 90), "decode did not scale back to 1 replica"
     assert {c for c, _ in results} <= {200, 429}, results
+    samples = wait_for(url, lambda s: total(s, "ray_prism_autoscale_desired_replicas", **decode) == 1)
+    assert total(samples, "ray_prism_autoscale_desired_replicas", **decode) == 1
+    samples = wait_for(url, lambda s: total(s, "ray_prism_replicas", **decode) == 1)  # no stale series of the dead one
+    assert total(samples, "ray_prism_replicas", **decode) == 1
 
 
 def test_killing_a_replica_mid_load_hangs_nobody(scale_base):

@@ -18,6 +18,8 @@ def ctx(depth, current, now, state=None, kv=None, low=1, high=4):
         capacity_adjusted_max_replicas=high,
         policy_state=state or {},
         current_time=now,
+        deployment_name="Encode",
+        app_name="prism",
     )
 
 
@@ -45,3 +47,10 @@ def test_kv_pressure_adds_a_replica():
     policy = QueueDepthPolicy(target_per_replica=100, kv_high_watermark=0.8)
     assert policy(ctx(1, 1, 0.0, kv=0.95))[0] == 2
     assert policy(ctx(1, 1, 0.0, kv=0.5))[0] == 1
+
+
+def test_every_decision_is_reported_for_the_dashboards():
+    seen = []
+    policy = QueueDepthPolicy(target_per_replica=4, downscale_delay_s=10, report=lambda c, n: seen.append(n))
+    decisions = [policy(ctx(d, 1, 0.0))[0] for d in (9, 100, 0)]
+    assert seen == decisions == [3, 4, 1]
