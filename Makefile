@@ -12,7 +12,7 @@ PIP      := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),-
 MODEL    ?= prism-tiny-llava
 CONFIG   ?= ray_configs/local_cpu.yaml
 
-.PHONY: venv serve demo test lint format bench proto clean
+.PHONY: venv serve demo test lint format bench proto dashboards clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,10 @@ bench: venv
 # Regenerate the gRPC stubs (committed) after editing services/proto/prism.proto.
 proto: venv
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. services/proto/prism.proto
+
+# Regenerate the Grafana dashboards (committed, provisioned by the Helm chart) from common/obs/dashboards.py.
+dashboards: venv
+	$(PY) -m common.obs.dashboards
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

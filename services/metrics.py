@@ -84,7 +84,6 @@ class Metrics:
     def transfer(self, backend: str, payload: str, nbytes: int, seconds: float) -> None:
         self.inc("prism_transfer_bytes_total", nbytes, backend=backend, payload=payload)
         self.observe("prism_transfer_seconds", seconds, backend=backend, payload=payload)
-        self.observe("prism_transfer_size_bytes", nbytes, backend=backend, payload=payload)
 
     def cache_lookups(self, cache: str, hits: int, misses: int) -> None:
         self.inc("prism_cache_lookups_total", hits, cache=cache, result="hit")

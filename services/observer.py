@@ -54,6 +54,9 @@ class RequestObserver:
         m, proto = self.metrics, trace.protocol
         m.inc("prism_requests_total", protocol=proto, status=str(status), code=code)
         m.observe("prism_e2e_seconds", trace.e2e_s, protocol=proto, code=code)
+        ingress = next((s for s in trace.timeline.spans if s.name == "ingress"), None)
+        if ingress is not None:  # the ingress's own work: parse, authenticate, check limits, issue the chain
+            m.observe("prism_stage_work_seconds", ingress.duration_s)
         if trace.ttft_s is not None:
             m.observe("prism_ttft_seconds", trace.ttft_s, protocol=proto)
             for gap in trace.itl():

@@ -21,7 +21,6 @@ STAGES = ("ingress", "media", "encode", "prefill", "decode")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
-BYTES_BUCKETS = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26, 1 << 28, 1 << 30)
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,6 @@ METRICS: tuple[MetricSpec, ...] = (
         "backend",
         "payload",
     ),
-    _h("prism_transfer_size_bytes", "Size of one hand-off.", BYTES_BUCKETS, "backend", "payload"),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}

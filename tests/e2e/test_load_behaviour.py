@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tests.e2e.conftest import API_KEY
+from tests.e2e.prometheus import scrape, total, wait_for
 
 MODEL = "prism-tiny-llava"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -34,7 +35,9 @@ def _wait_idle(decode_stats, timeout: float = 30.0) -> dict:
 
 
 def test_overload_gets_429_with_retry_after_and_no_5xx(prism_server, decode_stats):
-    base, _ = prism_server
+    base, config = prism_server
+    rejected = {"application": "prism", "code": "server_overloaded", "status": "429"}
+    counted = total(scrape(config["_metrics_url"]), "ray_prism_requests_total", **rejected)
 
     def one(_):
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(256), headers=HEADERS, timeout=120)
@@ -56,12 +59,19 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(prism_server, decode_stat
                 ours += 1
     assert ours >= 1, results
     assert _wait_idle(decode_stats)["kv_blocks_used"] == 0
+    # every 429 with our body is counted under its code (Serve's own body-less ones never reach the ingress)
+    samples = wait_for(
+        config["_metrics_url"], lambda s: total(s, "ray_prism_requests_total", **rejected) >= counted + ours
+    )
+    assert total(samples, "ray_prism_requests_total", **rejected) == counted + ours
     # capacity comes back once the flood is over
     assert httpx.post(f"{base}/v1/chat/completions", json=_body(4), headers=HEADERS, timeout=60).status_code == 200
 
 
 def test_disconnect_mid_stream_frees_kv(prism_server, decode_stats):
-    base, _ = prism_server
+    base, config = prism_server
+    cancelled = {"application": "prism", "code": "cancelled", "status": "499"}
+    counted = total(scrape(config["_metrics_url"]), "ray_prism_requests_total", **cancelled)
     before = decode_stats()["cancelled"]
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{base}/v1/chat/completions", json=_body(256, stream=True), headers=HEADERS) as r:
@@ -74,3 +84,5 @@ def test_disconnect_mid_stream_frees_kv(prism_server, decode_stats):
     stats = _wait_idle(decode_stats)
     assert stats["kv_blocks_used"] == 0
     assert stats["cancelled"] == before + 1, "the sequence must be cancelled, not run to max_tokens"
+    samples = wait_for(config["_metrics_url"], lambda s: total(s, "ray_prism_requests_total", **cancelled) > counted)
+    assert total(samples, "ray_prism_requests_total", **cancelled) == counted + 1

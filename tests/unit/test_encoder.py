@@ -50,6 +50,11 @@ def test_encoder_cache_hit_equals_recompute(tiny_model):
     assert cache.stats().misses == 2 and cache.stats().entries == 2
     hot = engine.submit("b", media)  # all hits: answered without a step
     assert hot is not None and cache.stats().hits == 2
+    # each request's own outcome, for its trace; forgotten once collected
+    cold_stats, hot_stats = engine.pop_stats("a"), engine.pop_stats("b")
+    assert (cold_stats.cache_hits, cold_stats.cache_misses) == (0, 2) and cold_stats.started_at is not None
+    assert (hot_stats.cache_hits, hot_stats.cache_misses) == (0 + 2, 0) and hot_stats.started_at is None
+    assert engine.pop_stats("a") is None
     fresh = encode_media(lm, media)
     for c, h, f in zip(cold, hot, fresh, strict=True):
         np.testing.assert_array_equal(h.embeddings, c.embeddings)

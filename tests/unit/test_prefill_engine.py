@@ -82,6 +82,7 @@ def test_prefix_hit_equals_recompute_and_skips_compute(tiny_model):
     assert hot.output.first_token_id == cold.output.first_token_id
     assert _tokens(lm, hot.output) == _tokens(lm, cold.output)
     assert engine.prefix.stats.hit_blocks == hot.stats.cached_tokens // 16
+    assert cold.stats.started_at is not None and hot.stats.started_at >= cold.stats.started_at
 
 
 def test_different_image_at_same_position_does_not_hit(tiny_model):
