@@ -9,7 +9,10 @@ explicitly (``PrismConfig.model_validate(yaml_dict)``) — the media section rea
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
+
+import yaml
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -123,6 +126,9 @@ class ServerConfig(_Strict):
     api_keys: dict[str, str] = Field(default_factory=dict)
     """API key → tenant (letters, digits, ``_ . -``). Empty: no authentication, every request is tenant
     ``default``."""
+    api_keys_file: str | None = None
+    """A JSON/YAML file mapping API key → tenant (e.g. a mounted Kubernetes Secret), read by each ingress replica at
+    start and merged with ``api_keys``; keys kept out of the Serve config itself."""
     default_deadline_ms: int = Field(default=120_000, ge=1)
     """Budget of a request that sends no ``X-Prism-Deadline-Ms``."""
     max_deadline_ms: int = Field(default=600_000, ge=1)
@@ -142,6 +148,16 @@ class ServerConfig(_Strict):
     @classmethod
     def _tenants(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_tenants(v)
+
+    def load_api_keys(self) -> dict[str, str]:
+        """``api_keys`` plus the keys in ``api_keys_file``; raises ``ValueError`` on a malformed file."""
+        keys = dict(self.api_keys)
+        if self.api_keys_file:
+            raw = yaml.safe_load(Path(self.api_keys_file).read_text(encoding="utf-8"))
+            if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+                raise ValueError(f"{self.api_keys_file} must map API keys (strings) to tenant names")
+            keys.update(_check_tenants(raw))
+        return keys
 
 
 class ObservabilityConfig(_Strict):

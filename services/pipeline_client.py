@@ -65,9 +65,10 @@ class PipelineClient:
         self.encode: DeploymentHandle = encode
         self.prefill: DeploymentHandle = prefill
         self.decode: DeploymentHandle = decode
+        self.keys = cfg.server.load_api_keys()
 
     def tenant(self, api_key: str | None) -> str:
-        keys = self.cfg.server.api_keys
+        keys = self.keys
         if not keys:
             return "default"
         if not api_key or api_key not in keys:

@@ -1,0 +1,266 @@
+"""The KubeRay chart, rendered by real Helm (the Go SDK through ``helm_python``) and validated as a cluster would.
+
+For the default values and the GPU multi-node example: Helm lint passes; every built-in manifest validates against
+the Kubernetes schemas (``kubernetes-validate``); the RayService validates against KubeRay's CRD OpenAPI schema
+(vendored in ``tests/helm/kuberay``); its ``serveConfigV2`` validates against Ray Serve's own ``ServeDeploySchema``,
+builds the Prism application, and — for the GPU example — is the Serve config of ``ray_configs/multi_node.yaml``.
+Bad values are refused by ``values.schema.json`` (both by Helm and by jsonschema).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from common.config import PrismConfig
+from common.obs.dashboards import render as render_dashboards
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "prism"
+CRDS = Path(__file__).resolve().parent / "kuberay"
+GPU_VALUES = yaml.safe_load((CHART / "examples" / "gpu-multinode.yaml").read_text())
+K8S_VERSION = "1.30.0"
+STAGE_GROUPS = ["media", "encode", "prefill", "decode"]
+
+
+def _render(values: dict | None = None) -> list[dict]:
+    chart = helm_python.Chart.load(str(CHART))
+    try:
+        out = chart.render(values, name="prism", namespace="serving")
+    finally:
+        chart.close()
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith(".txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def _one(docs: list[dict], kind: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+def _crd_schema(kind_file: str) -> dict:
+    crd = yaml.safe_load((CRDS / kind_file).read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+def _validate_openapi(instance: dict, schema: dict) -> None:
+    """KubeRay's OpenAPI v3 schema is JSON Schema plus ``x-kubernetes-*`` hints and ``int-or-string``."""
+
+    def fix(node):
+        if isinstance(node, dict):
+            node = {k: fix(v) for k, v in node.items()}
+            if node.get("x-kubernetes-int-or-string"):
+                node.pop("type", None)
+                node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+            return node
+        if isinstance(node, list):
+            return [fix(v) for v in node]
+        return node
+
+    jsonschema.Draft7Validator(fix(schema)).validate(instance)
+
+
+def _serve_config(docs: list[dict]) -> dict:
+    return yaml.safe_load(_one(docs, "RayService")["spec"]["serveConfigV2"])
+
+
+@pytest.fixture(scope="module", params=["default", "gpu-multinode"])
+def rendered(request):
+    values = None if request.param == "default" else GPU_VALUES
+    return request.param, values, _render(values)
+
+
+def test_helm_lint_passes(rendered):
+    _, values, _ = rendered
+    result = helm_python.lint(str(CHART), values, strict=True)
+    assert result["total_charts_linted"] == 1 and result["errors"] == [], result
+    assert [m for m in result["messages"] if m["severity"] >= 2] == [], result  # 2 warning, 3 error; 1 is info
+    refused = helm_python.lint(str(CHART), {**(values or {}), "transport": "pigeon"}, strict=True)
+    assert any("/transport" in e for e in refused["errors"]), refused  # the lint really checks values
+
+
+def test_builtin_manifests_validate_against_kubernetes_schemas(rendered):
+    _, _, docs = rendered
+    builtin = [d for d in docs if d["apiVersion"] in ("v1", "apps/v1")]
+    assert {d["kind"] for d in builtin} >= {"ConfigMap"}
+    for doc in builtin:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_rayservice_validates_against_the_kuberay_crd(rendered):
+    _, _, docs = rendered
+    service = _one(docs, "RayService")
+    assert service["apiVersion"] == "ray.io/v1"
+    _validate_openapi(service, _crd_schema("ray.io_rayservices.yaml"))
+    # the embedded cluster is also a valid RayCluster spec
+    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "c"}}
+    cluster["spec"] = service["spec"]["rayClusterConfig"]
+    _validate_openapi(cluster, _crd_schema("ray.io_rayclusters.yaml"))
+    # every pod template is a valid Kubernetes PodTemplateSpec
+    spec = service["spec"]["rayClusterConfig"]
+    for template in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]:
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_crd_validation_catches_a_broken_spec():
+    service = _one(_render(), "RayService")
+    del service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["groupName"]
+    with pytest.raises(jsonschema.ValidationError, match="groupName"):
+        _validate_openapi(service, _crd_schema("ray.io_rayservices.yaml"))
+
+
+def test_one_worker_group_per_stage_pinned_by_custom_resources(rendered):
+    name, _, docs = rendered
+    spec = _one(docs, "RayService")["spec"]["rayClusterConfig"]
+    assert "nvidia.com/gpu" not in json.dumps(spec["headGroupSpec"])
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert list(groups) == STAGE_GROUPS
+    deployments = PrismConfig.model_validate(_serve_config(docs)["applications"][0]["args"]["config"]).deployments
+    for stage, group in groups.items():
+        assert f'\\"prism_{stage}\\"' in group["rayStartParams"]["resources"]
+        assert getattr(deployments, stage).resources == {f"prism_{stage}": 1}
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert ("nvidia.com/gpu" in limits) == (stage != "media")
+        assert (getattr(deployments, stage).num_gpus > 0) == (stage != "media")
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert deployments.ingress.resources == {"prism_media": 1}
+    if name == "gpu-multinode":  # RDMA: devices, IPC_LOCK and UCX settings on the GPU stages only
+        for stage, group in groups.items():
+            container = group["template"]["spec"]["containers"][0]
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert ("rdma/rdma_shared_device_a" in container["resources"]["limits"]) == (stage != "media")
+            assert (env.get("UCX_NET_DEVICES") == "mlx5_0:1") == (stage != "media")
+
+
+def test_serve_config_is_valid_for_ray_serve_and_builds_the_app(rendered):
+    from ray.serve.schema import ServeDeploySchema
+
+    from services.app import build_app
+    from tests.unit.test_ray_configs import _deployments
+
+    _, _, docs = rendered
+    schema = ServeDeploySchema.model_validate(_serve_config(docs))
+    (app,) = schema.applications
+    assert app.import_path == "services.app:build_app"
+    built = build_app(app.args)
+    assert {d.name for d in _deployments(built)} == {"Ingress", "Media", "Encode", "Prefill", "Decode"}
+
+
+def test_chart_and_ray_configs_describe_the_same_deployments(rendered):
+    name, _, docs = rendered
+    ours = _serve_config(docs)
+    theirs = yaml.safe_load((ROOT / "ray_configs" / "multi_node.yaml").read_text())
+    chart_cfg = PrismConfig.model_validate(ours["applications"][0]["args"]["config"])
+    file_cfg = PrismConfig.model_validate(theirs["applications"][0]["args"]["config"])
+    assert chart_cfg.deployments == file_cfg.deployments
+    if name == "gpu-multinode":
+        # the same Serve config, except the API-key file the chart mounts from its Secret
+        assert chart_cfg.server.api_keys_file == "/etc/prism/auth/api-keys.json"
+        server = chart_cfg.server.model_copy(update={"api_keys_file": None})
+        assert chart_cfg.model_copy(update={"server": server}) == file_cfg
+        strip = {"applications"}
+        assert {k: v for k, v in ours.items() if k not in strip} == {k: v for k, v in theirs.items() if k not in strip}
+
+
+def test_monitoring_and_auth_objects(rendered):
+    name, _, docs = rendered
+    dashboards = _one(docs, "ConfigMap")
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards["data"] == {k: v.rstrip("\n") for k, v in render_dashboards().items()}
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    if name == "default":
+        assert not monitors and not [d for d in docs if d["kind"] == "Secret"]
+    else:
+        (monitor,) = monitors
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        pods = _one(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        for group in pods:  # the monitor selects every Ray pod, and each exposes the metrics port
+            labels = group["template"]["metadata"]["labels"]
+            assert selector.items() <= labels.items()
+            ports = group["template"]["spec"]["containers"][0]["ports"]
+            assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in ports
+
+
+def test_api_keys_from_values_become_a_mounted_secret():
+    values = {"auth": {"keys": {"sk-one": "tenant-a"}}}
+    docs = _render(values)
+    secret = _one(docs, "Secret")
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert json.loads(secret["stringData"]["api-keys.json"]) == {"sk-one": "tenant-a"}
+    serve = _serve_config(docs)
+    assert "sk-one" not in json.dumps(serve)  # keys never enter the Serve config
+    config = serve["applications"][0]["args"]["config"]
+    assert config["server"]["api_keys_file"] == "/etc/prism/auth/api-keys.json"
+    head = _one(docs, "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert {"name": "api-keys", "secret": {"secretName": secret["metadata"]["name"]}} in head["volumes"]
+
+
+def test_a_disabled_worker_group_unpins_its_stage():
+    docs = _render({"stages": {"encode": {"workers": {"enabled": False}}}})
+    groups = [g["groupName"] for g in _one(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    assert groups == ["media", "prefill", "decode"]
+    config = PrismConfig.model_validate(_serve_config(docs)["applications"][0]["args"]["config"])
+    assert config.deployments.encode.resources == {} and config.deployments.prefill.resources == {"prism_prefill": 1}
+
+
+def _values() -> dict:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+BAD_VALUES = {
+    "unknown top-level key": {"replicaCount": 3},
+    "bad transport": {"transport": "carrier-pigeon"},
+    "pvc without a claim": {"model": {"source": "pvc", "path": "m"}},
+    "negative worker replicas": {"stages": {"decode": {"workers": {"replicas": -1}}}},
+    "typo in a stage's serve settings": {"stages": {"media": {"serve": {"max_replica": 4}}}},
+    "transport set inside prism.server": {"prism": {"server": {"transport": "nixl"}}},
+    "bad tenant name": {"auth": {"keys": {"k": "no spaces allowed"}}},
+}
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_bad_values_are_rejected_by_the_schema_and_by_helm(case):
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator(schema).validate(_values())  # the defaults are valid
+    bad = _merge(_values(), BAD_VALUES[case])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(schema).validate(bad)
+    with pytest.raises(helm_python.HelmValuesError, match="schema"):
+        _render(BAD_VALUES[case])
+
+
+def test_example_values_are_valid():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator(schema).validate(_merge(_values(), GPU_VALUES))
+
+
+def test_readme_values_table_matches_values_yaml():
+    from tests.helm.values_table import rows
+
+    readme = (CHART / "README.md").read_text(encoding="utf-8")
+    table = [line for line in readme.splitlines() if line.startswith("| `")]
+    assert table == rows(), "regenerate with: python -m tests.helm.values_table"
