@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.media.config import MediaConfig
