@@ -8,7 +8,8 @@ the sequence's KV, and Serve propagates the cancellation to the stages still wor
 
 Every request, whatever its end, is finished exactly once through the :class:`RequestObserver` (metrics + one
 JSON log line); with ``X-Prism-Trace: 1`` the trace summary is returned as ``prism_trace`` in the JSON body, in the
-final SSE chunk (the one with ``usage``), or in an error body.
+final SSE chunk (the one with ``usage``), or in an error body; over gRPC (metadata ``x-prism-trace: 1``) as the
+``prism-trace`` trailing metadata.
 """
 
 import asyncio
@@ -195,6 +196,7 @@ class IngressDeployment:
     # ---- gRPC (method names are the service's RPCs) -------------------------------------------------------
     async def Generate(self, request: prism_pb2.GenerateRequest, grpc_context) -> prism_pb2.GenerateResponse:
         trace = self.observer.start("grpc")
+        traced = self._grpc_traced(grpc_context)
         try:
             self._admit()
         except PrismError as exc:
@@ -203,6 +205,7 @@ class IngressDeployment:
             call = await self.client.begin(request.api_key, _json(request), request.deadline_ms, trace)
             out_ids, finish = await self.client.collect(call)
             self.observer.finish(trace, 200, "ok", call.kv_blocks)
+            self._grpc_trace(grpc_context, trace, traced)
             return prism_pb2.GenerateResponse(
                 id=call.rid,
                 text=visible_text(self.frontend.tokenizer, out_ids, call.sampling),
@@ -212,13 +215,16 @@ class IngressDeployment:
                 usage=prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids)),
             )
         except Exception as exc:
-            raise _grpc_error(grpc_context, self._fail(trace, exc)) from None
+            error = _grpc_error(grpc_context, self._fail(trace, exc))
+            self._grpc_trace(grpc_context, trace, traced)
+            raise error from None
         finally:
             self.observer.finish(trace, *CANCELLED)  # no-op unless the call was cancelled
             self._release()
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
         trace = self.observer.start("grpc")
+        traced = self._grpc_traced(grpc_context)
         try:
             self._admit()
         except PrismError as exc:
@@ -235,16 +241,28 @@ class IngressDeployment:
                 if finish:
                     usage_msg = prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids))
                     self.observer.finish(trace, 200, "ok", call.kv_blocks)
+                    self._grpc_trace(grpc_context, trace, traced)
                 yield prism_pb2.GenerateChunk(
                     id=call.rid, delta=delta, token_id=token, finish_reason=finish or "", usage=usage_msg
                 )
         except Exception as exc:
-            raise _grpc_error(grpc_context, self._fail(trace, exc)) from None
+            error = _grpc_error(grpc_context, self._fail(trace, exc))
+            self._grpc_trace(grpc_context, trace, traced)
+            raise error from None
         finally:
             if call is not None:
                 call.stream.cancel()
             self.observer.finish(trace, *CANCELLED)  # no-op unless the call was cancelled
             self._release()
+
+    def _grpc_traced(self, grpc_context) -> bool:
+        metadata = dict(grpc_context.invocation_metadata() or ())
+        return self.observer.wants_trace(metadata.get("x-prism-trace"))
+
+    def _grpc_trace(self, grpc_context, trace: RequestTrace, traced: bool) -> None:
+        """gRPC has no body to extend: the trace travels as the ``prism-trace`` trailing metadata (JSON)."""
+        if traced:
+            grpc_context.set_trailing_metadata([("prism-trace", json.dumps(trace.summary(), separators=(",", ":")))])
 
 
 class _Place:

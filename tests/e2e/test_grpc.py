@@ -47,6 +47,15 @@ def test_unary_and_streaming_match_http(stub, client):
     assert unary.text == http.choices[0].message.content and unary.finish_reason == "length"
     assert unary.usage.completion_tokens == 12
 
+    # a traced call returns the trace as trailing metadata
+    traced, call = stub.Generate.with_call(
+        _request("Name three colours."), metadata=(*ROUTE, ("x-prism-trace", "1")), timeout=60
+    )
+    assert list(traced.token_ids) == list(unary.token_ids)
+    trace = json.loads(dict(call.trailing_metadata())["prism-trace"])
+    assert trace["protocol"] == "grpc" and trace["status"] == 200 and trace["output_tokens"] == 12
+    assert trace["spans"][0]["name"] == "ingress" and trace["spans"][-1]["name"] == "decode"
+
     chunks = list(stub.GenerateStream(_request("Name three colours."), metadata=ROUTE, timeout=60))
     assert [c.token_id for c in chunks] == list(unary.token_ids)
     assert "".join(c.delta for c in chunks) == unary.text

@@ -9,6 +9,7 @@ import openai
 
 from common.media.synthetic import synthetic_image
 from tests.e2e.conftest import API_KEY
+from tests.e2e.prometheus import total, wait_for
 
 
 def _ask(base: str, content) -> tuple[list[int], list[int]]:
@@ -24,7 +25,7 @@ def _ask(base: str, content) -> tuple[list[int], list[int]]:
 
 
 def test_nixl_and_object_store_give_identical_tokens(prism_server, nixl_base):
-    base, _ = prism_server
+    base, config = prism_server
     buf = io.BytesIO()
     synthetic_image(240, 180, seed=11).save(buf, "PNG")
     image = {
@@ -42,3 +43,9 @@ def test_nixl_and_object_store_give_identical_tokens(prism_server, nixl_base):
     store_stats = serve.get_deployment_handle("Decode", app_name="prism").stats.remote().result(timeout_s=30)
     assert nixl_stats["nixl_fetches"] == 2, "the NIXL app must really read its KV over NIXL"
     assert store_stats["nixl_fetches"] == 0
+    # the hand-offs are metered per backend: the NIXL app's KV went over nixl, the other's through the object store
+    nixl_kv = {"application": "prism-nixl", "backend": "nixl", "payload": "kv"}
+    samples = wait_for(config["_metrics_url"], lambda s: total(s, "ray_prism_transfer_seconds_count", **nixl_kv) >= 2)
+    assert total(samples, "ray_prism_transfer_seconds_count", **nixl_kv) == 2
+    assert total(samples, "ray_prism_transfer_bytes_total", **nixl_kv) > 0
+    assert total(samples, "ray_prism_transfer_bytes_total", application="prism-nixl", backend="object_store") > 0

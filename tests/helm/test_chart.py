@@ -220,6 +220,21 @@ def test_a_disabled_worker_group_unpins_its_stage():
     assert config.deployments.encode.resources == {} and config.deployments.prefill.resources == {"prism_prefill": 1}
 
 
+def test_model_from_a_host_path():
+    docs = _render({"model": {"source": "hostPath", "hostPath": "/data/models", "path": "qwen2-vl-2b"}})
+    config = _serve_config(docs)["applications"][0]["args"]["config"]
+    assert config["model"]["model"] == "/models/qwen2-vl-2b"
+    spec = _one(docs, "RayService")["spec"]["rayClusterConfig"]
+    for template in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]:
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+        assert {"name": "model", "hostPath": {"path": "/data/models", "type": "Directory"}} in template["spec"][
+            "volumes"
+        ]
+        mounts = template["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in mounts
+
+
 def _values() -> dict:
     return yaml.safe_load((CHART / "values.yaml").read_text())
 
