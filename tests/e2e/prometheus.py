@@ -21,6 +21,13 @@ def total(samples: list[Sample], name: str, **labels: str) -> float:
     return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
 
 
+def settled(url: str, quiet_s: float = 2.5) -> list[Sample]:
+    """A scrape that includes everything recorded before this call: Ray exports every second, so a baseline read
+    right after earlier traffic could miss its last increments and make a later delta look too large."""
+    time.sleep(quiet_s)
+    return scrape(url)
+
+
 def wait_for(url: str, predicate: Callable[[list[Sample]], bool], timeout: float = 30.0) -> list[Sample]:
     """Scrape until ``predicate`` holds (Ray exports every second in the test cluster); the last scrape either way."""
     end = time.time() + timeout

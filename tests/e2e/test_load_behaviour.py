@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tests.e2e.conftest import API_KEY
-from tests.e2e.prometheus import scrape, total, wait_for
+from tests.e2e.prometheus import settled, total, wait_for
 
 MODEL = "prism-tiny-llava"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -36,8 +36,8 @@ def _wait_idle(decode_stats, timeout: float = 30.0) -> dict:
 
 def test_overload_gets_429_with_retry_after_and_no_5xx(prism_server, decode_stats):
     base, config = prism_server
-    rejected = {"application": "prism", "code": "server_overloaded", "status": "429"}
-    counted = total(scrape(config["_metrics_url"]), "ray_prism_requests_total", **rejected)
+    rejected = {"application": "prism", "protocol": "http", "code": "server_overloaded", "status": "429"}
+    counted = total(settled(config["_metrics_url"]), "ray_prism_requests_total", **rejected)
 
     def one(_):
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(256), headers=HEADERS, timeout=120)
@@ -70,8 +70,8 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(prism_server, decode_stat
 
 def test_disconnect_mid_stream_frees_kv(prism_server, decode_stats):
     base, config = prism_server
-    cancelled = {"application": "prism", "code": "cancelled", "status": "499"}
-    counted = total(scrape(config["_metrics_url"]), "ray_prism_requests_total", **cancelled)
+    cancelled = {"application": "prism", "protocol": "http", "code": "cancelled", "status": "499"}
+    counted = total(settled(config["_metrics_url"]), "ray_prism_requests_total", **cancelled)
     before = decode_stats()["cancelled"]
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{base}/v1/chat/completions", json=_body(256, stream=True), headers=HEADERS) as r:
