@@ -12,7 +12,7 @@ PIP      := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),-
 MODEL    ?= prism-tiny-llava
 CONFIG   ?= ray_configs/local_cpu.yaml
 
-.PHONY: venv serve demo test lint format bench proto dashboards clean
+.PHONY: venv serve demo test lint format bench batch proto dashboards clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,11 @@ format: venv
 # Benchmarks (not tests): ratios measured side by side in one run, written to loadtest/results/.
 bench: venv
 	$(PY) -m loadtest.bench_decode --model prism-small-llava
+
+# Offline video batch on a local Ray (or RAY_ADDRESS): make batch INPUT=manifest.parquet OUTPUT=out/ [CONFIG=x.yaml]
+batch: venv
+	@test -n "$(INPUT)" -a -n "$(OUTPUT)" || (echo "usage: make batch INPUT=<manifest> OUTPUT=<dir> [CONFIG=<yaml>]"; exit 2)
+	$(PY) -m services.batch --input $(INPUT) --output $(OUTPUT) $(if $(CONFIG),--config $(CONFIG))
 
 # Regenerate the gRPC stubs (committed) after editing services/proto/prism.proto.
 proto: venv

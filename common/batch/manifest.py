@@ -1,0 +1,114 @@
+"""The batch job's input: a Parquet or JSONL manifest, one row per clip, checked before any work starts.
+
+Columns: ``id`` (unique, non-empty string), ``video`` (a path under the media root, a ``file://`` URL under it, or an
+``http(s)`` URL fetched by the same SSRF-safe fetcher as online serving), ``prompt``; optional ``max_tokens``, ``fps``,
+``max_frames`` (null: the server's policy). A malformed manifest (missing column, duplicate or empty id, wrong type)
+fails the whole job at once with the row number; a bad *video* is a per-row error later, never a job failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REQUIRED = ("id", "video", "prompt")
+OPTIONAL = ("max_tokens", "fps", "max_frames")
+
+
+class ManifestError(ValueError):
+    """The manifest itself is unusable (the job refuses to start)."""
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    id: str
+    video: str
+    """The URL the media stage fetches (plain paths already turned into ``file://`` URLs)."""
+    prompt: str
+    max_tokens: int | None = None
+    fps: float | None = None
+    max_frames: int | None = None
+
+
+def read_manifest(path: str | Path, media_root: str | Path | None = None) -> list[BatchRow]:
+    path = Path(path)
+    if path.suffix.lower() in (".parquet", ".pq"):
+        records = pq.read_table(path).to_pylist()
+    elif path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
+        records = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except ValueError as exc:
+                    raise ManifestError(f"{path}:{n}: not JSON ({exc})") from None
+    else:
+        raise ManifestError(f"{path}: the manifest must be .parquet or .jsonl")
+    root = Path(media_root) if media_root is not None else path.parent
+    rows, seen = [], set()
+    for n, record in enumerate(records, 1):
+        row = _row(record, n, root)
+        if row.id in seen:
+            raise ManifestError(f"row {n}: duplicate id {row.id!r}")
+        seen.add(row.id)
+        rows.append(row)
+    return rows
+
+
+def _row(record: object, n: int, root: Path) -> BatchRow:
+    if not isinstance(record, dict):
+        raise ManifestError(f"row {n}: not an object")
+    missing = [c for c in REQUIRED if record.get(c) in (None, "")]
+    if missing:
+        raise ManifestError(f"row {n}: missing {', '.join(missing)}")
+    unknown = set(record) - set(REQUIRED) - set(OPTIONAL)
+    if unknown:
+        raise ManifestError(f"row {n}: unknown columns {', '.join(sorted(unknown))}")
+    for c in REQUIRED:
+        if not isinstance(record[c], str):
+            raise ManifestError(f"row {n}: {c} must be a string")
+    return BatchRow(
+        id=record["id"],
+        video=_url(record["video"], root),
+        prompt=record["prompt"],
+        max_tokens=_optional(record, "max_tokens", int, n),
+        fps=_optional(record, "fps", float, n),
+        max_frames=_optional(record, "max_frames", int, n),
+    )
+
+
+def _optional(record: dict, key: str, kind: type, n: int):
+    value = record.get(key)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ManifestError(f"row {n}: {key} must be a positive number")
+    if kind is int and value != int(value):
+        raise ManifestError(f"row {n}: {key} must be an integer")
+    return kind(value)
+
+
+def _url(video: str, root: Path) -> str:
+    if "://" in video or video.startswith("data:"):
+        return video
+    path = Path(video) if Path(video).is_absolute() else root / video
+    return "file://" + quote(str(path.resolve()))
+
+
+def manifest_schema() -> pa.Schema:
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("video", pa.string()),
+            ("prompt", pa.string()),
+            ("max_tokens", pa.int64()),
+            ("fps", pa.float64()),
+            ("max_frames", pa.int64()),
+        ]
+    )

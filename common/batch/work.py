@@ -1,0 +1,250 @@
+"""What the batch job does to its rows, on the same stage code as online serving — one class per Ray Data stage.
+
+Rows are plain dicts (Ray Data's rows); arrays stay numpy, so between stages they travel through Ray's object store
+as Arrow tensor columns, never as Python lists of pixels. A row that fails anywhere becomes ``status="error"`` with
+the typed error's code and message and passes through the later stages untouched: one bad clip never stops the job.
+
+* :class:`ClipLoader` (CPU task): fetch (SSRF-safe fetcher, ``file://`` under the media root), header checks and
+  duration cap, frame sampling (server policy, row's ``fps`` / ``max_frames`` may only lower it), the processor.
+* :class:`ClipEncoder` (actor): vision tower + projector over a batch of clips.
+* :class:`ClipGenerator` (actor): chat template + span validation + chunked prefill per clip, then continuous-batching
+  decode of the whole batch over a paged KV pool — greedy, so a row's text is what the online API answers with
+  ``temperature: 0`` for the same clip and prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from common.config import PrismConfig
+from common.engine.decode import DecodeEngine
+from common.engine.prefill import PrefillEngine
+from common.errors import InvalidRequestError, PrismError
+from common.kv.pool import KVPool
+from common.media.loader import LoadTimings, MediaRef
+from common.media.stage import MediaStage
+from common.model.loader import load_frontend, load_model
+from common.protocol.handoff import ProcessedMedia, VisualEmbeddings
+from common.protocol.sampling import SamplingParams
+from common.stages.encode import encode_media
+from common.stages.merge import merge
+from common.stages.process import process_loaded
+from common.stages.prompt import build_prompt
+from common.stages.stops import visible_text
+
+Row = dict[str, Any]
+_EMPTY = np.zeros((0, 0), np.float32)
+
+# Every row carries every column of its stage, with these defaults, so Ray Data blocks always share one schema (an
+# error row has empty arrays and zeros, never missing columns or nulls). 0 stands for "unset" in the optional
+# manifest numbers inside the pipeline.
+LOADED: dict[str, Any] = {
+    "status": "ok",
+    "error_code": "",
+    "error_message": "",
+    "frames": 0,
+    "visual_tokens": 0,
+    "pixel_values": _EMPTY,
+    "grid_thw": np.zeros(3, np.int64),
+    "media_digest": "",
+    "source_w": 0,
+    "source_h": 0,
+    "seconds_fetch_decode": 0.0,
+    "seconds_process": 0.0,
+}
+ENCODED: dict[str, Any] = {"embeddings": _EMPTY, "encoder_revision": "", "seconds_encode": 0.0}
+GENERATED: dict[str, Any] = {
+    "text": "",
+    "prompt_tokens": 0,
+    "output_tokens": 0,
+    "seconds_prefill": 0.0,
+    "seconds_decode": 0.0,
+}
+
+
+def fail(row: Row, exc: BaseException) -> Row:
+    """The row as an error: typed errors keep their code; anything else is ``internal_error`` (no stack, no data)."""
+    if isinstance(exc, PrismError):
+        code, message = exc.code, exc.message
+    else:
+        code, message = "internal_error", f"{type(exc).__name__}: {exc}"[:500]
+    return row | {"status": "error", "error_code": code, "error_message": message, "pixel_values": _EMPTY}
+
+
+def input_row(row: Row) -> Row:
+    """A manifest row for the pipeline: optional numbers as 0 when unset."""
+    return {k: row.get(k) or 0 for k in ("max_tokens", "fps", "max_frames")} | {
+        k: row[k] for k in ("id", "video", "prompt")
+    }
+
+
+def _ok(row: Row) -> bool:
+    return row.get("status") == "ok"
+
+
+class ClipLoader:
+    def __init__(self, cfg: PrismConfig) -> None:
+        self.cfg = cfg
+        self.frontend = load_frontend(cfg.model)
+        self.stage = MediaStage(cfg.media)
+        if "video" not in self.frontend.adapter.modalities:
+            raise ValueError(f"model {self.frontend.served_name} does not accept video; use a video-capable model")
+
+    def __call__(self, row: Row) -> Row:
+        row = row | LOADED
+        try:
+            ref = MediaRef("video", row["video"], fps=row.get("fps") or None, max_frames=row.get("max_frames") or None)
+            timings = LoadTimings()
+            loaded = self.stage.load([ref], timings)
+            start = time.perf_counter()
+            (media,) = process_loaded(self.frontend, loaded, options=self.stage.decode_options())
+        except Exception as exc:  # every failure is this row's, never the job's
+            return fail(row, exc)
+        return row | {
+            "frames": len(loaded[0].frames),
+            "visual_tokens": media.num_visual_tokens,
+            "pixel_values": np.ascontiguousarray(media.pixel_values, dtype=np.float32),
+            "grid_thw": np.asarray(media.grid_thw, np.int64),
+            "media_digest": media.media_digest,
+            "source_w": media.source_size[0],
+            "source_h": media.source_size[1],
+            "seconds_fetch_decode": timings.fetch_s + timings.decode_s,
+            "seconds_process": time.perf_counter() - start,
+        }
+
+
+def _processed(row: Row) -> ProcessedMedia:
+    return ProcessedMedia(
+        media_index=0,
+        modality="video",
+        media_digest=str(row["media_digest"]),
+        pixel_values=np.asarray(row["pixel_values"], np.float32),
+        grid_thw=tuple(int(x) for x in row["grid_thw"]),  # type: ignore[arg-type]
+        num_visual_tokens=int(row["visual_tokens"]),
+        source_size=(int(row["source_w"]), int(row["source_h"])),
+    )
+
+
+class ClipEncoder:
+    def __init__(self, cfg: PrismConfig) -> None:
+        self.lm = load_model(cfg.model)
+
+    def __call__(self, rows: Sequence[Row]) -> list[Row]:
+        out = [r | ENCODED for r in rows]
+        todo = [i for i, r in enumerate(out) if _ok(r)]
+        if not todo:
+            return out
+        try:
+            embeddings = self._encode([out[i] for i in todo])
+        except Exception:  # isolate the clip that broke the batch: encode one by one
+            embeddings = []
+            for i in todo:
+                try:
+                    embeddings.extend(self._encode([out[i]]))
+                except Exception as exc:
+                    out[i] = fail(out[i], exc)
+                    embeddings.append(None)
+        for i, emb in zip(todo, embeddings, strict=True):
+            if emb is not None:
+                out[i] = out[i] | {"embeddings": emb[0], "encoder_revision": emb[1], "seconds_encode": emb[2]}
+                out[i]["pixel_values"] = _EMPTY  # the pixels are not needed past here
+        return out
+
+    def _encode(self, rows: Sequence[Row]) -> list[tuple[np.ndarray, str, float]]:
+        start = time.perf_counter()
+        items = [_processed(r) for r in rows]
+        result = encode_media(self.lm, items)
+        elapsed = time.perf_counter() - start
+        total = sum(int(r["visual_tokens"]) for r in rows) or 1
+        return [
+            (e.embeddings, e.encoder_revision, elapsed * int(r["visual_tokens"]) / total)
+            for e, r in zip(result, rows, strict=True)
+        ]
+
+
+class ClipGenerator:
+    def __init__(self, cfg: PrismConfig) -> None:
+        self.cfg = cfg
+        self.lm = load_model(cfg.model)
+        eng = cfg.engine
+        self.prefill = PrefillEngine(self.lm, block_size=eng.kv_block_size, chunk_tokens=eng.prefill_chunk_tokens)
+        pool = KVPool(eng.kv_pool_blocks, eng.kv_block_size, self.lm.kv_shape, self.lm.dtype, eng.max_lease_fraction)
+        self.decode = DecodeEngine(self.lm, pool, max_batch=eng.max_batch)
+
+    def sampling(self, row: Row) -> SamplingParams:
+        max_tokens = int(row.get("max_tokens") or self.cfg.batch.default_max_tokens)
+        if max_tokens > self.cfg.engine.max_output_tokens:
+            raise InvalidRequestError(
+                f"max_tokens is {max_tokens}; the limit is {self.cfg.engine.max_output_tokens}", param="max_tokens"
+            )
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0).resolved()
+
+    def __call__(self, rows: Sequence[Row]) -> list[Row]:
+        """The rows with their text, reduced to the output columns (the arrays are dropped here)."""
+        out = [r | GENERATED for r in rows]
+        started: dict[str, tuple[int, SamplingParams, int]] = {}
+        for i, row in enumerate(out):
+            if not _ok(row):
+                continue
+            try:
+                sampling, pre, seconds = self._prefill(row)
+                self.decode.submit(row["id"], pre, sampling)
+            except Exception as exc:
+                out[i] = fail(row, exc)
+                continue
+            out[i] = row | {"prompt_tokens": len(pre.prompt_token_ids), "seconds_prefill": seconds}
+            started[row["id"]] = (i, sampling, len(pre.prompt_token_ids))
+        tokens, finish, seconds = self._decode(set(started))
+        for rid, (i, sampling, _) in started.items():
+            if finish.get(rid) in ("timeout", "error", None):
+                out[i] = fail(out[i], PrismError(f"decode ended with {finish.get(rid) or 'no result'}"))
+                continue
+            ids = tokens[rid]
+            text = visible_text(self.lm.tokenizer, ids, sampling)
+            share = seconds * len(ids) / max(1, sum(len(t) for t in tokens.values()))
+            out[i] = out[i] | {"text": text, "output_tokens": len(ids), "seconds_decode": share}
+        return [{k: v for k, v in r.items() if k not in ARRAYS} for r in out]
+
+    def _prefill(self, row: Row):
+        start = time.perf_counter()
+        sampling = self.sampling(row)
+        emb = VisualEmbeddings(
+            media_index=0,
+            modality="video",
+            media_digest=str(row["media_digest"]),
+            embeddings=np.asarray(row["embeddings"], np.float32),
+            grid_thw=tuple(int(x) for x in row["grid_thw"]),  # type: ignore[arg-type]
+            encoder_revision=str(row["encoder_revision"]),
+        )
+        messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": row["prompt"]}]}]
+        prompt = build_prompt(self.lm, messages, [emb], self.cfg.engine.max_prompt_tokens)
+        try:
+            result = self.prefill.run(row["id"], merge(self.lm, prompt, [emb]), sampling)
+        finally:
+            self.prefill.cancel(row["id"])  # no-op once finished; drops it if a chunk failed
+        return sampling, result.output, time.perf_counter() - start
+
+    def _decode(self, running: set[str]) -> tuple[dict[str, list[int]], dict[str, str], float]:
+        start = time.perf_counter()
+        tokens: dict[str, list[int]] = {rid: [] for rid in running}
+        finish: dict[str, str] = {}
+        try:
+            while len(finish) < len(running):
+                for event in self.decode.step():
+                    if event.token_id is not None:
+                        tokens[event.request_id].append(event.token_id)
+                    if event.finish_reason is not None:
+                        finish[event.request_id] = event.finish_reason
+                if not self.decode.has_work() and self.decode.num_waiting == 0 and len(finish) < len(running):
+                    break  # nothing left that could finish them (cannot happen with a sane pool)
+        finally:
+            for rid in running - set(finish):
+                self.decode.cancel(rid)
+        return tokens, finish, time.perf_counter() - start
+
+
+ARRAYS = ("pixel_values", "embeddings", "grid_thw")

@@ -1,0 +1,183 @@
+"""The offline video batch job on a real local Ray cluster: one row per input with the expected statuses, text equal
+to the online path's (greedy), resumable after a kill, and submittable with ``ray job submit``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from common.config import PrismConfig
+from tests.batch.conftest import ERRORS, GOOD, RAY, job_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _job(args: list[str], address: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "services.batch", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=job_env(address), capture_output=True, text=True, timeout=timeout)
+
+
+def _results(out: Path) -> list[dict]:
+    return pq.read_table(out / "results.parquet").to_pylist()
+
+
+def _reference_texts(config_path: Path, manifest: Path) -> dict[str, str]:
+    """What the online path answers for each good clip (temperature 0): the same ``common/`` stages in process —
+    the deployed Qwen2-VL app was checked token for token against this path in tests/e2e/test_video.py."""
+    from common.batch.manifest import read_manifest
+    from common.media.fetch import MediaFetcher
+    from common.media.loader import MediaRef, load_media
+    from common.model.loader import load_model
+    from common.protocol.sampling import SamplingParams
+    from common.stages.decode import decode
+    from common.stages.encode import encode_media
+    from common.stages.merge import merge
+    from common.stages.prefill import prefill
+    from common.stages.process import process_loaded
+    from common.stages.prompt import build_prompt
+    from common.stages.stops import visible_text
+    from services.batch import load_config
+
+    cfg = load_config(str(config_path), manifest.parent)
+    lm = load_model(cfg.model)
+    fetcher = MediaFetcher(cfg.media)
+    texts = {}
+    for row in read_manifest(manifest):
+        if row.id in ERRORS:
+            continue
+        media = process_loaded(lm, load_media([MediaRef("video", row.video, fps=row.fps)], cfg.media, fetcher))
+        content = [{"type": "video"}, {"type": "text", "text": row.prompt}]
+        prompt = build_prompt(lm, [{"role": "user", "content": content}], media, cfg.engine.max_prompt_tokens)
+        sampling = SamplingParams(max_tokens=row.max_tokens or cfg.batch.default_max_tokens, temperature=0)
+        pre = prefill(lm, merge(lm, prompt, encode_media(lm, media)), sampling, cfg.engine.kv_block_size)
+        texts[row.id] = visible_text(lm.tokenizer, decode(lm, pre, sampling).token_ids, sampling)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def first_run(clips, ray_cluster, tmp_path_factory):
+    manifest, config, _ = clips
+    out = tmp_path_factory.mktemp("out")
+    proc = _job(["--input", str(manifest), "--output", str(out), "--config", str(config)], ray_cluster[0])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_one_row_per_input_with_the_expected_statuses(clips, first_run):
+    out, proc = first_run
+    rows = _results(out)
+    manifest_ids = [c[0] for c in GOOD] + list(ERRORS)
+    assert [r["id"] for r in rows] == manifest_ids
+    by_id = {r["id"]: r for r in rows}
+    for cid, code in ERRORS.items():
+        assert by_id[cid]["status"] == "error" and by_id[cid]["error_code"] == code, by_id[cid]
+        assert by_id[cid]["error_message"] and by_id[cid]["text"] is None
+    for cid, *_ in GOOD:
+        row = by_id[cid]
+        assert row["status"] == "ok" and row["error_code"] is None, row
+        assert row["frames"] >= 1 and row["visual_tokens"] > 0 and row["prompt_tokens"] > row["visual_tokens"]
+        assert 1 <= row["output_tokens"] <= 10
+        assert all(row[f"seconds_{s}"] >= 0 for s in ("fetch_decode", "process", "encode", "prefill", "decode"))
+    # frame sampling follows the server policy (2 fps by default) and a row's lower fps
+    assert by_id["clip-07"]["frames"] > by_id["clip-00"]["frames"]  # 3.0 s vs 0.5 s
+    # progress and the summary are in the job's log
+    assert "[prism-batch] 20/20 rows (100%) ok=17 failed=3" in proc.stdout
+    summary = json.loads(proc.stdout.split("[prism-batch] summary ", 1)[1].splitlines()[0])
+    assert (
+        summary["ok"] == 17
+        and summary["failed"] == 3
+        and summary["errors_by_code"]
+        == {
+            "invalid_media": 1,
+            "media_fetch_failed": 1,
+            "media_too_large": 1,
+        }
+    )
+    assert proc.stdout.strip().splitlines()[-1] == str(out / "results.parquet")
+
+
+def test_ok_rows_text_equals_the_online_path(clips, first_run):
+    manifest, config, _ = clips
+    out, _ = first_run
+    reference = _reference_texts(config, manifest)
+    got = {r["id"]: r["text"] for r in _results(out) if r["status"] == "ok"}
+    assert got == reference
+
+
+def test_rerun_skips_ok_rows_and_retries_errors(clips, first_run, ray_cluster):
+    manifest, config, _ = clips
+    out, _ = first_run
+    before = {r["id"]: r for r in _results(out)}
+    parts = len(list((out / "_parts").glob("part-*.parquet")))
+    proc = _job(["--input", str(manifest), "--output", str(out), "--config", str(config)], ray_cluster[0])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "20 rows, 17 already ok, 3 to process" in proc.stdout
+    after = _results(out)
+    assert len(after) == 20 and {r["id"]: r for r in after} == before  # errors retried, still errors
+    assert len(list((out / "_parts").glob("part-*.parquet"))) == parts + 1
+
+
+def test_a_killed_job_loses_at_most_its_in_flight_rows(clips, ray_cluster, tmp_path):
+    manifest, config, _ = clips
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "services.batch", "--input", str(manifest), "--output", str(out), "--config",
+           str(config)]  # fmt: skip
+    job = subprocess.Popen(
+        cmd, cwd=ROOT, env=job_env(ray_cluster[0]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((out / "_parts").glob("part-*.parquet")):
+        time.sleep(0.2)
+    job.send_signal(signal.SIGKILL)
+    job.wait(30)
+    written = pq.read_table(out / "_parts").to_pylist() if (out / "_parts").exists() else []
+    saved_ok = {r["id"] for r in written if r["status"] == "ok"}
+    assert written and not (out / "results.parquet").exists(), job.stderr.read()[-2000:]
+    proc = _job(["--input", str(manifest), "--output", str(out), "--config", str(config)], ray_cluster[0])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"20 rows, {len(saved_ok)} already ok, {20 - len(saved_ok)} to process" in proc.stdout
+    rows = _results(out)
+    assert len(rows) == 20 and sum(r["status"] == "ok" for r in rows) == 17
+
+
+def test_ray_job_submit_runs_the_job(clips, ray_cluster, tmp_path):
+    _, config, root = clips
+    lines = [json.dumps({"id": c[0], "video": str(root / f"{c[0]}.{c[4]}"), "prompt": "What happens?"}) for c in GOOD[:3]]
+    small = tmp_path / "small.jsonl"
+    small.write_text("\n".join(lines))
+    out = tmp_path / "submitted"
+    cmd = [RAY, "job", "submit", "--address", ray_cluster[1], "--working-dir", str(ROOT), "--",
+           sys.executable, "-m", "services.batch", "--input", str(small), "--output", str(out),
+           "--config", str(config), "--media-root", str(root)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env(""), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "succeeded" in proc.stdout.lower()
+    assert "[prism-batch] summary" in proc.stdout  # the job's log (progress + summary) streamed back
+    rows = _results(out)
+    assert [r["id"] for r in rows] == [c[0] for c in GOOD[:3]] and all(r["status"] == "ok" for r in rows)
+
+
+def test_a_malformed_manifest_refuses_to_start(tmp_path, ray_cluster):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "video": "a.mp4", "prompt": "x"}) + "\n" + json.dumps({"id": "a"}) + "\n")
+    proc = _job(["--input", str(bad), "--output", str(tmp_path / "o")], ray_cluster[0], timeout=120)
+    assert proc.returncode == 2 and "row 2: missing video, prompt" in proc.stderr
+
+
+def test_config_accepts_a_serve_config_and_opens_only_the_media_root(tmp_path):
+    from services.batch import load_config
+
+    serve = yaml.safe_load((ROOT / "ray_configs" / "local_cpu.yaml").read_text())
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(serve))
+    cfg = load_config(str(path), tmp_path)
+    assert isinstance(cfg, PrismConfig) and cfg.media.file_root == str(tmp_path.resolve())
+    assert "file" in cfg.media.allowed_schemes
