@@ -150,7 +150,8 @@ def test_a_killed_job_loses_at_most_its_in_flight_rows(clips, ray_cluster, tmp_p
 
 def test_ray_job_submit_runs_the_job(clips, ray_cluster, tmp_path):
     _, config, root = clips
-    lines = [json.dumps({"id": c[0], "video": str(root / f"{c[0]}.{c[4]}"), "prompt": "What happens?"}) for c in GOOD[:3]]
+    rows = [{"id": c[0], "video": str(root / f"{c[0]}.{c[4]}"), "prompt": "What happens?"} for c in GOOD[:3]]
+    lines = [json.dumps(r) for r in rows]
     small = tmp_path / "small.jsonl"
     small.write_text("\n".join(lines))
     out = tmp_path / "submitted"
