@@ -11,11 +11,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import av
 import numpy as np
 from PIL import Image
 
-from common.media.synthetic import synthetic_image
+from common.media.synthetic import (
+    synthetic_image,
+    video_bytes,  # noqa: F401  (re-exported for the tests)
+)
 
 # ---- files ---------------------------------------------------------------------------------------------------
 
@@ -62,26 +64,6 @@ def exif_rotated_jpeg() -> bytes:
     exif = img.getexif()
     exif[0x0112] = 6
     return jpeg_bytes(img, exif=exif.tobytes(), quality=95)
-
-
-def video_bytes(seconds: float, fps: int = 10, size: tuple[int, int] = (64, 48), fmt: str = "mp4") -> bytes:
-    """A real clip made with PyAV: MP4/H.264 or WebM/VP8, frames with a moving bar so frames differ."""
-    buf = io.BytesIO()
-    codec = "libx264" if fmt == "mp4" else "libvpx"
-    with av.open(buf, mode="w", format=fmt) as out:
-        stream = out.add_stream(codec, rate=fps)
-        stream.width, stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for i in range(int(seconds * fps)):
-            arr = np.full((size[1], size[0], 3), 40, np.uint8)
-            x = (i * 4) % size[0]
-            arr[:, x : x + 4] = 250
-            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 # ---- server --------------------------------------------------------------------------------------------------

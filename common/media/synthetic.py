@@ -1,4 +1,4 @@
-"""Deterministic synthetic images for demos, tests and benchmarks (no data hub is reachable).
+"""Deterministic synthetic images and PyAV video clips for demos, tests and benchmarks (no data hub is reachable).
 
 Images have structure (gradients, shapes, noise) rather than flat colour, so different seeds give different vision
 features and different answers — flat images would make cache-key bugs invisible.
@@ -6,6 +6,9 @@ features and different answers — flat images would make cache-key bugs invisib
 
 from __future__ import annotations
 
+import io
+
+import av
 import numpy as np
 from PIL import Image, ImageDraw
 
@@ -30,3 +33,23 @@ def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
         color = tuple(int(c) for c in rng.integers(0, 256, size=3))
         (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
     return img
+
+
+def video_bytes(seconds: float, fps: int = 10, size: tuple[int, int] = (64, 48), fmt: str = "mp4") -> bytes:
+    """A real clip made with PyAV: MP4/H.264 or WebM/VP8, frames with a moving bar so frames differ."""
+    buf = io.BytesIO()
+    codec = "libx264" if fmt == "mp4" else "libvpx"
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(int(seconds * fps)):
+            arr = np.full((size[1], size[0], 3), 40, np.uint8)
+            x = (i * 4) % size[0]
+            arr[:, x : x + 4] = 250
+            frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()

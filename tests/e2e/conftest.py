@@ -56,6 +56,7 @@ def prism_server(model_cache, tmp_path_factory):
         "observability": {"request_log_path": str(request_log)},
     }
     ray.init(
+        address="local",  # always a fresh cluster of our own, even if another one runs on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -57,10 +57,10 @@ def test_malformed_manifests_are_refused_with_the_row(tmp_path, rows, message):
 
 def test_manifest_format_is_checked(tmp_path):
     (tmp_path / "m.csv").write_text("id,video,prompt\n")
-    with pytest.raises(ManifestError, match="parquet or .jsonl"):
+    with pytest.raises(ManifestError, match=r"parquet or \.jsonl"):
         read_manifest(tmp_path / "m.csv")
     (tmp_path / "m.jsonl").write_text("{not json")
-    with pytest.raises(ManifestError, match="m.jsonl:1: not JSON"):
+    with pytest.raises(ManifestError, match=r"m\.jsonl:1: not JSON"):
         read_manifest(tmp_path / "m.jsonl")
 
 
