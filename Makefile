@@ -42,7 +42,7 @@ format: venv
 
 # Benchmarks (not tests): ratios measured side by side in one run, written to loadtest/results/.
 bench: venv
-	$(PY) -m loadtest.bench_decode --model prism-small-llava
+	$(PY) -m loadtest.bench --model prism-small-llava
 
 # Offline video batch on a local Ray (or RAY_ADDRESS): make batch INPUT=manifest.parquet OUTPUT=out/ [CONFIG=x.yaml]
 batch: venv

@@ -100,3 +100,42 @@ def test_cli_help_and_bad_arguments(capsys):
         main(["--help"])
     assert info.value.code == 0 and "--rates" in capsys.readouterr().out
     assert main(["--url", "http://127.0.0.1:9/v1", "--mix", "text=0"]) == 2
+
+
+def test_bench_table_goes_between_the_readme_markers(tmp_path):
+    from loadtest.bench import END, START, TARGETS, _metric, table, update_readme
+
+    metrics = {name: _metric(name, 1.0, {"x": 1}) for name in TARGETS}
+    summary = {
+        "date": "2026-11-30T00:00:00+00:00",
+        "machine": {"cpus": 2, "platform": "p"},
+        "model": "m",
+        "wall_s": 5.0,
+        "metrics": metrics,
+    }
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{START}\nSTALE-TABLE\n{END}\nafter\n")
+    update_readme(summary, readme)
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "STALE-TABLE" not in text
+    assert table(summary) in text and text.count("| `") == len(TARGETS)
+    assert metrics["ttft_ratio_epd_vs_monolith"]["met"] and not metrics["goodput_ratio_vs_naive"]["met"]
+
+
+def test_readme_bench_table_is_the_committed_summary():
+    import json
+    from pathlib import Path
+
+    from loadtest.bench import END, RESULTS, START, table
+
+    root = Path(__file__).resolve().parents[2]
+    block = (root / "README.md").read_text().split(START)[1].split(END)[0].strip()
+    summary = RESULTS / "summary.json"
+    if summary.exists():
+        data = json.loads(summary.read_text())
+        assert block == table(data)
+        assert set(data["metrics"]) >= {"ttft_ratio_epd_vs_monolith", "goodput_ratio_vs_naive"}
+        for m in data["metrics"].values():
+            assert {"value", "target", "met", "raw"} <= set(m) and m["raw"]
+    else:
+        assert "not measured yet" in block

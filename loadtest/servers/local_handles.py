@@ -1,0 +1,72 @@
+"""In-process stand-ins for Serve deployment handles, so the ingress and the stage classes run in one process.
+
+``LocalHandle(obj).method.remote(*args)`` starts ``obj.method(*args)`` as an asyncio task after awaiting any
+argument that is itself a pending call (Serve resolves a ``DeploymentResponse`` passed to another call the same way);
+``.options(stream=True).remote(...)`` gives an async iterator with ``cancel()`` over a streaming method. Cancelling a
+stream also cancels the upstream calls it was waiting on, as Serve propagates cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+
+class LocalResponse:
+    def __init__(self, method: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.task = asyncio.get_running_loop().create_task(_call(method, args))
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+
+class LocalStream:
+    def __init__(self, method: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.method, self.args = method, args
+        self._gen: Any = None
+
+    def __aiter__(self) -> LocalStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._gen is None:
+            self._gen = self.method(*(await _resolve(self.args)))
+        return await self._gen.__anext__()
+
+    def cancel(self) -> None:
+        for arg in self.args:
+            if isinstance(arg, LocalResponse):
+                arg.cancel()
+        if self._gen is not None:
+            asyncio.get_running_loop().create_task(self._gen.aclose())
+
+
+class _Method:
+    def __init__(self, method: Callable[..., Any], stream: bool = False) -> None:
+        self.method, self.stream = method, stream
+
+    def options(self, stream: bool = False) -> _Method:
+        return _Method(self.method, stream)
+
+    def remote(self, *args: Any) -> LocalResponse | LocalStream:
+        return LocalStream(self.method, args) if self.stream else LocalResponse(self.method, args)
+
+
+class LocalHandle:
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._obj, name))
+
+
+async def _resolve(args: tuple[Any, ...]) -> list[Any]:
+    return [await a if isinstance(a, LocalResponse) else a for a in args]
+
+
+async def _call(method: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    return await method(*(await _resolve(args)))

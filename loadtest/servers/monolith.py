@@ -1,0 +1,60 @@
+"""The monolith baseline: Prism's own ingress and stage classes in one process, no Ray, same HTTP API.
+
+The four stage objects share one event loop and call each other through :mod:`loadtest.servers.local_handles`; each
+engine still steps in its own thread, as in a replica. What is left out is exactly what Prism adds: separate
+processes per stage (so a flood of image work cannot share a core budget with decode), per-stage queues and scaling,
+and the object store between stages. ``python -m loadtest.servers.monolith --port 8101 [--config yaml]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import uvicorn
+import yaml
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from common.config import PrismConfig
+from loadtest.servers.local_handles import LocalHandle
+
+
+def build(config: dict[str, Any]) -> FastAPI:
+    from services.decode import DecodeDeployment
+    from services.encode import EncodeDeployment
+    from services.ingress import IngressDeployment
+    from services.media import MediaDeployment
+    from services.prefill import PrefillDeployment
+
+    raw = PrismConfig.model_validate(config).model_dump(mode="json")
+    stages = [LocalHandle(cls(raw)) for cls in (MediaDeployment, EncodeDeployment, PrefillDeployment, DecodeDeployment)]
+    ingress = IngressDeployment(raw, *stages)
+    app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await ingress.chat(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await ingress.models(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.servers.monolith")
+    parser.add_argument("--port", type=int, default=8101)
+    parser.add_argument("--config", help="PrismConfig YAML")
+    args = parser.parse_args()
+    config = yaml.safe_load(open(args.config, encoding="utf-8")) if args.config else {}
+    uvicorn.run(build(config), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
