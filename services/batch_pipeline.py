@@ -45,17 +45,14 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     return out
 
 
-class _Encode:
-    def __init__(self, config_json: str) -> None:
-        self.work = ClipEncoder(PrismConfig.model_validate_json(config_json))
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return _columns(self.work(_rows(batch)))
+_WORK = {"encode": ClipEncoder, "generate": ClipGenerator}
 
 
-class _Generate:
-    def __init__(self, config_json: str) -> None:
-        self.work = ClipGenerator(PrismConfig.model_validate_json(config_json))
+class _Actor:
+    """One actor of a pool: holds its stage's model for the job's life and maps row batches through it."""
+
+    def __init__(self, config_json: str, stage: str) -> None:
+        self.work = _WORK[stage](PrismConfig.model_validate_json(config_json))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return _columns(self.work(_rows(batch)))
@@ -75,21 +72,17 @@ def build_dataset(rows: list[dict[str, Any]], cfg: PrismConfig):
         num_cpus=b.media_num_cpus,
         compute=ray.data.TaskPoolStrategy(size=b.media_concurrency),
     )
-    ds = ds.map_batches(
-        _Encode,
-        fn_constructor_kwargs={"config_json": config_json},
-        batch_size=b.encode_batch_size,
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=b.encode_actors),
-        num_cpus=b.actor_num_cpus,
-        num_gpus=b.encode_num_gpus,
-    )
-    return ds.map_batches(
-        _Generate,
-        fn_constructor_kwargs={"config_json": config_json},
-        batch_size=b.generate_batch_size,
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=b.generate_actors),
-        num_cpus=b.actor_num_cpus,
-        num_gpus=b.generate_num_gpus,
-    )
+    for stage, size, actors, gpus in (
+        ("encode", b.encode_batch_size, b.encode_actors, b.encode_num_gpus),
+        ("generate", b.generate_batch_size, b.generate_actors, b.generate_num_gpus),
+    ):
+        ds = ds.map_batches(
+            _Actor,
+            fn_constructor_kwargs={"config_json": config_json, "stage": stage},
+            batch_size=size,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=b.actor_num_cpus,
+            num_gpus=gpus,
+        )
+    return ds

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from tests.mediakit import video_bytes
+from tests.netutil import free_port
 
 QWEN = "prism-tiny-qwen2vl"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -52,12 +52,6 @@ GOOD = [
 ]
 ERRORS = {"corrupt": "invalid_media", "too-long": "media_too_large", "missing": "media_fetch_failed"}
 PROMPTS = ["What happens?", "Describe the clip.", "Summarise it in a few words."]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="package")
@@ -101,7 +95,7 @@ def clips(tmp_path_factory, model_cache):
 @pytest.fixture(scope="package")
 def ray_cluster():
     """(GCS address, job server URL) of a local head started with the job server."""
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     cmd = [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
            f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1"]  # fmt: skip

@@ -6,21 +6,16 @@ tests run, so their monkeypatching of global functions cannot race with Ray's ow
 
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
 import pytest
 
+from tests.netutil import free_port
+
 GRPC_SERVICER = "services.proto.prism_pb2_grpc.add_PrismServicer_to_server"
 API_KEY = "test-key-a"
 OTHER_KEY = "test-key-b"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="package")
@@ -34,7 +29,7 @@ def prism_server(model_cache, tmp_path_factory):
     from services.app import build_app
 
     resolve_model_dir("prism-tiny-llava", model_cache)  # build once here, not in five replicas at once
-    port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     request_log = tmp_path_factory.mktemp("logs") / "requests.jsonl"
     stage = {"num_cpus": 0.1}
     config = {
