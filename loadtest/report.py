@@ -62,10 +62,7 @@ def _cdf(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _ttft_vs_load(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
@@ -79,10 +76,7 @@ def _ttft_vs_load(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
     ax.set_title("TTFT vs load")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _stages(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
@@ -99,6 +93,10 @@ def _stages(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
     ax.set_title("Per-stage breakdown (Prism traces)" if names else "Per-stage breakdown (no traces returned)")
     if names:
         ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -58,18 +58,18 @@ class DecodeDeployment:
     ) -> AsyncIterator[dict[str, Any]]:
         timeline = Timeline.after(pre, sent_at if sent_at is not None else time.time())
         check_deadline(deadline, "decode")
-        kv, backend = await self._receive(unwrap(pre))
-        transfer = timeline.mark("decode.transfer", backend=backend, bytes=kv.kv.nbytes)
-        self.metrics.transfer(backend, "kv", kv.kv.nbytes, transfer.duration_s)
+        prefilled, backend = await self._receive(unwrap(pre))
+        transfer = timeline.mark("decode.transfer", backend=backend, bytes=prefilled.kv.nbytes)
+        self.metrics.transfer(backend, "kv", prefilled.kv.nbytes, transfer.duration_s)
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.queues[request_id] = queue
         tokens = 0
         try:
             async with self.driver.lock:
-                self.engine.submit(request_id, kv, sampling, deadline=monotonic_deadline(deadline))
+                self.engine.submit(request_id, prefilled, sampling, deadline=monotonic_deadline(deadline))
             self._load()
             self.driver.poke()
-            yield {"prompt_token_ids": kv.prompt_token_ids.tolist(), "spans": tuple(timeline.spans)}
+            yield {"prompt_token_ids": prefilled.prompt_token_ids.tolist(), "spans": tuple(timeline.spans)}
             while True:
                 event = await queue.get()
                 item: dict[str, Any] = {"token_id": event.token_id, "finish_reason": event.finish_reason}
@@ -79,7 +79,7 @@ class DecodeDeployment:
                     self.metrics.observe("prism_stage_queue_seconds", transfer.duration_s + waited.duration_s)
                 tokens += event.token_id is not None
                 if event.finish_reason is not None:
-                    item["kv_blocks"] = self.pool.blocks_for(kv.kv.num_tokens + tokens)
+                    item["kv_blocks"] = self.pool.blocks_for(prefilled.kv.num_tokens + tokens)
                     yield item
                     return
                 yield item
@@ -106,7 +106,6 @@ class DecodeDeployment:
             queue = self.queues.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(event)
-        self._load()
 
     def _load(self) -> None:
         running, waiting = self.engine.num_running, self.engine.num_waiting

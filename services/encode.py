@@ -61,9 +61,7 @@ class EncodeDeployment:
             stats = self.engine.pop_stats(request_id)
             self._load()
         hits, misses = (stats.cache_hits, stats.cache_misses) if stats else (0, 0)
-        started = stats.started_at if stats and stats.started_at is not None else time.monotonic()
-        # The batch start is on the engine's monotonic clock: place it on the wall-clock timeline via "how long ago".
-        queue = timeline.span("encode.queue", (time.time() - timeline.last) - (time.monotonic() - started))
+        queue = timeline.mark_until("encode.queue", stats.started_at if stats else None)
         work = timeline.mark(
             "encode",
             items=len(items),

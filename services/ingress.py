@@ -31,7 +31,7 @@ from common.model.loader import load_frontend
 from common.obs.request_trace import RequestTrace
 from common.stages.stops import visible_text
 from services.observer import CANCELLED, RequestObserver
-from services.openai_format import Detokenizer, chunk, completion_body, error_response, sse, usage
+from services.openai_format import Detokenizer, chunk, completion_body, error_body, error_response, sse, usage
 from services.pipeline_client import Call, PipelineClient
 from services.proto import prism_pb2
 
@@ -66,30 +66,29 @@ class IngressDeployment:
         self.client = PipelineClient(self.cfg, self.frontend, media, encode, prefill, decode)
         self.observer = RequestObserver(self.cfg.observability)
         self.in_flight = 0
-        self.observer.metrics.keep_fresh(lambda: self.observer.metrics.load(self.in_flight, self.in_flight))
+        self.observer.metrics.keep_fresh(self._load)
 
     # ---- admission ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
         if self.in_flight >= self.cfg.server.max_in_flight_per_ingress:
             raise Overloaded("the server is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s)
         self.in_flight += 1
-        self.observer.metrics.load(self.in_flight, self.in_flight)
+        self._load()
 
     def _release(self) -> None:
         self.in_flight -= 1
+        self._load()
+
+    def _load(self) -> None:
         self.observer.metrics.load(self.in_flight, self.in_flight)
 
     def _fail(self, trace: RequestTrace, exc: BaseException) -> PrismError:
-        """The typed error for a failure, with the request finished under its status and code."""
-        typed = self._typed(exc, trace.request_id)
-        self.observer.finish(trace, typed.http_status, typed.code)
-        return typed
-
-    def _typed(self, exc: BaseException, rid: str = "") -> PrismError:
+        """The typed error for a failure (500 for unexpected ones, logged), with the request finished under it."""
         typed = self.client.as_prism_error(exc)
         if typed is None:
-            log.error("request %s failed", rid or "?", exc_info=exc)
+            log.error("request %s failed", trace.request_id, exc_info=exc)
             typed = PrismError("internal error; see the server logs")
+        self.observer.finish(trace, typed.http_status, typed.code)
         return typed
 
     # ---- HTTP ---------------------------------------------------------------------------------------------
@@ -185,10 +184,8 @@ class IngressDeployment:
                     final["prism_trace"] = call.trace.summary()
                 yield sse(final)
         except Exception as exc:  # mid-stream failure: an error event, then the stream ends cleanly
-            body = self._fail(call.trace, exc).to_body()
-            if traced:
-                body["prism_trace"] = call.trace.summary()
-            yield sse(body)
+            typed = self._fail(call.trace, exc)
+            yield sse(error_body(typed, call.trace.summary() if traced else None))
         finally:
             place.release()  # client gone or done: cancel the stream (frees the sequence's KV now)
         yield "data: [DONE]\n\n"
@@ -200,7 +197,7 @@ class IngressDeployment:
         try:
             self._admit()
         except PrismError as exc:
-            raise _grpc_error(grpc_context, self._fail(trace, exc)) from None
+            raise self._grpc_fail(grpc_context, trace, exc, traced) from None
         try:
             call = await self.client.begin(request.api_key, _json(request), request.deadline_ms, trace)
             out_ids, finish = await self.client.collect(call)
@@ -215,9 +212,7 @@ class IngressDeployment:
                 usage=prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids)),
             )
         except Exception as exc:
-            error = _grpc_error(grpc_context, self._fail(trace, exc))
-            self._grpc_trace(grpc_context, trace, traced)
-            raise error from None
+            raise self._grpc_fail(grpc_context, trace, exc, traced) from None
         finally:
             self.observer.finish(trace, *CANCELLED)  # no-op unless the call was cancelled
             self._release()
@@ -228,7 +223,7 @@ class IngressDeployment:
         try:
             self._admit()
         except PrismError as exc:
-            raise _grpc_error(grpc_context, self._fail(trace, exc)) from None
+            raise self._grpc_fail(grpc_context, trace, exc, traced) from None
         call = None
         try:
             call = await self.client.begin(request.api_key, _json(request), request.deadline_ms, trace)
@@ -246,9 +241,7 @@ class IngressDeployment:
                     id=call.rid, delta=delta, token_id=token, finish_reason=finish or "", usage=usage_msg
                 )
         except Exception as exc:
-            error = _grpc_error(grpc_context, self._fail(trace, exc))
-            self._grpc_trace(grpc_context, trace, traced)
-            raise error from None
+            raise self._grpc_fail(grpc_context, trace, exc, traced) from None
         finally:
             if call is not None:
                 call.stream.cancel()
@@ -258,6 +251,12 @@ class IngressDeployment:
     def _grpc_traced(self, grpc_context) -> bool:
         metadata = dict(grpc_context.invocation_metadata() or ())
         return self.observer.wants_trace(metadata.get("x-prism-trace"))
+
+    def _grpc_fail(self, grpc_context, trace: RequestTrace, exc: BaseException, traced: bool) -> "GrpcAbort":
+        """Finish the request under its typed error, set the status (and trace), and return what to raise."""
+        error = _grpc_error(grpc_context, self._fail(trace, exc))
+        self._grpc_trace(grpc_context, trace, traced)
+        return error
 
     def _grpc_trace(self, grpc_context, trace: RequestTrace, traced: bool) -> None:
         """gRPC has no body to extend: the trace travels as the ``prism-trace`` trailing metadata (JSON)."""

@@ -41,7 +41,7 @@ class MediaDeployment:
             self.cache = ProcessorCache(eng.processor_cache_bytes, eng.shared_cache_scope)
         self.in_flight = 0
         self.metrics = Metrics("media")
-        self.metrics.keep_fresh(lambda: self.metrics.load(self.in_flight, self.in_flight))
+        self.metrics.keep_fresh(self._load)
 
     async def process(
         self, refs: list[MediaRef], tenant: str, deadline: float, sent_at: float | None = None
@@ -50,12 +50,12 @@ class MediaDeployment:
         queued = timeline.mark("media.queue").duration_s
         check_deadline(deadline, "media")
         self.in_flight += 1
-        self.metrics.load(self.in_flight, self.in_flight)
+        self._load()
         try:
             return await asyncio.to_thread(self._process, refs, tenant, timeline, queued)
         finally:
             self.in_flight -= 1
-            self.metrics.load(self.in_flight, self.in_flight)
+            self._load()
 
     def _process(
         self, refs: list[MediaRef], tenant: str, timeline: Timeline, queued: float
@@ -86,6 +86,9 @@ class MediaDeployment:
             self.metrics.cache_lookups("processor", view.hits, view.misses)
             self.metrics.cache_bytes("processor", self.cache.stats().bytes)
         return timeline.wrap(out)
+
+    def _load(self) -> None:
+        self.metrics.load(self.in_flight, self.in_flight)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queue_depth": float(self.in_flight)}

@@ -3,7 +3,7 @@
 One :class:`Metrics` per process per stage, built from the declarations in :mod:`common.obs.catalogue` (the single
 source of names, tags and buckets). Created inside a Serve replica, every series also gets ``application``,
 ``deployment`` and ``replica`` labels from Serve; the ``stage`` tag is filled in here. Recording is cheap (Ray
-aggregates in-process and exports every few seconds), so stages record per request and per engine step.
+aggregates in-process and exports every few seconds), so stages record per request.
 
 Gauges are also re-set every ``REFRESH_S`` by a daemon thread (:meth:`Metrics.keep_fresh`): a value set only once —
 ``prism_replicas`` at start-up, an idle stage's zero queue — can be set before the worker's exporter is connected,

@@ -48,15 +48,20 @@ class Detokenizer:
         return delta
 
 
-def error_response(exc: PrismError, trace: dict[str, Any] | None = None) -> JSONResponse:
-    """The OpenAI-style error body (with ``prism_trace`` when the client asked for the trace)."""
-    headers = {}
-    if isinstance(exc, Overloaded):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+def error_body(exc: PrismError, trace: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The OpenAI-style error body, with ``prism_trace`` when the client asked for the trace."""
     body = exc.to_body()
     if trace is not None:
         body["prism_trace"] = trace
-    return JSONResponse(body, status_code=exc.http_status, headers=headers)
+    return body
+
+
+def error_response(exc: PrismError, trace: dict[str, Any] | None = None) -> JSONResponse:
+    """:func:`error_body` as an HTTP response (with ``Retry-After`` when the error carries one)."""
+    headers = {}
+    if isinstance(exc, Overloaded):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    return JSONResponse(error_body(exc, trace), status_code=exc.http_status, headers=headers)
 
 
 def completion_body(

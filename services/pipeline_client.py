@@ -129,30 +129,20 @@ class PipelineClient:
         deadline: float,
         sent_at: float,
     ) -> tuple[DeploymentResponseGenerator, dict[str, Any]]:
-        """Issue the whole chain and wait for the decode stream's first item; a failed attempt cancels its chain."""
-        stream = self._start(req, sampling, rid, tenant, deadline, sent_at)
-        try:
-            return stream, await self._next(stream, deadline)
-        except BaseException:
-            stream.cancel()
-            raise
-
-    def _start(
-        self,
-        req: ChatCompletionRequest,
-        sampling: SamplingParams,
-        rid: str,
-        tenant: str,
-        deadline: float,
-        sent_at: float,
-    ) -> DeploymentResponseGenerator:
+        """Issue the whole chain (each stage's response passed to the next) and wait for the decode stream's first
+        item; a failed attempt cancels its chain."""
         refs = req.media_refs()
         embeddings: Any = []
         if refs:
             media = self.media.process.remote(refs, tenant, deadline, sent_at)
             embeddings = self.encode.encode.remote(media, rid, tenant, deadline, sent_at)
         pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, rid, tenant, deadline, sent_at)
-        return self.decode.generate.options(stream=True).remote(pre, sampling, rid, deadline, sent_at)
+        stream = self.decode.generate.options(stream=True).remote(pre, sampling, rid, deadline, sent_at)
+        try:
+            return stream, await self._next(stream, deadline)
+        except BaseException:
+            stream.cancel()
+            raise
 
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
         """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure."""

@@ -92,9 +92,7 @@ class PrefillDeployment:
 
     def _trace(self, timeline: Timeline, result: PrefillResult, transfer_s: float, prep_s: float) -> None:
         stats, kv, bs = result.stats, result.output.kv, self.engine.block_size
-        started = stats.started_at if stats.started_at is not None else time.monotonic()
-        # The first chunk's start is on the engine's monotonic clock: place it on the wall clock via "how long ago".
-        queue = timeline.span("prefill.queue", (time.time() - timeline.last) - (time.monotonic() - started))
+        queue = timeline.mark_until("prefill.queue", stats.started_at)
         work = timeline.mark(
             "prefill",
             prompt_tokens=stats.prompt_tokens,

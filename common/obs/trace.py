@@ -65,6 +65,13 @@ class Timeline:
         """Close a span from the previous mark to now."""
         return self.span(name, max(0.0, self.clock() - self.last), **attrs)
 
+    def mark_until(self, name: str, instant: float | None, **attrs: AttrValue) -> Span:
+        """Close a span at ``instant``, a reading of ``time.monotonic()`` in this process (an engine's clock) — placed
+        on this wall-clock timeline by how long ago it was. ``None`` (the event never happened): a span ending now."""
+        if instant is None:
+            return self.mark(name, **attrs)
+        return self.span(name, (self.clock() - self.last) - (time.monotonic() - instant), **attrs)
+
     def span(self, name: str, duration_s: float, **attrs: AttrValue) -> Span:
         """Append a span of a known duration (measured on any clock) starting at the previous mark."""
         span = Span(name, self.last, max(0.0, duration_s), dict(attrs))

@@ -30,35 +30,27 @@ def _results(out: Path) -> list[dict]:
 
 
 def _reference_texts(config_path: Path, manifest: Path) -> dict[str, str]:
-    """What the online path answers for each good clip (temperature 0): the same ``common/`` stages in process —
-    the deployed Qwen2-VL app was checked token for token against this path in tests/e2e/test_video.py."""
+    """What the online path answers for each good clip (temperature 0): the in-process reference, which the deployed
+    Qwen2-VL app matches token for token (tests/e2e/test_video.py)."""
     from common.batch.manifest import read_manifest
-    from common.media.fetch import MediaFetcher
-    from common.media.loader import MediaRef, load_media
+    from common.media.loader import MediaRef
     from common.model.loader import load_model
     from common.protocol.sampling import SamplingParams
-    from common.stages.decode import decode
-    from common.stages.encode import encode_media
-    from common.stages.merge import merge
-    from common.stages.prefill import prefill
-    from common.stages.process import process_loaded
-    from common.stages.prompt import build_prompt
     from common.stages.stops import visible_text
     from services.batch import load_config
+    from tests.reference import video_tokens
 
     cfg = load_config(str(config_path), manifest.parent)
     lm = load_model(cfg.model)
-    fetcher = MediaFetcher(cfg.media)
     texts = {}
     for row in read_manifest(manifest):
         if row.id in ERRORS:
             continue
-        media = process_loaded(lm, load_media([MediaRef("video", row.video, fps=row.fps)], cfg.media, fetcher))
-        content = [{"type": "video"}, {"type": "text", "text": row.prompt}]
-        prompt = build_prompt(lm, [{"role": "user", "content": content}], media, cfg.engine.max_prompt_tokens)
         sampling = SamplingParams(max_tokens=row.max_tokens or cfg.batch.default_max_tokens, temperature=0)
-        pre = prefill(lm, merge(lm, prompt, encode_media(lm, media)), sampling, cfg.engine.kv_block_size)
-        texts[row.id] = visible_text(lm.tokenizer, decode(lm, pre, sampling).token_ids, sampling)
+        ref = MediaRef("video", row.video, fps=row.fps)
+        eng = cfg.engine
+        ids = video_tokens(lm, ref, row.prompt, sampling, cfg.media, eng.max_prompt_tokens, eng.kv_block_size)
+        texts[row.id] = visible_text(lm.tokenizer, ids, sampling)
     return texts
 
 

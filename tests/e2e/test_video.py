@@ -9,19 +9,12 @@ import openai
 import pytest
 
 from common.config import ModelConfig
-from common.media.config import MediaConfig
-from common.media.fetch import MediaFetcher
-from common.media.loader import MediaRef, load_media
+from common.media.loader import MediaRef
 from common.model.loader import load_model
 from common.protocol.sampling import SamplingParams
-from common.stages.decode import decode
-from common.stages.encode import encode_media
-from common.stages.merge import merge
-from common.stages.prefill import prefill
-from common.stages.process import process_loaded
-from common.stages.prompt import build_prompt
 from tests.e2e.conftest import API_KEY
 from tests.mediakit import video_bytes
+from tests.reference import video_tokens
 
 QWEN = "prism-tiny-qwen2vl"
 
@@ -44,13 +37,7 @@ def qwen_base(prism_server, model_cache):
 
 def _reference(url: str, text: str, model_cache: str) -> list[int]:
     lm = load_model(ModelConfig(model=QWEN, cache_dir=model_cache))
-    cfg = MediaConfig()
-    media = process_loaded(lm, load_media([MediaRef("video", url)], cfg, MediaFetcher(cfg)))
-    content = [{"type": "video"}, {"type": "text", "text": text}]
-    prompt = build_prompt(lm, [{"role": "user", "content": content}], media, 8192)
-    sampling = SamplingParams(max_tokens=12)
-    pre = prefill(lm, merge(lm, prompt, encode_media(lm, media)), sampling, 16)
-    return list(decode(lm, pre, sampling).token_ids)
+    return video_tokens(lm, MediaRef("video", url), text, SamplingParams(max_tokens=12))
 
 
 def test_short_video_matches_in_process_pipeline(qwen_base, model_cache):

@@ -1,0 +1,37 @@
+"""The reference answer for one video clip: every ``common/`` stage chained in this process, greedy.
+
+The deployed Qwen2-VL app is checked token for token against it (``tests/e2e/test_video.py``), and so is the
+offline batch job (``tests/batch``).
+"""
+
+from __future__ import annotations
+
+from common.media.config import MediaConfig
+from common.media.fetch import MediaFetcher
+from common.media.loader import MediaRef, load_media
+from common.model.loader import LoadedModel
+from common.protocol.sampling import SamplingParams
+from common.stages.decode import decode
+from common.stages.encode import encode_media
+from common.stages.merge import merge
+from common.stages.prefill import prefill
+from common.stages.process import process_loaded
+from common.stages.prompt import build_prompt
+
+
+def video_tokens(
+    lm: LoadedModel,
+    ref: MediaRef,
+    text: str,
+    sampling: SamplingParams,
+    media_cfg: MediaConfig | None = None,
+    max_prompt_tokens: int = 8192,
+    block_size: int = 16,
+) -> list[int]:
+    """Token ids the model generates for ``text`` about the clip ``ref`` (fetched and sampled under ``media_cfg``)."""
+    cfg = media_cfg or MediaConfig()
+    media = process_loaded(lm, load_media([ref], cfg, MediaFetcher(cfg)))
+    content = [{"type": "video"}, {"type": "text", "text": text}]
+    prompt = build_prompt(lm, [{"role": "user", "content": content}], media, max_prompt_tokens)
+    pre = prefill(lm, merge(lm, prompt, encode_media(lm, media)), sampling, block_size)
+    return list(decode(lm, pre, sampling).token_ids)
