@@ -32,10 +32,10 @@ from common.kv.pool import KVPool
 from common.media.synthetic import synthetic_image
 from common.model.loader import LoadedModel, load_model
 from common.protocol.sampling import SamplingParams
-from common.stages.decode import decode
+from common.reference.decode import decode
+from common.reference.prefill import prefill
 from common.stages.encode import encode_media
 from common.stages.merge import merge
-from common.stages.prefill import prefill
 from common.stages.process import process_images
 from common.stages.prompt import build_prompt
 

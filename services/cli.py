@@ -22,7 +22,7 @@ from common.media.synthetic import synthetic_image
 from common.model.builder import EMBEDDED_MODELS, build_embedded_model, resolve_model_dir
 from common.model.loader import load_model
 from common.protocol.sampling import SamplingParams
-from common.stages.pipeline import run_request
+from common.reference.pipeline import run_request
 
 
 def _demo(args: argparse.Namespace) -> int:

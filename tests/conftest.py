@@ -34,3 +34,24 @@ def tiny_qwen(model_cache):
 @pytest.fixture(scope="session", params=["llava", "qwen"])
 def tiny_model(request, tiny_llava, tiny_qwen):
     return tiny_llava if request.param == "llava" else tiny_qwen
+
+
+def _reference(name: str, cache: str):
+    """A model object of the requesting module's own, for comparisons with ``model.generate()``. The session
+    fixtures are shared with engine tests, and a decode engine switches its model's attention to Prism's paged
+    implementation; were that object used as the reference, a bug there would run on both sides and hide."""
+    from common.kv.paged_attention import IMPLEMENTATION
+
+    lm = _load(name, cache)
+    assert lm.text_config._attn_implementation != IMPLEMENTATION
+    return lm
+
+
+@pytest.fixture(scope="module")
+def reference_llava(model_cache):
+    return _reference("prism-tiny-llava", model_cache)
+
+
+@pytest.fixture(scope="module")
+def reference_qwen(model_cache):
+    return _reference("prism-tiny-qwen2vl", model_cache)

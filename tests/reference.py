@@ -11,10 +11,10 @@ from common.media.fetch import MediaFetcher
 from common.media.loader import MediaRef, load_media
 from common.model.loader import LoadedModel
 from common.protocol.sampling import SamplingParams
-from common.stages.decode import decode
+from common.reference.decode import decode
+from common.reference.prefill import prefill
 from common.stages.encode import encode_media
 from common.stages.merge import merge
-from common.stages.prefill import prefill
 from common.stages.process import process_loaded
 from common.stages.prompt import build_prompt
 

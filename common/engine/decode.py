@@ -25,13 +25,12 @@ from typing import Literal
 import torch
 
 from common.engine.paged_step import build_step_context
-from common.kv.blocks import to_torch
+from common.kv.blocks import check_prefill, to_torch
 from common.kv.paged_attention import enable_paged_attention
 from common.kv.pool import KVPool, Lease
 from common.model.loader import LoadedModel
 from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
-from common.stages.decode import check_prefill
 from common.stages.sampler import sample_token
 from common.stages.stops import FinishReason, StopChecker
 

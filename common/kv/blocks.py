@@ -9,12 +9,17 @@ validates the blocks against the receiving model's geometry and refuses anything
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from transformers import DynamicCache
 
 from common.errors import HandoffError
-from common.protocol.handoff import KVBlocks
+from common.protocol.handoff import KVBlocks, PrefillOutput
+
+if TYPE_CHECKING:
+    from common.model.loader import LoadedModel
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # numpy has no bfloat16: those tensors travel as their raw 16-bit patterns.
@@ -65,6 +70,15 @@ def validate_kv(kv: KVBlocks, kv_shape: tuple[int, int, int], dtype: torch.dtype
             raise HandoffError(f"KV {name} shape {tuple(arr.shape)} != expected {shape}")
         if arr.dtype != _WIRE_NUMPY[kv.dtype]:
             raise HandoffError(f"KV {name} numpy dtype {arr.dtype} does not encode {kv.dtype}")
+
+
+def check_prefill(lm: LoadedModel, pre: PrefillOutput) -> None:
+    """Refuse a prefill hand-off from another model, or whose KV does not match its prompt or the model's geometry."""
+    if pre.model_revision != lm.contract.model_revision:
+        raise HandoffError(f"KV from model revision {pre.model_revision}, this is {lm.contract.model_revision}")
+    if pre.kv.num_tokens != len(pre.prompt_token_ids):
+        raise HandoffError(f"KV holds {pre.kv.num_tokens} tokens but the prompt has {len(pre.prompt_token_ids)}")
+    validate_kv(pre.kv, lm.kv_shape, lm.dtype)
 
 
 def import_kv(kv: KVBlocks, config, kv_shape: tuple[int, int, int], dtype: torch.dtype) -> DynamicCache:

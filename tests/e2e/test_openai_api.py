@@ -11,7 +11,7 @@ import pytest
 
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
-from common.stages.pipeline import run_request
+from common.reference.pipeline import run_request
 from tests.e2e.conftest import API_KEY
 from tests.mediakit import MediaServer, Route
 

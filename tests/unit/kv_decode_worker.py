@@ -18,10 +18,10 @@ from common.model.loader import load_model
 from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.protocol.wire import from_bytes, to_bytes
-from common.stages.decode import decode
+from common.reference.decode import decode
+from common.reference.prefill import prefill
 from common.stages.encode import encode_media
 from common.stages.merge import merge
-from common.stages.prefill import prefill
 from common.stages.process import process_images
 from common.stages.prompt import build_prompt
 

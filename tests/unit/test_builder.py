@@ -101,7 +101,7 @@ def test_small_preset_size_and_bf16(name, model_cache):
     assert lm.dtype == torch.bfloat16 and lm.contract.dtype == "bfloat16"
     from common.media.synthetic import synthetic_image
     from common.protocol.sampling import SamplingParams
-    from common.stages.pipeline import run_request
+    from common.reference.pipeline import run_request
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe."}]}]
     out = run_request(lm, messages, [synthetic_image(320, 240)], SamplingParams(max_tokens=16, ignore_eos=True))

@@ -12,11 +12,11 @@ from common.engine.encode import EncodeEngine
 from common.media.synthetic import synthetic_image
 from common.protocol.handoff import ProcessedMedia
 from common.protocol.sampling import SamplingParams
+from common.reference.decode import decode
+from common.reference.prefill import prefill
 from common.sched.encoder_batcher import EncodeItem, EncoderBatcher
-from common.stages.decode import decode
 from common.stages.encode import encode_media
 from common.stages.merge import merge
-from common.stages.prefill import prefill
 from common.stages.process import process_images
 from common.stages.prompt import build_prompt
 

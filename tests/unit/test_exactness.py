@@ -14,9 +14,24 @@ from transformers import LlavaProcessor
 
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
-from common.stages.pipeline import run_request
+from common.reference.pipeline import run_request
 
 MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def llava(reference_llava):
+    return reference_llava
+
+
+@pytest.fixture(scope="module")
+def qwen(reference_qwen):
+    return reference_qwen
+
+
+@pytest.fixture(params=["llava", "qwen"])
+def any_model(request, llava, qwen):
+    return llava if request.param == "llava" else qwen
 
 
 def _messages(n_images: int, text: str = "Describe the picture.") -> list[dict]:
@@ -73,8 +88,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("family", ["llava", "qwen"])
-def test_staged_equals_generate(case, family, tiny_llava, tiny_qwen):
-    lm = tiny_llava if family == "llava" else tiny_qwen
+def test_staged_equals_generate(case, family, llava, qwen):
+    lm = llava if family == "llava" else qwen
     images = [synthetic_image(w, h, seed=i + 7) for i, (w, h) in enumerate(CASES[case])]
     messages = _messages(len(images))
     reference = _reference_llava if family == "llava" else _reference_qwen
@@ -86,8 +101,8 @@ def test_staged_equals_generate(case, family, tiny_llava, tiny_qwen):
     assert len(set(ref_out)) > 3, "degenerate model output would make this comparison meaningless"
 
 
-def test_multi_turn_conversation_matches_generate(tiny_llava):
-    lm = tiny_llava
+def test_multi_turn_conversation_matches_generate(llava):
+    lm = llava
     images = [synthetic_image(300, 200, seed=3)]
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is here?"}]},
@@ -100,9 +115,9 @@ def test_multi_turn_conversation_matches_generate(tiny_llava):
     assert list(got.output.token_ids) == ref_out
 
 
-def test_qwen_two_dynamic_resolutions(tiny_qwen):
+def test_qwen_two_dynamic_resolutions(qwen):
     """Two images whose processed grids differ: each gets its own token count and M-RoPE positions."""
-    lm = tiny_qwen
+    lm = qwen
     images = [synthetic_image(448, 224, seed=1), synthetic_image(84, 140, seed=2)]
     messages = _messages(2, "Compare them.")
     inputs = _reference_qwen(lm, messages, images)
@@ -121,8 +136,8 @@ def test_qwen_two_dynamic_resolutions(tiny_qwen):
         assert list(got.output.token_ids) == ref_out
 
 
-def test_different_images_give_different_answers(tiny_model):
+def test_different_images_give_different_answers(any_model):
     """The vision path matters: if it were ignored, two different images would give the same tokens."""
-    a = run_request(tiny_model, _messages(1), [synthetic_image(320, 240, seed=1)], SamplingParams(max_tokens=12))
-    b = run_request(tiny_model, _messages(1), [synthetic_image(320, 240, seed=2)], SamplingParams(max_tokens=12))
+    a = run_request(any_model, _messages(1), [synthetic_image(320, 240, seed=1)], SamplingParams(max_tokens=12))
+    b = run_request(any_model, _messages(1), [synthetic_image(320, 240, seed=2)], SamplingParams(max_tokens=12))
     assert a.output.token_ids != b.output.token_ids

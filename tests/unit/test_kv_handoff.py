@@ -19,7 +19,7 @@ from common.kv.blocks import export_kv, import_kv
 from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.protocol.wire import from_bytes, to_bytes
-from common.stages.decode import decode
+from common.reference.decode import decode
 from tests.unit.kv_decode_worker import fixed_request
 
 WORKER = Path(__file__).with_name("kv_decode_worker.py")

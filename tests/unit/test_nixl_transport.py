@@ -10,7 +10,7 @@ import pytest
 
 from common.kv.nixl_transport import NixlKVReceiver, NixlKVSender
 from common.protocol.sampling import SamplingParams
-from common.stages.decode import decode
+from common.reference.decode import decode
 from tests.unit.kv_decode_worker import fixed_request
 
 

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
-from common.stages.pipeline import run_request
+from common.reference.pipeline import run_request
 from common.stages.sampler import sample_token
 
 

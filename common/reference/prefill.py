@@ -1,7 +1,8 @@
-"""Prefill stage: merged prompt embeddings → first token + the prompt's KV cache as blocks.
+"""Reference prefill: merged prompt embeddings → first token + the prompt's KV cache as blocks.
 
-Runs the language model once over the whole prompt (positions from the family adapter: 1-D, or M-RoPE with its
-``rope_delta``), samples the first token from the last position's logits (step 0), and exports the cache with
+Runs the language model once over the whole prompt, unchunked and uncached — the oracle of
+:mod:`common.engine.prefill` — with positions from the family adapter (1-D, or M-RoPE with its ``rope_delta``),
+samples the first token from the last position's logits (step 0), and exports the cache with
 :func:`common.kv.blocks.export_kv`. The result carries the model revision so decode can refuse KV from another model.
 """
 

@@ -1,8 +1,8 @@
-"""All stages chained in one process: the reference path and the monolith's engine.
+"""All stages chained in one process on the reference prefill and decode.
 
-``run_request`` does exactly what the disaggregated deployments do, stage by stage, through the same hand-off
-objects, and records each stage's wall time. Tests compare it with ``model.generate()``; the CLI demo prints its
-timings.
+``run_request`` does what the disaggregated deployments do, stage by stage, through the same hand-off objects, but
+one unbatched, unchunked sequence at a time, and records each stage's wall time. Tests compare it with
+``model.generate()``; the CLI demo prints its timings.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from PIL import Image
 from common.config import EngineConfig
 from common.model.loader import LoadedModel
 from common.protocol.sampling import SamplingParams
-from common.stages.decode import DecodeResult, decode
+from common.reference.decode import DecodeResult, decode
+from common.reference.prefill import prefill
 from common.stages.encode import encode_media
 from common.stages.merge import merge
-from common.stages.prefill import prefill
 from common.stages.process import process_images
 from common.stages.prompt import build_prompt
 

@@ -1,7 +1,7 @@
-"""Decode stage: imports a prefill's KV blocks and generates until a stop condition, streaming tokens.
+"""Reference decode: imports a prefill's KV blocks and generates one sequence until a stop condition.
 
-One sequence at a time on a ``DynamicCache``: the reference path, and what the batched engine
-(:mod:`common.engine.decode`) must match token for token. Stop conditions live in :mod:`common.stages.stops`.
+One sequence at a time on a transformers ``DynamicCache`` — the oracle the batched engine (:mod:`common.engine.decode`)
+must match token for token; nothing served runs it. Stop conditions live in :mod:`common.stages.stops`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import HandoffError
-from common.kv.blocks import import_kv, validate_kv
+from common.kv.blocks import check_prefill, import_kv
 from common.model.loader import LoadedModel
 from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
@@ -33,15 +32,6 @@ class DecodeResult:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: FinishReason
-
-
-def check_prefill(lm: LoadedModel, pre: PrefillOutput) -> None:
-    """Refuse a prefill hand-off from another model or whose KV does not match its prompt."""
-    if pre.model_revision != lm.contract.model_revision:
-        raise HandoffError(f"KV from model revision {pre.model_revision}, this is {lm.contract.model_revision}")
-    if pre.kv.num_tokens != len(pre.prompt_token_ids):
-        raise HandoffError(f"KV holds {pre.kv.num_tokens} tokens but the prompt has {len(pre.prompt_token_ids)}")
-    validate_kv(pre.kv, lm.kv_shape, lm.dtype)
 
 
 def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams) -> Iterator[DecodeStep]:
