@@ -10,17 +10,28 @@ from __future__ import annotations
 
 
 class PrismError(Exception):
-    """Base class: carries an HTTP status, an OpenAI error ``type`` and a stable ``code``."""
+    """Base class: carries an HTTP status, an OpenAI error ``type``, a stable ``code``, the ``param`` at fault and —
+    for the errors a client should retry (429, 503) — ``retry_after_s`` (sent as ``Retry-After``)."""
 
     http_status: int = 500
     error_type: str = "internal_error"
     default_code: str = "internal_error"
+    retry_after_s: float | None = None
 
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code or self.default_code
         self.param = param
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
     def to_body(self) -> dict:
         """The OpenAI-style error body."""
@@ -117,10 +128,7 @@ class Overloaded(PrismError):
     http_status = 429
     error_type = "rate_limit_error"
     default_code = "server_overloaded"
-
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code)
-        self.retry_after_s = retry_after_s
+    retry_after_s = 1.0
 
 
 class DeadlineExceeded(PrismError):
@@ -143,9 +151,10 @@ class ModelNotFound(PrismError):
     default_code = "model_not_found"
 
 
-class StageUnavailable(Overloaded):
+class StageUnavailable(PrismError):
     """A stage replica died or is restarting under this request: retry later (HTTP 503 with Retry-After)."""
 
     http_status = 503
     error_type = "server_error"
     default_code = "stage_unavailable"
+    retry_after_s = 1.0

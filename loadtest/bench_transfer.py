@@ -3,8 +3,8 @@
 * object store: actor A makes a ``nbytes`` numpy array and returns it; actor B receives the ref as an argument
   (Ray maps it from shared memory) and copies it into its own buffer, as a stage copies KV into its pool. Timed
   from B's call to its return, best of ``repeats``; the producer's fill is outside the timing.
-* NIXL: a prefill-side :class:`NixlKVSender` in actor A publishes a ``nbytes`` KV payload; a :class:`NixlKVReceiver`
-  in actor B READs it over UCX (DRAM to DRAM here). The first read between two agents pays the agents' start-up and
+* NIXL: a :class:`NixlTransport` in actor A publishes a ``nbytes`` KV payload (the prefill side); another in actor B
+  READs it over UCX (DRAM to DRAM here). The first read between two agents pays the agents' start-up and
   is excluded (a warm-up read), as in serving, where agents live as long as the replicas.
 
 Both need a running Ray (``ray.init`` by the caller).
@@ -26,11 +26,11 @@ class _Producer:
         return np.ones(nbytes, dtype=np.uint8)
 
     def publish(self, nbytes: int):
-        from common.kv.nixl_transport import NixlKVSender
+        from common.kv.transport.nixl import NixlTransport
         from common.protocol.handoff import KVBlocks, PrefillOutput
 
         if not hasattr(self, "sender"):
-            self.sender = NixlKVSender()
+            self.sender = NixlTransport()
         half = nbytes // 2 // 4  # float32 keys and values, each half of the payload
         shape = (1, half // (16 * 64), 1, 16, 64)
         kv = KVBlocks(16, shape[1] * 16, "float32", np.ones(shape, np.float32), np.ones(shape, np.float32))
@@ -38,7 +38,7 @@ class _Producer:
         return self.sender.publish(out, expires_at=time.time() + 120)
 
     def poll(self) -> int:
-        return self.sender.poll()
+        return self.sender.release()
 
 
 @ray.remote(num_cpus=0)
@@ -49,10 +49,10 @@ class _Consumer:
         return time.time() - started
 
     def fetch(self, remote) -> tuple[float, int]:
-        from common.kv.nixl_transport import NixlKVReceiver
+        from common.kv.transport.nixl import NixlTransport
 
         if not hasattr(self, "receiver"):
-            self.receiver = NixlKVReceiver(timeout_s=60)
+            self.receiver = NixlTransport(timeout_s=60)
         start = time.perf_counter()
         out = self.receiver.fetch(remote)
         return time.perf_counter() - start, int(out.kv.nbytes)

@@ -18,10 +18,10 @@ from common.engine.encode import EncodeEngine
 from common.media.stage import decode_options
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
-from common.protocol.handoff import ProcessedMedia, VisualEmbeddings
+from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbeddings
 from common.sched.encoder_batcher import EncoderBatcher
 from services.metrics import Metrics
-from services.runtime import AwaitedEngine, check_deadline
+from services.runtime import AwaitedEngine
 
 
 class EncodeDeployment:
@@ -42,23 +42,20 @@ class EncodeDeployment:
     async def encode(
         self,
         media: Traced[list[ProcessedMedia]] | list[ProcessedMedia],
-        request_id: str,
-        tenant: str,
-        deadline: float,
-        sent_at: float | None = None,
+        ctx: RequestContext,
     ) -> Traced[list[VisualEmbeddings]]:
-        timeline = Timeline.after(media, sent_at if sent_at is not None else time.time())
+        timeline = Timeline.after(media, ctx.sent_at)
         items = unwrap(media)
         nbytes = sum(int(m.pixel_values.nbytes) for m in items)
         transfer = timeline.mark("encode.transfer", backend="object_store", bytes=nbytes)
         self.metrics.transfer("object_store", "pixels", nbytes, transfer.duration_s)
         if not items:
             return timeline.wrap([])
-        check_deadline(deadline, "encode")
+        ctx.check_deadline("encode")
         try:
-            out = await self.runner.run(request_id, lambda: self._submit(request_id, items, tenant))
+            out = await self.runner.run(ctx.key, lambda: self._submit(ctx.key, items, ctx.tenant))
         finally:
-            stats = self.engine.pop_stats(request_id)
+            stats = self.engine.pop_stats(ctx.key)
             self._load()
         hits, misses = (stats.cache_hits, stats.cache_misses) if stats else (0, 0)
         queue = timeline.mark_until("encode.queue", stats.started_at if stats else None)

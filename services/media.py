@@ -23,10 +23,10 @@ from common.media.stage import MediaStage
 from common.model.loader import load_frontend
 from common.obs.keyed_hash import keyed_hash
 from common.obs.trace import Timeline, Traced
-from common.protocol.handoff import ProcessedMedia
+from common.protocol.handoff import ProcessedMedia, RequestContext
 from common.stages.process import process_loaded
 from services.metrics import Metrics
-from services.runtime import check_deadline, set_threads
+from services.runtime import set_threads
 
 
 class MediaDeployment:
@@ -43,16 +43,14 @@ class MediaDeployment:
         self.metrics = Metrics("media")
         self.metrics.keep_fresh(self._load)
 
-    async def process(
-        self, refs: list[MediaRef], tenant: str, deadline: float, sent_at: float | None = None
-    ) -> Traced[list[ProcessedMedia]]:
-        timeline = Timeline(sent_at if sent_at is not None else time.time())
+    async def process(self, refs: list[MediaRef], ctx: RequestContext) -> Traced[list[ProcessedMedia]]:
+        timeline = Timeline(ctx.sent_at)
         queued = timeline.mark("media.queue").duration_s
-        check_deadline(deadline, "media")
+        ctx.check_deadline("media")
         self.in_flight += 1
         self._load()
         try:
-            return await asyncio.to_thread(self._process, refs, tenant, timeline, queued)
+            return await asyncio.to_thread(self._process, refs, ctx.tenant, timeline, queued)
         finally:
             self.in_flight -= 1
             self._load()

@@ -16,9 +16,6 @@ from common.config import ObservabilityConfig
 from common.obs.request_trace import RequestTrace
 from services.metrics import Metrics
 
-CANCELLED = (499, "cancelled")
-"""Status and code recorded when the client went away (nginx's convention: no response was sent)."""
-
 
 def _request_logger(cfg: ObservabilityConfig) -> logging.Logger:
     log = logging.getLogger("prism.requests")

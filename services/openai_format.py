@@ -1,9 +1,5 @@
-"""OpenAI response bodies, SSE chunks and error responses built by the ingress.
-
-Also the incremental detokenizer: each streamed chunk carries the text that became *final* since the last one —
-text ending in an incomplete UTF-8 sequence, and the tail that could still turn into a stop string, are held back
-until the next token or the end.
-"""
+"""OpenAI response bodies, SSE chunks and error responses built by the ingress (the streamed text itself comes
+from :mod:`common.stages.detokenize`)."""
 
 from __future__ import annotations
 
@@ -13,39 +9,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from common.errors import Overloaded, PrismError
-from common.protocol.sampling import SamplingParams
-from common.stages.stops import visible_text
-
-
-class Detokenizer:
-    def __init__(self, tokenizer: Any, sampling: SamplingParams) -> None:
-        self.tokenizer = tokenizer
-        self.sampling = sampling
-        self.hold = max((len(s) for s in sampling.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = 0
-
-    def text(self) -> str:
-        return visible_text(self.tokenizer, self.ids, self.sampling)
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = self.text()
-        final = len(text) - self.hold
-        while final > self.sent and text[final - 1] == "\ufffd":
-            final -= 1
-        return self._advance(text, final)
-
-    def finish(self) -> str:
-        text = self.text()
-        return self._advance(text, len(text))
-
-    def _advance(self, text: str, upto: int) -> str:
-        if upto <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent : upto], upto
-        return delta
+from common.errors import PrismError
 
 
 def error_body(exc: PrismError, trace: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -59,7 +23,7 @@ def error_body(exc: PrismError, trace: dict[str, Any] | None = None) -> dict[str
 def error_response(exc: PrismError, trace: dict[str, Any] | None = None) -> JSONResponse:
     """:func:`error_body` as an HTTP response (with ``Retry-After`` when the error carries one)."""
     headers = {}
-    if isinstance(exc, Overloaded):
+    if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     return JSONResponse(error_body(exc, trace), status_code=exc.http_status, headers=headers)
 

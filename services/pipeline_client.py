@@ -1,60 +1,65 @@
 """What the ingress does for one request, whatever the protocol (HTTP or gRPC).
 
-:meth:`PipelineClient.begin` authenticates (API key → tenant), validates the OpenAI body and the pre-fetch media
-limits (400s that cost nothing downstream), fixes the absolute deadline, and chains the stages through Serve handles —
-media → encode → prefill → decode — passing each stage's *response* to the next, so pixels, embeddings and KV go
-replica to replica through the object store (or NIXL) and never through the ingress. It waits for the decode
-stream's first item (the prompt's token ids), so every stage's error surfaces before a protocol commits to a
-status; a chain that lost a replica before that point is restarted (bounded, jittered — :mod:`services.retry`).
-:meth:`PipelineClient.tokens` then yields ``(token_id, finish_reason)`` under the deadline.
+:meth:`PipelineClient.tenant` authenticates (API key → tenant) from the headers, before the body is read;
+:meth:`PipelineClient.begin` validates the OpenAI body and the pre-fetch media limits (400s that cost nothing
+downstream), fixes the absolute deadline, and chains the stages through Serve handles — media → encode → prefill →
+decode — passing each stage's *response* to the next, so pixels, embeddings and KV go replica to replica through the
+object store (or NIXL) and never through the ingress. It waits for the decode stream's :class:`StreamStart` (the
+prompt's token ids), so every stage's error surfaces before a protocol commits to a status; a chain that lost a
+replica before that point is issued again (bounded, jittered — :mod:`services.retry`) under a new attempt number.
+:meth:`PipelineClient.tokens` then yields ``(token_id, finish_reason)`` from the typed decode events under the
+deadline.
 
-Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (each stage gets that
-moment as ``sent_at``), the stages' spans arrive with the decode stream's first item and first token, and every token
-is stamped as it arrives here.
+Each attempt carries one :class:`RequestContext` (id, attempt, tenant, deadline, priority, ``sent_at``) to every
+stage. Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (the context's
+``sent_at``), the stages' spans arrive with the stream's start event and first token, and every token is stamped as
+it arrives here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from common.config import PrismConfig
 from common.errors import (
     AuthenticationError,
     DeadlineExceeded,
+    HandoffError,
     InvalidRequestError,
     ModelNotFound,
-    Overloaded,
     PrismError,
-    StageUnavailable,
 )
 from common.media.loader import check_request
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
+from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
+from services.lifecycle import REPLICA_LOST
 from services.retry import with_retries
-
-_REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 
 
 @dataclass
 class Call:
-    rid: str
+    ctx: RequestContext
+    """The context of the attempt whose chain answered."""
     req: ChatCompletionRequest
     sampling: SamplingParams
     stream: DeploymentResponseGenerator
     prompt_ids: list[int]
-    deadline: float
     trace: RequestTrace
     kv_blocks: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.ctx.request_id
 
 
 class PipelineClient:
@@ -90,9 +95,9 @@ class PipelineClient:
                 )
         return time.time() + budget / 1000.0
 
-    async def begin(self, api_key: str | None, body: Any, budget_ms: str | int | None, trace: RequestTrace) -> Call:
-        rid = trace.request_id
-        tenant = trace.tenant = self.tenant(api_key)
+    async def begin(self, tenant: str, body: Any, budget_ms: str | int | None, trace: RequestTrace) -> Call:
+        """Validate the body for an authenticated ``tenant`` and issue the chain; returns once decode has started."""
+        trace.tenant = tenant
         req = parse_chat_request(body)
         if req.model != self.frontend.served_name:
             raise ModelNotFound(f"model {req.model!r} is not served here; try {self.frontend.served_name!r}")
@@ -105,41 +110,38 @@ class PipelineClient:
             )
         check_request(req.media_refs(), self.cfg.media)
         trace.sent(media_items=len(req.media_refs()), max_tokens=sampling.max_tokens)
-        try:
-            stream, first = await with_retries(
-                lambda: self._attempt(req, sampling, rid, tenant, deadline, trace.timeline.last),
-                deadline,
-                _REPLICA_LOST,
-                max_attempts=self.cfg.server.max_chain_attempts,
-            )
-        except BackPressureError:
-            raise Overloaded(
-                "a stage is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s
-            ) from None
-        trace.absorb(first.get("spans", ()))
-        trace.prompt_tokens = len(first["prompt_token_ids"])
-        return Call(rid, req, sampling, stream, first["prompt_token_ids"], deadline, trace)
+        attempts = itertools.count(1)
+
+        def context() -> RequestContext:
+            return RequestContext(trace.request_id, tenant, deadline, trace.timeline.last, attempt=next(attempts))
+
+        stream, ctx, first = await with_retries(
+            lambda: self._attempt(req, sampling, context()),
+            deadline,
+            REPLICA_LOST,
+            max_attempts=self.cfg.server.max_chain_attempts,
+        )
+        trace.absorb(first.spans)
+        trace.prompt_tokens = len(first.prompt_token_ids)
+        return Call(ctx, req, sampling, stream, list(first.prompt_token_ids), trace)
 
     async def _attempt(
-        self,
-        req: ChatCompletionRequest,
-        sampling: SamplingParams,
-        rid: str,
-        tenant: str,
-        deadline: float,
-        sent_at: float,
-    ) -> tuple[DeploymentResponseGenerator, dict[str, Any]]:
-        """Issue the whole chain (each stage's response passed to the next) and wait for the decode stream's first
-        item; a failed attempt cancels its chain."""
+        self, req: ChatCompletionRequest, sampling: SamplingParams, ctx: RequestContext
+    ) -> tuple[DeploymentResponseGenerator, RequestContext, StreamStart]:
+        """Issue the whole chain (each stage's response passed to the next) and wait for the decode stream's start;
+        a failed attempt cancels its chain."""
         refs = req.media_refs()
         embeddings: Any = []
         if refs:
-            media = self.media.process.remote(refs, tenant, deadline, sent_at)
-            embeddings = self.encode.encode.remote(media, rid, tenant, deadline, sent_at)
-        pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, rid, tenant, deadline, sent_at)
-        stream = self.decode.generate.options(stream=True).remote(pre, sampling, rid, deadline, sent_at)
+            media = self.media.process.remote(refs, ctx)
+            embeddings = self.encode.encode.remote(media, ctx)
+        pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, ctx)
+        stream = self.decode.generate.options(stream=True).remote(pre, sampling, ctx)
         try:
-            return stream, await self._next(stream, deadline)
+            first = await self._next(stream, ctx.deadline)
+            if not isinstance(first, StreamStart):
+                raise HandoffError(f"the decode stream began with {type(first).__name__}, not its start")
+            return stream, ctx, first
         except BaseException:
             stream.cancel()
             raise
@@ -147,17 +149,19 @@ class PipelineClient:
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
         """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure."""
         while True:
-            event = await self._next(call.stream, call.deadline)
-            finish = event["finish_reason"]
-            if finish == "timeout":
-                raise DeadlineExceeded("deadline exceeded during decode")
-            if finish == "error":
-                raise PrismError("decode failed")
-            call.trace.absorb(event.get("spans", ()))
+            event = await self._next(call.stream, call.ctx.deadline)
+            if isinstance(event, StreamAbort):
+                if event.reason == "timeout":
+                    raise DeadlineExceeded("deadline exceeded during decode")
+                raise PrismError("decode failed; see the decode replica's log")
+            if not isinstance(event, StreamToken):
+                raise HandoffError(f"the decode stream sent {type(event).__name__} where a token was due")
+            call.trace.absorb(event.spans)
             call.trace.token()
-            call.kv_blocks = event.get("kv_blocks", call.kv_blocks)
-            yield event["token_id"], finish
-            if finish is not None:
+            if event.finish_reason is not None:
+                call.kv_blocks = event.kv_blocks
+            yield event.token_id, event.finish_reason
+            if event.finish_reason is not None:
                 return
 
     async def collect(self, call: Call) -> tuple[list[int], str]:
@@ -172,7 +176,7 @@ class PipelineClient:
             call.stream.cancel()
         return out, finish or "stop"
 
-    async def _next(self, stream: DeploymentResponseGenerator, deadline: float) -> dict[str, Any]:
+    async def _next(self, stream: DeploymentResponseGenerator, deadline: float) -> DecodeEvent:
         left = deadline - time.time()
         if left <= 0:
             stream.cancel()
@@ -184,15 +188,3 @@ class PipelineClient:
             raise DeadlineExceeded("deadline exceeded while the request was in flight") from None
         except StopAsyncIteration:
             raise PrismError("decode stream ended unexpectedly") from None
-
-    def as_prism_error(self, exc: BaseException) -> PrismError | None:
-        """The typed error a failure maps to; ``None`` for unexpected failures (500, logged by the caller)."""
-        if isinstance(exc, PrismError):
-            return exc
-        if isinstance(exc, BackPressureError):
-            return Overloaded("a stage is at capacity; retry later", retry_after_s=self.cfg.server.retry_after_s)
-        if isinstance(exc, _REPLICA_LOST):
-            return StageUnavailable(
-                "a stage replica failed while serving this request; retry", retry_after_s=self.cfg.server.retry_after_s
-            )
-        return None

@@ -4,9 +4,10 @@ Receives the chat messages (media reduced to markers) and the visual embeddings 
 with the model's chat template, validates the span map against the embeddings (:func:`common.stages.merge.merge`),
 and queues the request on the :class:`PrefillEngine`. The driver spends ``prefill_chunk_tokens`` per step across
 queued prompts. The result is a :class:`PrefillOutput` (first token + KV blocks as numpy) that travels through the
-object store — or, with ``server.transport: nixl``, a small :class:`RemotePrefillOutput` descriptor; the decode
-replica then reads the KV straight from this replica's memory, which is freed on its notification or at the
-request's deadline.
+replica's KV transport publishes (:mod:`common.kv.transport`): with ``object_store`` the output itself travels in the
+response; with ``nixl`` a small descriptor does, the decode replica reads the KV straight from this replica's memory,
+and a poller frees it on the reader's notification or at the request's deadline. Prompt rendering and tokenisation
+run in a worker thread so the replica's event loop keeps accepting calls.
 
 Trace: ``prefill.transfer`` (encode done → this call starts: the embeddings' hand-off; for a text-only request,
 ingress sent → start), ``prefill.prompt`` (chat template + span validation + merge), ``prefill.queue`` (waiting for
@@ -16,24 +17,23 @@ the engine's first chunk), ``prefill`` (the chunks; prompt tokens, prefix-cache 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
-from common.kv.nixl_transport import NixlKVSender, RemotePrefillOutput
+from common.kv.transport import KVTransport, make_transport
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
-from common.protocol.handoff import PrefillOutput, VisualEmbeddings
+from common.protocol.handoff import MergedInputs, RequestContext, VisualEmbeddings
 from common.protocol.sampling import SamplingParams
 from common.stages.merge import merge
 from common.stages.prompt import build_prompt
 from services.metrics import Metrics
-from services.runtime import AwaitedEngine, check_deadline
+from services.runtime import AwaitedEngine
 
 
 class PrefillDeployment:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         eng = self.cfg.engine
@@ -44,8 +44,8 @@ class PrefillDeployment:
             prefix_cache_blocks=eng.prefix_cache_blocks,
             shared_prefix_scope=eng.shared_cache_scope,
         )
-        self.nixl = NixlKVSender() if self.cfg.server.transport == "nixl" else None
-        self._nixl_poller: asyncio.Task | None = None
+        self.transport = transport or make_transport(self.cfg.server.transport)
+        self._releaser: asyncio.Task | None = None
         self.runner = AwaitedEngine(
             lambda: self.engine.step(eng.prefill_chunk_tokens),
             self.engine.has_work,
@@ -60,35 +60,33 @@ class PrefillDeployment:
         messages: list[dict[str, Any]],
         embeddings: Traced[list[VisualEmbeddings]] | list[VisualEmbeddings],
         sampling: SamplingParams,
-        request_id: str,
-        tenant: str,
-        deadline: float,
-        sent_at: float | None = None,
-    ) -> Traced[PrefillOutput | RemotePrefillOutput]:
-        """The prefill result; with the NIXL transport, a descriptor the decode replica reads the KV through."""
-        timeline = Timeline.after(embeddings, sent_at if sent_at is not None else time.time())
+        ctx: RequestContext,
+    ) -> Traced[Any]:
+        """The prefill result as the KV transport's handle (the output itself over the object store)."""
+        timeline = Timeline.after(embeddings, ctx.sent_at)
         visual = unwrap(embeddings)
         nbytes = sum(int(e.embeddings.nbytes) for e in visual)
         transfer = timeline.mark("prefill.transfer", backend="object_store", bytes=nbytes)
         if visual:
             self.metrics.transfer("object_store", "embeddings", nbytes, transfer.duration_s)
-        check_deadline(deadline, "prefill")
-        prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens)
-        merged = merge(self.lm, prompt, visual)
+        ctx.check_deadline("prefill")
+        merged = await asyncio.to_thread(self._merge, messages, visual)
         prep = timeline.mark("prefill.prompt", prompt_tokens=len(merged.token_ids))
         try:
             result: PrefillResult = await self.runner.run(
-                request_id, lambda: self._submit(request_id, merged, sampling, tenant)
+                ctx.key, lambda: self._submit(ctx.key, merged, sampling, ctx.tenant)
             )
         finally:
             self._load()
         self._trace(timeline, result, transfer.duration_s, prep.duration_s)
-        if self.nixl is None:
-            return timeline.wrap(result.output)
-        remote = self.nixl.publish(result.output, expires_at=deadline)
-        if self._nixl_poller is None or self._nixl_poller.done():
-            self._nixl_poller = asyncio.get_running_loop().create_task(self._poll_nixl())
-        return timeline.wrap(remote)
+        handle = self.transport.publish(result.output, expires_at=ctx.deadline)
+        if self.transport.held and (self._releaser is None or self._releaser.done()):
+            self._releaser = asyncio.get_running_loop().create_task(self._release_loop())
+        return timeline.wrap(handle)
+
+    def _merge(self, messages: list[dict[str, Any]], visual: list[VisualEmbeddings]) -> MergedInputs:
+        prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens)
+        return merge(self.lm, prompt, visual)
 
     def _trace(self, timeline: Timeline, result: PrefillResult, transfer_s: float, prep_s: float) -> None:
         stats, kv, bs = result.stats, result.output.kv, self.engine.block_size
@@ -108,17 +106,16 @@ class PrefillDeployment:
             block_bytes = kv.nbytes // max(1, kv.num_blocks)
             self.metrics.cache_bytes("prefix", len(self.engine.prefix) * block_bytes)
 
-    def _submit(self, request_id: str, merged: Any, sampling: SamplingParams, tenant: str) -> None:
+    def _submit(self, request_id: str, merged: MergedInputs, sampling: SamplingParams, tenant: str) -> None:
         self.engine.submit(request_id, merged, sampling, tenant=tenant)
         self._load()
 
     def _load(self) -> None:
         self.metrics.load(len(self.runner.waiting), self.engine.queued_tokens)
 
-    async def _poll_nixl(self) -> None:
-        """Free published KV once read (or expired); stops when nothing is held."""
-        assert self.nixl is not None
-        while await asyncio.to_thread(self.nixl.poll):
+    async def _release_loop(self) -> None:
+        """Free published hand-offs once read (or expired); stops when the transport holds nothing."""
+        while await asyncio.to_thread(self.transport.release):
             await asyncio.sleep(0.02)
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Shared plumbing of the stage deployments: deadlines, thread settings, and the engine driver loop.
+"""Shared plumbing of the stage deployments: thread settings and the engine driver loop.
 
 An engine (encode, prefill, decode) is single-threaded state. Its deployment owns one :class:`EngineDriver`: request
 coroutines submit/cancel under an ``asyncio.Lock`` and wait on their own futures/queues; one background task runs
@@ -11,28 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from common.errors import DeadlineExceeded, PrismError
+from common.errors import PrismError
 
 log = logging.getLogger("prism.stage")
-
-
-def check_deadline(deadline: float, stage: str) -> float:
-    """Seconds left before ``deadline`` (wall clock); raise 504 ``deadline_exceeded`` if none."""
-    left = deadline - time.time()
-    if left <= 0:
-        raise DeadlineExceeded(f"deadline exceeded before the {stage} stage could start")
-    return left
-
-
-def monotonic_deadline(deadline: float) -> float:
-    """A wall-clock deadline (comparable across processes) on this process's monotonic clock."""
-    return time.monotonic() + (deadline - time.time())
 
 
 def set_threads(n: int | None) -> None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 REQUIRED = ("id", "video", "prompt")
@@ -99,16 +98,3 @@ def _url(video: str, root: Path) -> str:
         return video
     path = Path(video) if Path(video).is_absolute() else root / video
     return "file://" + quote(str(path.resolve()))
-
-
-def manifest_schema() -> pa.Schema:
-    return pa.schema(
-        [
-            ("id", pa.string()),
-            ("video", pa.string()),
-            ("prompt", pa.string()),
-            ("max_tokens", pa.int64()),
-            ("fps", pa.float64()),
-            ("max_frames", pa.int64()),
-        ]
-    )

@@ -16,6 +16,7 @@ Each token is sampled with the request's ``(seed, step)`` rule, so batching neve
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,12 +30,13 @@ from common.kv.blocks import check_prefill, to_torch
 from common.kv.paged_attention import enable_paged_attention
 from common.kv.pool import KVPool, Lease
 from common.model.loader import LoadedModel
-from common.protocol.handoff import PrefillOutput
+from common.protocol.handoff import FinishReason, PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.stages.sampler import sample_token
-from common.stages.stops import FinishReason, StopChecker
+from common.stages.stops import StopChecker
 
 EngineFinish = FinishReason | Literal["timeout", "error"]
+log = logging.getLogger("prism.engine.decode")
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ class DecodeEngine:
             try:
                 self._decode(batch)
             except Exception as exc:  # a failed step must not leak KV or hang its sequences
+                log.exception("decode step over %d sequences failed; they end with an error event", len(batch))
                 self.last_error = exc
                 for seq in batch:
                     self._abort(seq.request_id, "error")

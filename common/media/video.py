@@ -93,12 +93,6 @@ def _header(container: av.container.InputContainer, cfg: MediaConfig) -> VideoHe
     )
 
 
-def inspect_video(data: bytes, fmt: str, cfg: MediaConfig) -> VideoHeader:
-    """Header-only checks; decodes no frames."""
-    with _open(data, fmt) as container:
-        return _header(container, cfg)
-
-
 def _targets(duration: float | None, fps: float, max_frames: int) -> tuple[list[float], float]:
     """Sample timestamps and the effective sampling rate."""
     if duration is None or duration <= 0:

@@ -1,6 +1,9 @@
-"""Typed hand-off objects passed between the stages of one request.
+"""Typed hand-off objects passed between the stages of one request, and the context every stage call carries.
 
-A request flows process → encode → merge → prefill → decode; each arrow is one of these objects. They hold only
+A request flows process → encode → merge → prefill → decode → ingress; each arrow is one of these objects. Every
+stage call also takes the request's :class:`RequestContext` (id, attempt, tenant, deadline, priority, when the chain
+was issued), and the decode stage answers with a stream of :data:`DecodeEvent` — one :class:`StreamStart`, then
+:class:`StreamToken` until one carries a finish reason, or a :class:`StreamAbort`. They hold only
 numpy arrays and plain Python scalars/tuples, never torch tensors or model objects, so they can cross a process
 boundary (Ray object store, NIXL, or :mod:`common.protocol.wire` bytes) without dragging torch or pickled code with
 them. They are frozen: a stage makes a new object rather than mutating one it received.
@@ -17,12 +20,54 @@ Layout notes that the stages rely on:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
 
+from common.errors import DeadlineExceeded
+from common.obs.trace import Span
+
 Modality = Literal["image", "video"]
+FinishReason = Literal["stop", "length"]
+Priority = Literal["interactive", "batch"]
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who a stage works for and until when. The ingress makes one per attempt of a request's chain."""
+
+    request_id: str
+    tenant: str
+    deadline: float
+    """Absolute wall-clock seconds (``time.time``): comparable across processes and nodes."""
+    sent_at: float
+    """When the ingress issued this attempt's chain; the first stage's queue span starts here."""
+    attempt: int = 1
+    """1 for the first chain; a chain re-issued after a lost replica counts up."""
+    priority: Priority = "interactive"
+    """Traffic class: interactive requests are served before batch ones where a stage orders its queue."""
+
+    @property
+    def key(self) -> str:
+        """The id an engine files this attempt's work under, so a re-issued chain never collides with what an earlier
+        attempt may have left queued in the same replica."""
+        return self.request_id if self.attempt == 1 else f"{self.request_id}#{self.attempt}"
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.time()
+
+    def check_deadline(self, stage: str) -> float:
+        """Seconds left; raise 504 ``deadline_exceeded`` if none, so a stage never starts work nobody will wait for."""
+        left = self.remaining_s()
+        if left <= 0:
+            raise DeadlineExceeded(f"deadline exceeded before the {stage} stage could start")
+        return left
+
+    def monotonic_deadline(self) -> float:
+        """The deadline on this process's monotonic clock (what the engines schedule by)."""
+        return time.monotonic() + self.remaining_s()
 
 
 @dataclass(frozen=True)
@@ -135,3 +180,34 @@ class PrefillOutput:
     rope_delta: int
     """Qwen2-VL M-RoPE: decode position = cache position + rope_delta (0 for 1-D RoPE families)."""
     model_revision: str
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """The first item of a decode stream: the prompt as decode received it (for usage and ``return_token_ids``) and
+    the spans of every stage so far, ``decode.transfer`` included."""
+
+    prompt_token_ids: tuple[int, ...]
+    spans: tuple[Span, ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamToken:
+    """One generated token; the last one carries its ``finish_reason`` and the KV blocks the sequence held."""
+
+    token_id: int
+    finish_reason: FinishReason | None = None
+    spans: tuple[Span, ...] = ()
+    """The first token carries ``decode.queue`` (KV lease wait + import + first emission)."""
+    kv_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class StreamAbort:
+    """The sequence ended without a token: its deadline passed in the engine (``timeout``) or an engine step failed
+    (``error``). Its KV is already freed."""
+
+    reason: Literal["timeout", "error"]
+
+
+DecodeEvent = StreamStart | StreamToken | StreamAbort

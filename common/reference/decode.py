@@ -13,10 +13,10 @@ import torch
 
 from common.kv.blocks import check_prefill, import_kv
 from common.model.loader import LoadedModel
-from common.protocol.handoff import PrefillOutput
+from common.protocol.handoff import FinishReason, PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.stages.sampler import sample_token
-from common.stages.stops import FinishReason, StopChecker, visible_text
+from common.stages.stops import StopChecker, visible_text
 
 
 @dataclass(frozen=True)

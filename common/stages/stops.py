@@ -8,12 +8,11 @@ cut before it), ``max_tokens``. EOS and the token that completed a stop string s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from common.model.loader import LoadedModel
+from common.protocol.handoff import FinishReason
 from common.protocol.sampling import SamplingParams
-
-FinishReason = Literal["stop", "length"]
 
 
 def visible_text(tokenizer: Any, token_ids: Sequence[int], sampling: SamplingParams) -> str:

@@ -20,7 +20,9 @@ from common.config import PrismConfig
 from loadtest.servers.local_handles import LocalHandle
 
 
-def build(config: dict[str, Any]) -> FastAPI:
+def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
+    """The app; ``transport`` (a :class:`common.kv.transport.KVTransport`) overrides the config's KV transport for
+    the prefill → decode hand-off (tests pass the fake backend)."""
     from services.decode import DecodeDeployment
     from services.encode import EncodeDeployment
     from services.ingress import IngressDeployment
@@ -28,9 +30,15 @@ def build(config: dict[str, Any]) -> FastAPI:
     from services.prefill import PrefillDeployment
 
     raw = PrismConfig.model_validate(config).model_dump(mode="json")
-    stages = [LocalHandle(cls(raw)) for cls in (MediaDeployment, EncodeDeployment, PrefillDeployment, DecodeDeployment)]
+    stages = [
+        LocalHandle(MediaDeployment(raw)),
+        LocalHandle(EncodeDeployment(raw)),
+        LocalHandle(PrefillDeployment(raw, transport)),
+        LocalHandle(DecodeDeployment(raw, transport)),
+    ]
     ingress = IngressDeployment(raw, *stages)
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
+    app.state.stages = [stage._obj for stage in stages]  # for tests: the stage objects behind the handles
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -22,6 +22,11 @@ EXPECTED = {
     errors.MediaFetchUnavailable: (502, "media_fetch_unavailable"),
     errors.MediaFetchTimeout: (504, "media_fetch_timeout"),
     errors.HandoffError: (500, "invalid_handoff"),
+    errors.AuthenticationError: (401, "invalid_api_key"),
+    errors.ModelNotFound: (404, "model_not_found"),
+    errors.Overloaded: (429, "server_overloaded"),
+    errors.StageUnavailable: (503, "stage_unavailable"),
+    errors.DeadlineExceeded: (504, "deadline_exceeded"),
 }
 
 
@@ -32,6 +37,15 @@ def test_status_code_and_body(cls):
     body = err.to_body()
     assert set(body) == {"error"}
     assert body["error"] == {"message": "the limit is 3", "type": err.error_type, "code": err.code, "param": "messages"}
+
+
+def test_only_retryable_errors_carry_retry_after():
+    assert not issubclass(errors.StageUnavailable, errors.Overloaded), "a 503 is not a kind of 429"
+    assert errors.Overloaded("full").retry_after_s == 1.0
+    assert errors.StageUnavailable("gone", retry_after_s=3).retry_after_s == 3
+    assert errors.Overloaded("full", retry_after_s=2.5).retry_after_s == 2.5
+    assert errors.InvalidRequestError("bad").retry_after_s is None
+    assert errors.DeadlineExceeded("late").retry_after_s is None
 
 
 def test_codes_are_distinct():

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from common.kv.nixl_transport import NixlKVReceiver, NixlKVSender
+from common.kv.transport.nixl import NixlTransport
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode
 from tests.unit.kv_decode_worker import fixed_request
@@ -16,12 +16,12 @@ from tests.unit.kv_decode_worker import fixed_request
 
 @pytest.fixture(scope="module")
 def agents():
-    return NixlKVSender(), NixlKVReceiver(timeout_s=30)
+    return NixlTransport(), NixlTransport(timeout_s=30)
 
 
-def _wait_released(sender: NixlKVSender, timeout: float = 10.0) -> int:
+def _wait_released(sender: NixlTransport, timeout: float = 10.0) -> int:
     deadline = time.time() + timeout
-    while sender.poll() and time.time() < deadline:
+    while sender.release() and time.time() < deadline:
         time.sleep(0.01)
     return sender.held
 
@@ -45,5 +45,5 @@ def test_unread_handoffs_expire(agents, tiny_llava):
     sender, _ = agents
     out = fixed_request(tiny_llava, 0, SamplingParams(max_tokens=2))
     sender.publish(out, expires_at=time.time() + 0.2)
-    assert sender.poll() == 1
-    assert sender.poll(now=time.time() + 1.0) == 0
+    assert sender.release() == 1
+    assert sender.release(now=time.time() + 1.0) == 0

@@ -1,18 +1,18 @@
-"""KV hand-off over NIXL (RDMA where the hardware has it; UCX over shared memory/TCP on CPU machines).
+"""KV transport over NIXL (RDMA where the hardware has it; UCX over shared memory/TCP on CPU machines).
 
 Serve replicas are actors Serve creates, so Ray Direct Transport cannot be attached to them; instead each replica
-owns a NIXL agent, and the hand-off object that travels through the normal Serve call is tiny:
+owns a NIXL agent (made on first use), and the handle that travels through the normal Serve call is tiny:
 
-1. The **sender** (prefill) registers the KV arrays with its agent and returns a :class:`RemotePrefillOutput` — the
+1. ``publish`` (prefill) registers the KV arrays with the agent and returns a :class:`RemotePrefillOutput` — the
    agent's name and metadata, the arrays' addresses/sizes/shapes, and a transfer id — instead of the arrays.
-2. The **receiver** (decode) loads the sender's agent metadata (refreshed per hand-off: it lists the sender's
-   registered memory), allocates and registers destination arrays,
-   READs both arrays in one transfer whose notification (``done:<id>``) reaches the sender on completion.
-3. The sender releases the buffers when that notification arrives (:meth:`NixlKVSender.poll`) or when the hand-off
-   expires (the request's deadline), so an abandoned request cannot pin memory.
+2. ``fetch`` (decode) loads the sender's agent metadata (refreshed per hand-off: it lists the sender's registered
+   memory), allocates and registers destination arrays, and READs both arrays in one transfer whose notification
+   (``done:<id>``) reaches the sender on completion.
+3. ``release`` (sender) deregisters the buffers whose notification arrived or whose hand-off expired (the request's
+   deadline), so an abandoned request cannot pin memory.
 
-NIXL registers numpy memory as ``(address, nbytes, device 0, "")`` in ``DRAM``. The receiver validates the arrived
-blocks exactly like object-store blocks (:func:`common.kv.blocks.validate_kv` in the decode stage).
+NIXL registers numpy memory as ``(address, nbytes, device 0, "")`` in ``DRAM``. The receiver's output is validated
+exactly like object-store blocks by the decode engine (:func:`common.kv.blocks.check_prefill`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import HandoffError
+from common.kv.transport.base import KVTransport
 from common.protocol.handoff import KVBlocks, PrefillOutput
 
 
@@ -61,27 +62,37 @@ def _agent(name: str) -> Any:
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 
-class NixlKVSender:
-    """Owns published KV buffers until their reader says it is done, or they expire."""
+class NixlTransport(KVTransport):
+    name = "nixl"
 
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name or f"prism-prefill-{uuid.uuid4().hex[:12]}"
-        self.agent = _agent(self.name)
+    def __init__(self, agent_name: str | None = None, timeout_s: float = 30.0) -> None:
+        self.agent_name = agent_name or f"prism-{uuid.uuid4().hex[:12]}"
+        self.timeout_s = timeout_s
+        self._agent: Any = None
         self._lock = threading.Lock()
         self._held: dict[str, tuple[KVBlocks, Any, float]] = {}
 
+    @property
+    def agent(self) -> Any:
+        with self._lock:
+            if self._agent is None:
+                self._agent = _agent(self.agent_name)
+            return self._agent
+
+    # ---- sender ---------------------------------------------------------------------------------------------
     def publish(self, out: PrefillOutput, expires_at: float) -> RemotePrefillOutput:
         kv = out.kv
         keys, values = np.ascontiguousarray(kv.keys), np.ascontiguousarray(kv.values)
-        reg = self.agent.register_memory(
+        agent = self.agent
+        reg = agent.register_memory(
             [(keys.ctypes.data, keys.nbytes, 0, ""), (values.ctypes.data, values.nbytes, 0, "")], "DRAM"
         )
         tid = uuid.uuid4().hex
         with self._lock:
             self._held[tid] = (KVBlocks(kv.block_size, kv.num_tokens, kv.dtype, keys, values), reg, expires_at)
         remote = RemoteKV(
-            agent_name=self.name,
-            agent_metadata=self.agent.get_agent_metadata(),
+            agent_name=self.agent_name,
+            agent_metadata=agent.get_agent_metadata(),
             transfer_id=tid,
             keys_addr=keys.ctypes.data,
             values_addr=values.ctypes.data,
@@ -94,10 +105,11 @@ class NixlKVSender:
         )
         return RemotePrefillOutput(out.prompt_token_ids, out.first_token_id, remote, out.rope_delta, out.model_revision)
 
-    def poll(self, now: float | None = None) -> int:
-        """Release buffers that were read (notification) or expired; returns how many are still held."""
+    def release(self, now: float | None = None) -> int:
+        if self._agent is None:  # nothing was ever published
+            return 0
         done = set()
-        for messages in self.agent.get_new_notifs().values():
+        for messages in self._agent.get_new_notifs().values():
             for msg in messages:
                 if msg.startswith(b"done:"):
                     done.add(msg[5:].decode())
@@ -105,7 +117,7 @@ class NixlKVSender:
         with self._lock:
             for tid, (_, reg, expires) in list(self._held.items()):
                 if tid in done or expires <= now:
-                    self.agent.deregister_memory(reg)
+                    self._agent.deregister_memory(reg)
                     del self._held[tid]
             return len(self._held)
 
@@ -113,50 +125,47 @@ class NixlKVSender:
     def held(self) -> int:
         return len(self._held)
 
-
-class NixlKVReceiver:
-    """Reads published KV into local numpy arrays."""
-
-    def __init__(self, name: str | None = None, timeout_s: float = 30.0) -> None:
-        self.name = name or f"prism-decode-{uuid.uuid4().hex[:12]}"
-        self.agent = _agent(self.name)
-        self.timeout_s = timeout_s
-
-    def fetch(self, remote: RemotePrefillOutput) -> PrefillOutput:
-        ref = remote.kv
+    # ---- receiver -------------------------------------------------------------------------------------------
+    def fetch(self, handle: object) -> PrefillOutput:
+        if not isinstance(handle, RemotePrefillOutput):
+            raise HandoffError(f"received a {type(handle).__name__} KV handle but this replica's transport is nixl")
+        ref, agent = handle.kv, self.agent
         # The sender's metadata describes its registered memory, which changes with every publish: load it each
         # time (NIXL updates a known agent in place).
-        peer = self.agent.add_remote_agent(ref.agent_metadata)
+        peer = agent.add_remote_agent(ref.agent_metadata)
         peer = peer.decode() if isinstance(peer, bytes) else peer
         keys = np.empty(ref.shape, dtype=np.dtype(ref.numpy_dtype))
         values = np.empty_like(keys)
         if keys.nbytes != ref.nbytes:
             raise HandoffError("NIXL KV descriptor size does not match its shape")
         local = [(keys.ctypes.data, keys.nbytes, 0, ""), (values.ctypes.data, values.nbytes, 0, "")]
-        reg = self.agent.register_memory(local, "DRAM")
-        handle = None
+        reg = agent.register_memory(local, "DRAM")
+        xfer = None
         try:
-            handle = self.agent.initialize_xfer(
+            xfer = agent.initialize_xfer(
                 "READ",
-                self.agent.get_xfer_descs([d[:3] for d in local], "DRAM"),
-                self.agent.get_xfer_descs([(ref.keys_addr, ref.nbytes, 0), (ref.values_addr, ref.nbytes, 0)], "DRAM"),
+                agent.get_xfer_descs([d[:3] for d in local], "DRAM"),
+                agent.get_xfer_descs([(ref.keys_addr, ref.nbytes, 0), (ref.values_addr, ref.nbytes, 0)], "DRAM"),
                 peer,
                 f"done:{ref.transfer_id}".encode(),
             )
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + self.timeout_s
-            while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise HandoffError(f"NIXL KV read did not finish in {self.timeout_s}s")
-                time.sleep(0.0005)
-                state = self.agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise HandoffError("NIXL KV read failed")
+            self._wait(xfer)
         finally:
-            if handle is not None:
-                self.agent.release_xfer_handle(handle)
-            self.agent.deregister_memory(reg)
+            if xfer is not None:
+                agent.release_xfer_handle(xfer)
+            agent.deregister_memory(reg)
         kv = KVBlocks(ref.block_size, ref.num_tokens, ref.dtype, keys, values)
         return PrefillOutput(
-            remote.prompt_token_ids, remote.first_token_id, kv, remote.rope_delta, remote.model_revision
+            handle.prompt_token_ids, handle.first_token_id, kv, handle.rope_delta, handle.model_revision
         )
+
+    def _wait(self, xfer: Any) -> None:
+        state = self.agent.transfer(xfer)
+        deadline = time.monotonic() + self.timeout_s
+        while state not in ("DONE", "ERR"):
+            if time.monotonic() > deadline:
+                raise HandoffError(f"NIXL KV read did not finish in {self.timeout_s}s")
+            time.sleep(0.0005)
+            state = self.agent.check_xfer_state(xfer)
+        if state == "ERR":
+            raise HandoffError("NIXL KV read failed")

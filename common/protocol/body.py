@@ -1,0 +1,115 @@
+"""The first checks on a chat request body, in the order its cost appears — before the schema, the tokenizer or any
+stage sees it.
+
+1. bytes: the caller reads at most ``max_body_bytes`` (the proxy refused larger bodies already);
+2. JSON: :func:`decode_json` parses and refuses nesting deeper than ``max_json_depth`` (a 5,000-deep body would
+   otherwise reach the schema validator's recursion);
+3. shape: :func:`check_shape` counts messages, content parts and text characters on the raw dict, so a body of a
+   million tiny messages is refused before pydantic builds a million objects;
+4. parameters: OpenAI parameters Prism does not implement are refused by name when they carry anything but their
+   default (clients routinely send ``logprobs: false`` or ``tools: []``); unknown fields are tolerated (vendor
+   extensions) and returned by name for the request log.
+
+Each refusal is a 4xx naming the limit and the parameter; none echoes the client's values.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from common.errors import InvalidRequestError, UnsupportedParameter
+
+MAX_LOGGED_FIELDS = 16
+"""Unknown field names listed in the request log, at most (each cut to 64 characters)."""
+
+
+def _default_or(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == a for a in allowed)
+
+
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    # parameter → "this value is what not implementing it gives anyway"
+    "tools": _default_or([]),
+    "tool_choice": _default_or("none"),
+    "functions": _default_or([]),
+    "function_call": _default_or("none"),
+    "response_format": _default_or({"type": "text"}),
+    "logprobs": _default_or(False),
+    "top_logprobs": _default_or(0),
+    "logit_bias": _default_or({}),
+    "n": _default_or(1),
+    "best_of": _default_or(1),
+    "audio": _default_or(),
+    "modalities": _default_or(["text"]),
+    "prediction": _default_or(),
+}
+"""OpenAI chat parameters Prism does not implement, with the values it honours by not implementing them."""
+
+
+def decode_json(raw: bytes, max_depth: int) -> Any:
+    """Parse a body; 400 ``invalid_json`` if it is not JSON, ``json_too_deep`` past ``max_depth`` levels."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequestError(
+            f"request JSON is nested deeper than {max_depth} levels", code="json_too_deep"
+        ) from None
+    except ValueError:
+        raise InvalidRequestError("request body is not valid JSON", code="invalid_json") from None
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > max_depth:
+                raise InvalidRequestError(
+                    f"request JSON is nested deeper than {max_depth} levels", code="json_too_deep"
+                )
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return body
+
+
+def check_shape(body: Any, max_messages: int, max_parts: int, max_text_chars: int) -> None:
+    """Counts on the raw body (types are the schema's to refuse): messages, parts per message, text characters."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", code="invalid_json")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    if len(messages) > max_messages:
+        raise InvalidRequestError(
+            f"request has {len(messages)} messages; the limit is {max_messages}",
+            code="too_many_messages",
+            param="messages",
+        )
+    chars = 0
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            if len(content) > max_parts:
+                raise InvalidRequestError(
+                    f"message {i} has {len(content)} content parts; the limit is {max_parts}",
+                    code="too_many_content_parts",
+                    param=f"messages.{i}.content",
+                )
+            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if chars > max_text_chars:
+            raise InvalidRequestError(
+                f"request text is over {max_text_chars} characters, the limit",
+                code="text_too_long",
+                param="messages",
+            )
+
+
+def check_parameters(body: dict[str, Any], known: frozenset[str]) -> list[str]:
+    """Refuse unsupported parameters set to anything but their default; returns the unknown fields' names (for the
+    request log: names only, never values)."""
+    for name, harmless in UNSUPPORTED.items():
+        if name in body and not harmless(body[name]):
+            raise UnsupportedParameter(f"parameter {name!r} is not supported by this server", param=name)
+    unknown = sorted(k for k in body if k not in known and k not in UNSUPPORTED)
+    return [name[:64] for name in unknown[:MAX_LOGGED_FIELDS]]

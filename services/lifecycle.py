@@ -1,0 +1,156 @@
+"""One request's life in the ingress, the same for every entry point (HTTP unary/SSE, gRPC unary/stream).
+
+```
+open ──enter──► admitted (holds an in-flight place) ──► working ──close──► OK | REFUSED | FAILED | CANCELLED
+   └─ at capacity: closed REFUSED (429) at once, never admitted
+```
+
+:class:`RequestLifecycle` is an async context manager. Entering takes an in-flight place (or closes the request as a
+429 and raises). Leaving closes it — by the exception that left the block (a typed error → REFUSED or FAILED by its
+status, a cancellation → CANCELLED), or as OK. :meth:`RequestLifecycle.close` is the only place that finishes the
+request's trace (metrics + the request log line), cancels its decode stream and gives the place back; a closed
+lifecycle ignores later closes, so the first outcome is the one recorded. An SSE response outlives its handler:
+:meth:`detach` hands the open lifecycle to the response body, which closes it itself (and Starlette's background task
+closes it as CANCELLED if the body never ran).
+
+Every 5xx is logged with its traceback: ids, codes, exception types and frames, never request content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from common.errors import Overloaded, PrismError, StageUnavailable
+from common.obs.request_trace import RequestTrace
+from services.observer import RequestObserver
+
+log = logging.getLogger("prism.ingress")
+
+REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
+"""Failures that say a stage replica went away under the request (retried before the first token, else 503)."""
+
+CANCELLED_STATUS = 499
+"""Status recorded when the client went away (nginx's convention: no response was sent)."""
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    REFUSED = "refused"
+    """A typed 4xx (429 included): the client's request, or its timing, was refused."""
+    FAILED = "failed"
+    """A 5xx: a stage fault, a deadline, or a bug (logged with the traceback)."""
+    CANCELLED = "cancelled"
+    """The client went away before an answer."""
+
+
+def typed_error(exc: BaseException, retry_after_s: float) -> PrismError:
+    """The typed error a failure maps to: Serve's backpressure is a 429, a lost replica a 503, anything unexpected a
+    500 ``internal_error``."""
+    if isinstance(exc, PrismError):
+        return exc
+    if isinstance(exc, BackPressureError):
+        return Overloaded("a stage is at capacity; retry later", retry_after_s=retry_after_s)
+    if isinstance(exc, REPLICA_LOST):
+        return StageUnavailable("a stage replica failed while serving this request; retry", retry_after_s=retry_after_s)
+    return PrismError("internal error; see the server logs")
+
+
+def _log_failure(request_id: str, status: int, code: str, exc: BaseException) -> None:
+    """Log a 5xx with the traceback's frames and the exception's type — not its message, which may quote the
+    client's input (a validation error repeats the value it refused)."""
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    log.error("request %s failed: %d %s (%s)\n%s", request_id, status, code, type(exc).__name__, frames.rstrip())
+
+
+class InFlight:
+    """An ingress replica's places: at most ``limit`` requests at once; more are refused with 429."""
+
+    def __init__(self, limit: int, retry_after_s: float, on_change: Callable[[int], None]) -> None:
+        self.limit, self.retry_after_s, self.on_change = limit, retry_after_s, on_change
+        self.count = 0
+
+    def acquire(self) -> None:
+        if self.count >= self.limit:
+            raise Overloaded("the server is at capacity; retry later", retry_after_s=self.retry_after_s)
+        self.count += 1
+        self.on_change(self.count)
+
+    def release(self) -> None:
+        self.count -= 1
+        self.on_change(self.count)
+
+
+class RequestLifecycle:
+    def __init__(self, observer: RequestObserver, places: InFlight, protocol: str, traced: bool) -> None:
+        self.observer, self.places, self.traced = observer, places, traced
+        self.trace: RequestTrace = observer.start(protocol)
+        self.call: Any = None
+        """The request's :class:`services.pipeline_client.Call` once its chain is issued (its stream is cancelled on
+        close)."""
+        self.outcome: Outcome | None = None
+        self.error: PrismError | None = None
+        self._admitted = False
+        self._detached = False
+
+    async def __aenter__(self) -> RequestLifecycle:
+        try:
+            self.places.acquire()
+        except PrismError as exc:
+            self.close(exc)
+            raise
+        self._admitted = True
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            if not self._detached:
+                self.close()
+        elif isinstance(exc, Exception):
+            self.close(exc)
+        else:  # CancelledError / GeneratorExit: the client went away
+            self.abandon()
+        return False
+
+    def detach(self) -> RequestLifecycle:
+        """Leave the lifecycle open when the ``async with`` block ends: a response body closes it later."""
+        self._detached = True
+        return self
+
+    def abandon(self) -> None:
+        """Close as CANCELLED (no-op once closed)."""
+        self.close(asyncio.CancelledError())
+
+    def close(self, exc: BaseException | None = None) -> PrismError | None:
+        """Close with the outcome ``exc`` means (``None``: OK); returns the typed error the client gets, if any."""
+        if self.outcome is not None:
+            return self.error
+        kv_blocks = getattr(self.call, "kv_blocks", 0)
+        if exc is None:
+            self.outcome, status, code = Outcome.OK, 200, "ok"
+        elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            self.outcome, status, code = Outcome.CANCELLED, CANCELLED_STATUS, "cancelled"
+        else:
+            self.error = typed_error(exc, self.places.retry_after_s)
+            status, code = self.error.http_status, self.error.code
+            self.outcome = Outcome.FAILED if status >= 500 else Outcome.REFUSED
+            if status >= 500:
+                _log_failure(self.trace.request_id, status, code, exc)
+        if self.call is not None:
+            self.call.stream.cancel()  # frees the sequence's KV at once if decode still runs it
+        self.observer.finish(self.trace, status, code, kv_blocks)
+        if self._admitted:
+            self._admitted = False
+            self.places.release()
+        return self.error
+
+    def summary(self) -> dict[str, Any] | None:
+        """The trace summary when the client asked for it."""
+        return self.trace.summary() if self.traced else None

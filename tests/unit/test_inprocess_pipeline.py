@@ -1,0 +1,75 @@
+"""The ingress and every stage class in one process (the monolith harness, no Ray), with the KV hand-off through the
+fake transport: the same tokens as the object store, typed events end to end, and an injected hand-off fault gives
+a typed 500 that frees everything and leaves the next request unaffected."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from common.kv.transport.fake import FakeTransport
+from loadtest.servers.monolith import build
+
+BODY = {
+    "model": "prism-tiny-llava",
+    "messages": [{"role": "user", "content": "Count to five."}],
+    "max_tokens": 12,
+    "temperature": 0,
+    "return_token_ids": True,
+}
+
+
+def _config(model_cache: str) -> dict:
+    return {"model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1}}
+
+
+async def _ask(app, body=BODY, stream=False) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=60) as http:
+        return await http.post("/v1/chat/completions", json={**body, "stream": stream})
+
+
+@pytest.fixture(scope="module")
+def apps(model_cache):
+    fake = FakeTransport()
+    return build(_config(model_cache)), build(_config(model_cache), transport=fake), fake
+
+
+def test_fake_transport_gives_the_object_store_tokens(apps):
+    store_app, fake_app, fake = apps
+    via_store = asyncio.run(_ask(store_app))
+    via_fake = asyncio.run(_ask(fake_app))
+    assert via_store.status_code == via_fake.status_code == 200
+    ids = via_store.json()["choices"][0]["token_ids"]
+    assert via_fake.json()["choices"][0]["token_ids"] == ids and len(ids) == 12
+    assert fake.fetches >= 1 and fake.release() == 0, "read hand-offs are released"
+
+
+def test_streamed_answer_equals_unary(apps):
+    _, fake_app, _ = apps
+    unary = asyncio.run(_ask(fake_app)).json()
+    streamed = asyncio.run(_ask(fake_app, stream=True))
+    assert streamed.status_code == 200
+    text = ""
+    for line in streamed.text.splitlines():
+        if line.startswith("data: {"):
+            chunk = httpx.Response(200, content=line[6:]).json()
+            for choice in chunk["choices"]:
+                text += choice["delta"].get("content") or ""
+    assert text == unary["choices"][0]["message"]["content"]
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize("fault", ["lose", "truncate"])
+def test_handoff_fault_is_a_typed_500_and_frees_everything(apps, fault):
+    _, fake_app, fake = apps
+    fake.inject(fault)
+    failed = asyncio.run(_ask(fake_app))
+    assert failed.status_code == 500
+    assert failed.json()["error"]["code"] == "invalid_handoff"
+    decode = fake_app.state.stages[3]
+    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+    ok = asyncio.run(_ask(fake_app))
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 12
