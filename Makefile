@@ -11,6 +11,7 @@ WHEELS   := $(wildcard /opt/wheels)
 PIP      := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),--find-links $(WHEELS))
 MODEL    ?= prism-tiny-llava
 CONFIG   ?= ray_configs/local_cpu.yaml
+SERVE_FLAGS ?=
 
 .PHONY: venv serve demo test lint format bench batch proto dashboards clean
 
@@ -24,7 +25,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 serve: venv
-	$(PY) -m services.cli serve --config $(CONFIG)
+	$(PY) -m services.cli serve --config $(CONFIG) $(SERVE_FLAGS)
 
 demo: venv
 	$(PY) -m services.cli demo --model $(MODEL)

@@ -139,6 +139,19 @@ class ServerConfig(_Strict):
     ingress's ``max_ongoing_requests`` so Serve's own, body-less backpressure is only the last line of defence)."""
     transport: Literal["object_store", "nixl"] = "object_store"
     """How embeddings and KV move between stages."""
+    max_body_bytes: int | None = Field(default=None, ge=1024)
+    """Largest request body (HTTP) or message (gRPC) accepted, in bytes; bigger ones get 413 ``request_too_large``
+    while they are read — in Serve's HTTP proxy already (:mod:`services.proxy_guard`). ``None``: what the other limits
+    allow — ``media.max_request_bytes`` of images as base64 data URLs, plus ``max_text_chars`` of text at up to 8
+    bytes each as JSON escapes, plus 1 MiB for the JSON around them (≈ 87 MiB with the defaults)."""
+    max_json_depth: int = Field(default=32, ge=4, le=256)
+    """Deepest JSON nesting accepted in a request body (400 ``json_too_deep``)."""
+    max_messages: int = Field(default=256, ge=1)
+    """Messages in one request (400 ``too_many_messages``)."""
+    max_content_parts: int = Field(default=64, ge=1)
+    """Content parts in one message (400 ``too_many_content_parts``)."""
+    max_text_chars: int = Field(default=131_072, ge=1)
+    """Characters of text across all messages, checked before tokenising (400 ``text_too_long``)."""
     max_chain_attempts: int = Field(default=3, ge=1, le=10)
     """Times the ingress issues a request's stage chain when a replica is lost before the first token id comes
     back (jittered backoff between attempts; never past the deadline). A typed error is never retried."""
@@ -214,3 +227,11 @@ class PrismConfig(_Strict):
     deployments: DeploymentsConfig = DeploymentsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     batch: BatchConfig = BatchConfig()
+
+    @property
+    def body_limit(self) -> int:
+        """``server.max_body_bytes``, or what the media and text limits allow (see that field)."""
+        if self.server.max_body_bytes is not None:
+            return self.server.max_body_bytes
+        media = min(self.media.max_request_bytes, self.media.max_items_per_request * self.media.max_item_bytes)
+        return 4 * -(-media // 3) + 8 * self.server.max_text_chars + (1 << 20)

@@ -46,6 +46,29 @@ class InvalidRequestError(PrismError):
     default_code = "invalid_request"
 
 
+class UnsupportedParameter(InvalidRequestError):
+    """An OpenAI parameter Prism does not implement, sent with a value other than its default: refused by name rather
+    than silently ignored."""
+
+    default_code = "unsupported_parameter"
+
+
+class RequestTooLarge(PrismError):
+    """The request body is over ``server.max_body_bytes`` (HTTP 413), refused while it is read."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class UnsupportedMediaType(PrismError):
+    """A request body that is not JSON (``Content-Type``), HTTP 415."""
+
+    http_status = 415
+    error_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
 class SpanMismatchError(InvalidRequestError):
     """Placeholder tokens in the prompt and the visual embeddings disagree (count, order, length or width)."""
 

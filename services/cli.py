@@ -67,18 +67,25 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupt)
 
     from common.config import PrismConfig
+    from services.proxy_guard import ray_env
 
     raw = yaml.safe_load(open(args.config))
+    body_limit = 0
     for app in raw.get("applications", []):
         cfg = PrismConfig.model_validate(app.get("args", {}).get("config", {}))  # fail fast on a bad config
         print(f"model: {resolve_model_dir(cfg.model.model, cfg.model.cache_dir)}", flush=True)
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+        body_limit = max(body_limit, cfg.body_limit)
+    # The proxies bound request bodies before the ingress sees a byte (services/proxy_guard.py); they inherit this
+    # environment from the head.
+    env = {**os.environ, **ray_env(body_limit or PrismConfig().body_limit)}
+    env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")
     bindir = Path(sys.executable).parent  # the ray/serve CLIs of this environment, whatever PATH says
     ray, serve = str(bindir / "ray"), str(bindir / "serve")
     start = [
         ray,
         "start",
         "--head",
+        f"--port={args.ray_port}",
         f"--metrics-export-port={args.metrics_port}",
         "--disable-usage-stats",
         "--include-dashboard=false",
@@ -86,6 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
     started = subprocess.run(start, env=env, check=False).returncode == 0
     if not started:
         print("ray start failed (is a head already running?); deploying to the existing cluster", flush=True)
+    if started:
+        env["RAY_ADDRESS"] = f"127.0.0.1:{args.ray_port}"  # the head we started, whatever else runs here
     try:
         return subprocess.run([serve, "run", args.config], env=env, check=False).returncode
     except KeyboardInterrupt:
@@ -108,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="start a local Ray head and serve the application until interrupted")
     serve.add_argument("--config", default="ray_configs/local_cpu.yaml", help="Serve config YAML")
     serve.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics export port")
+    serve.add_argument("--ray-port", type=int, default=6379, help="the Ray head's GCS port")
     serve.set_defaults(func=_serve)
     demo = sub.add_parser("demo", help="run requests through every stage in-process and print timings")
     demo.add_argument("--model", default=ModelConfig().model, help="embedded model name or HF model directory")

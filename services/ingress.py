@@ -13,6 +13,7 @@ decode stream cancelled, the place given back. With ``X-Prism-Trace: 1`` the tra
 (metadata ``x-prism-trace: 1``) as the ``prism-trace`` trailing metadata.
 """
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,10 +27,12 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.config import PrismConfig
-from common.errors import InvalidRequestError, PrismError
+from common.errors import PrismError, RequestTooLarge
 from common.model.loader import load_frontend
+from common.protocol.body import decode_json
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
+from services.http_body import read_json
 from services.lifecycle import InFlight, RequestLifecycle
 from services.observer import RequestObserver
 from services.openai_format import chunk, completion_body, error_body, error_response, sse, usage
@@ -44,6 +47,7 @@ _GRPC_CODES = {
     403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.INVALID_ARGUMENT,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
     422: grpc.StatusCode.FAILED_PRECONDITION,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     502: grpc.StatusCode.UNAVAILABLE,
@@ -101,11 +105,8 @@ class IngressDeployment:
         life = self._lifecycle("http", request.headers.get("x-prism-trace"))
         try:
             async with life:
-                tenant = self.client.tenant(_bearer(request))
-                try:
-                    body = await request.json()
-                except ValueError:
-                    raise InvalidRequestError("request body is not valid JSON") from None
+                tenant = self.client.tenant(_bearer(request))  # from the headers, before any body byte is read
+                body = await read_json(request, self.cfg.body_limit, self.cfg.server.max_json_depth)
                 call = life.call = await self.client.begin(
                     tenant, body, request.headers.get("x-prism-deadline-ms"), life.trace
                 )
@@ -171,7 +172,8 @@ class IngressDeployment:
         try:
             async with life:
                 tenant = self.client.tenant(request.api_key)
-                call = life.call = await self.client.begin(tenant, _json(request), request.deadline_ms, life.trace)
+                body = await self._grpc_json(request)
+                call = life.call = await self.client.begin(tenant, body, request.deadline_ms, life.trace)
                 out_ids, finish = await self.client.collect(call)
                 life.close()
                 return prism_pb2.GenerateResponse(
@@ -187,12 +189,21 @@ class IngressDeployment:
         finally:
             _grpc_trace(grpc_context, life)
 
+    async def _grpc_json(self, request: prism_pb2.GenerateRequest) -> Any:
+        """The message's JSON under the same bounds as an HTTP body (Serve bounds the whole message too:
+        ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE``)."""
+        raw = request.chat_completion_json.encode()
+        if len(raw) > self.cfg.body_limit:
+            raise RequestTooLarge(f"chat_completion_json is {len(raw)} bytes; the limit is {self.cfg.body_limit}")
+        return await asyncio.to_thread(decode_json, raw, self.cfg.server.max_json_depth)
+
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
         life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
         try:
             async with life:
                 tenant = self.client.tenant(request.api_key)
-                call = life.call = await self.client.begin(tenant, _json(request), request.deadline_ms, life.trace)
+                body = await self._grpc_json(request)
+                call = life.call = await self.client.begin(tenant, body, request.deadline_ms, life.trace)
                 detok = Detokenizer(self.frontend.tokenizer, call.sampling.stop)
                 out_ids: list[int] = []
                 async for token, finish in self.client.tokens(call):
@@ -214,13 +225,6 @@ class IngressDeployment:
 def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
-
-
-def _json(request: prism_pb2.GenerateRequest) -> Any:
-    try:
-        return json.loads(request.chat_completion_json)
-    except ValueError:
-        raise InvalidRequestError("chat_completion_json is not valid JSON") from None
 
 
 class GrpcAbort(Exception):

@@ -25,8 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
 from common.errors import Overloaded, PrismError, StageUnavailable
 from common.obs.request_trace import RequestTrace
@@ -36,6 +36,10 @@ log = logging.getLogger("prism.ingress")
 
 REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 """Failures that say a stage replica went away under the request (retried before the first token, else 503)."""
+
+CANCELLED = (asyncio.CancelledError, GeneratorExit, TaskCancelledError, RequestCancelledError)
+"""How the client going away reaches the ingress: its own task cancelled, or Serve cancelling a call under it (the
+proxy saw the disconnect)."""
 
 CANCELLED_STATUS = 499
 """Status recorded when the client went away (nginx's convention: no response was sent)."""
@@ -110,13 +114,8 @@ class RequestLifecycle:
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None:
-            if not self._detached:
-                self.close()
-        elif isinstance(exc, Exception):
+        if exc is not None or not self._detached:
             self.close(exc)
-        else:  # CancelledError / GeneratorExit: the client went away
-            self.abandon()
         return False
 
     def detach(self) -> RequestLifecycle:
@@ -135,7 +134,7 @@ class RequestLifecycle:
         kv_blocks = getattr(self.call, "kv_blocks", 0)
         if exc is None:
             self.outcome, status, code = Outcome.OK, 200, "ok"
-        elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        elif isinstance(exc, CANCELLED):
             self.outcome, status, code = Outcome.CANCELLED, CANCELLED_STATUS, "cancelled"
         else:
             self.error = typed_error(exc, self.places.retry_after_s)

@@ -42,6 +42,7 @@ from common.obs.request_trace import RequestTrace
 from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
+from common.stages.prompt import render_chat
 from services.lifecycle import REPLICA_LOST
 from services.retry import with_retries
 
@@ -96,9 +97,12 @@ class PipelineClient:
         return time.time() + budget / 1000.0
 
     async def begin(self, tenant: str, body: Any, budget_ms: str | int | None, trace: RequestTrace) -> Call:
-        """Validate the body for an authenticated ``tenant`` and issue the chain; returns once decode has started."""
+        """Validate the decoded body for an authenticated ``tenant`` and issue the chain; returns once decode has
+        started. Every check here is a 4xx that costs milliseconds: counts and parameters, the media references, and
+        the prompt's text tokens (rendered and tokenised in a worker thread, never on the event loop)."""
         trace.tenant = tenant
-        req = parse_chat_request(body)
+        server = self.cfg.server
+        req = parse_chat_request(body, server.max_messages, server.max_content_parts, server.max_text_chars)
         if req.model != self.frontend.served_name:
             raise ModelNotFound(f"model {req.model!r} is not served here; try {self.frontend.served_name!r}")
         deadline = self.deadline(budget_ms)
@@ -108,8 +112,11 @@ class PipelineClient:
                 f"max_tokens is {sampling.max_tokens}; the limit is {self.cfg.engine.max_output_tokens}",
                 param="max_tokens",
             )
-        check_request(req.media_refs(), self.cfg.media)
-        trace.sent(media_items=len(req.media_refs()), max_tokens=sampling.max_tokens)
+        refs = req.media_refs()
+        check_request(refs, self.cfg.media)
+        await asyncio.to_thread(self._check_text_tokens, req, len(refs))
+        ignored = {"ignored_fields": req.ignored_fields} if req.ignored_fields else {}
+        trace.sent(media_items=len(refs), max_tokens=sampling.max_tokens, **ignored)
         attempts = itertools.count(1)
 
         def context() -> RequestContext:
@@ -124,6 +131,17 @@ class PipelineClient:
         trace.absorb(first.spans)
         trace.prompt_tokens = len(first.prompt_token_ids)
         return Call(ctx, req, sampling, stream, list(first.prompt_token_ids), trace)
+
+    def _check_text_tokens(self, req: ChatCompletionRequest, media_items: int) -> None:
+        """The prompt rendered with one placeholder per media item: a lower bound of its final length (each item
+        expands to at least one visual token), so over ``max_prompt_tokens`` here is over it for certain."""
+        limit = self.cfg.engine.max_prompt_tokens
+        n = len(self.frontend.tokenizer(render_chat(self.frontend, req.template_messages()))["input_ids"])
+        if n > limit:
+            what = "tokens" if not media_items else f"tokens before its {media_items} media items are expanded"
+            raise InvalidRequestError(
+                f"prompt is {n} {what}; the limit is {limit}", code="prompt_too_long", param="messages"
+            )
 
     async def _attempt(
         self, req: ChatCompletionRequest, sampling: SamplingParams, ctx: RequestContext

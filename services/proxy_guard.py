@@ -7,9 +7,10 @@ limit that only the ingress checks acts after the damage. Serve 2.60 calls the f
 middlewares it returns; :data:`CALLBACK` (``services.proxy_guard:middlewares``) installs :class:`BodyLimit`:
 
 * a ``Content-Length`` over the limit is answered 413 ``request_too_large`` at once, before one body byte is read;
-* a body without ``Content-Length`` (chunked upload), or longer than it said, is counted as it arrives: at the limit
-  the client gets the 413 and the proxy's app sees a disconnect, so Serve cancels the replica call and the proxy
-  holds no more than the limit for that request.
+  one within it streams on (the HTTP server frames the body by it, so it cannot run longer), and the ingress can
+  refuse the request from its headers — authentication — before reading the body;
+* a body without ``Content-Length`` (a chunked upload) is gathered here, counted as it arrives: at the limit the
+  client gets the 413 and the replica is never called; within it, the app gets the body as one message.
 
 Either way the connection is closed after the 413 (uvicorn will not read on past an unread body). The limit is
 ``PRISM_MAX_BODY_BYTES``, which ``make serve``, the Helm chart and the test clusters set in the environment of
@@ -35,6 +36,20 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+
+
+GRPC_ENVELOPE_BYTES = 64 << 10
+"""gRPC message bytes allowed beyond the JSON body (API key, deadline, protobuf framing)."""
+
+
+def ray_env(max_body_bytes: int) -> dict[str, str]:
+    """The environment of ``ray start`` (so of every proxy actor) that bounds request bodies at ``max_body_bytes``:
+    this middleware for HTTP, Serve's own message cap for gRPC."""
+    return {
+        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK,
+        ENV_MAX_BODY_BYTES: str(max_body_bytes),
+        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(max_body_bytes + GRPC_ENVELOPE_BYTES),
+    }
 
 
 def middlewares() -> list[Middleware]:
@@ -68,33 +83,38 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await self._refuse(send)
+        if declared is not None:
+            if declared > self.max_bytes:
+                await self._refuse(send)
+                return
+            # The HTTP server frames the body by Content-Length: it cannot be longer than declared, so it streams on
+            # to the ingress, which can refuse it from its headers (authentication) before reading it.
+            await self.app(scope, receive, send)
             return
-        state = {"seen": 0, "refused": False, "started": False}
+        body = await self._read_counted(receive)
+        if body is None:
+            await self._refuse(send)
+            from services.memory import release_freed_memory
 
-        async def counted_receive() -> Message:
-            if state["refused"]:
-                return {"type": "http.disconnect"}
+            release_freed_memory()
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_counted(self, receive: Receive) -> bytearray | None:
+        """A body of unknown length (chunked upload), gathered here up to the limit: ``None`` once over it. The
+        ingress never sees a byte of a refused body, and the one buffer (an mmap past glibc's threshold) goes back
+        to the system when it is dropped."""
+        body = bytearray()
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                state["seen"] += len(message.get("body", b""))
-                if state["seen"] > self.max_bytes:
-                    state["refused"] = True
-                    if not state["started"]:
-                        state["started"] = True
-                        await self._refuse(send)
-                    return {"type": "http.disconnect"}  # the proxy cancels the replica call
-            return message
-
-        async def guarded_send(message: Message) -> None:
-            if state["refused"]:
-                return  # our 413 is the response; whatever the app says after the disconnect is dropped
-            if message["type"] == "http.response.start":
-                state["started"] = True
-            await send(message)
-
-        await self.app(scope, counted_receive, guarded_send)
+            if message["type"] != "http.request":
+                return body  # disconnect: the app will see it on its first receive
+            chunk = message.get("body", b"")
+            if len(body) + len(chunk) > self.max_bytes:
+                return None
+            body += chunk
+            if not message.get("more_body", False):
+                return body
 
     async def _refuse(self, send: Send) -> None:
         self.on_refusal()
@@ -106,6 +126,20 @@ class BodyLimit:
         ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _replay(body: bytearray, receive: Receive) -> Receive:
+    """A ``receive`` that gives the gathered body as one message, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -124,6 +158,7 @@ def _count_refusal() -> None:
     in the proxy actor (Ray's metrics agent exports it beside the ingress's series)."""
     global _counter
     try:
+        import ray
         from ray.util.metrics import Counter
 
         from common.obs.catalogue import BY_NAME, SERVE_TAGS
@@ -131,7 +166,8 @@ def _count_refusal() -> None:
         if _counter is None:
             spec = BY_NAME["prism_requests_total"]
             _counter = Counter(spec.name, description=spec.description, tag_keys=(*SERVE_TAGS, *spec.tags))
-        tags = {"application": "", "deployment": "proxy", "replica": os.environ.get("RAY_NODE_ID", "")[:12]}
+        node = ray.get_runtime_context().get_node_id()[:12]  # one proxy per node
+        tags = {"application": "", "deployment": "proxy", "replica": node}
         _counter.inc(1.0, tags={**tags, "protocol": "http", "status": "413", "code": "request_too_large"})
     except Exception:  # metrics must never turn a refusal into a failure
         pass

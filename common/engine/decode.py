@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -61,6 +61,8 @@ class _Sequence:
     step: int
     stops: StopChecker
     deadline: float | None
+    counts: Counter[int] = field(default_factory=Counter)
+    """Tokens generated so far (kept only when the request sets a frequency/presence penalty)."""
 
 
 class DecodeEngine:
@@ -147,6 +149,8 @@ class DecodeEngine:
         self._emit(seq, pre.first_token_id)
 
     def _emit(self, seq: _Sequence, token: int) -> None:
+        if seq.sampling.penalised:
+            seq.counts[token] += 1
         reason = seq.stops.check(token, seq.step + 1)
         self._events.append(TokenEvent(seq.request_id, token, reason))
         if reason is not None:
@@ -207,5 +211,5 @@ class DecodeEngine:
         for i, seq in enumerate(batch):
             seq.length += 1
             seq.step += 1
-            seq.last_token = sample_token(logits[i], seq.sampling, seq.step)
+            seq.last_token = sample_token(logits[i], seq.sampling, seq.step, seq.counts)
             self._emit(seq, seq.last_token)

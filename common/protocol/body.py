@@ -48,7 +48,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 """OpenAI chat parameters Prism does not implement, with the values it honours by not implementing them."""
 
 
-def decode_json(raw: bytes, max_depth: int) -> Any:
+def decode_json(raw: bytes | bytearray, max_depth: int) -> Any:
     """Parse a body; 400 ``invalid_json`` if it is not JSON, ``json_too_deep`` past ``max_depth`` levels."""
     try:
         body = json.loads(raw)

@@ -1,19 +1,21 @@
 """OpenAI chat-completions request schema (the subset Prism serves) and its translation to Prism's own types.
 
-Validation here is the first, cheapest layer: malformed JSON shapes, unknown content-part types, ``n != 1`` and bad
-sampling values are 400s before any stage is touched. Unknown top-level fields that OpenAI clients commonly send
-(``user``, ``metadata`` …) are accepted and ignored.
+Validation here comes right after the raw-body checks of :mod:`common.protocol.body` (size, depth, counts,
+unsupported parameters), and before any stage is touched: malformed shapes, unknown content-part types, bad sampling
+values and stop strings are 400s naming the parameter. Unknown top-level fields (``user``, ``metadata``, vendor
+extensions) are tolerated; their names are kept for the request log (:attr:`ChatCompletionRequest.ignored_fields`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from common.errors import InvalidRequestError
 from common.media.loader import MediaRef
-from common.protocol.sampling import SamplingParams
+from common.protocol.body import check_parameters, check_shape
+from common.protocol.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingParams
 
 
 class _Part(BaseModel):
@@ -73,12 +75,19 @@ class ChatCompletionRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
     return_token_ids: bool = False
     """Prism extension: include ``prompt_token_ids`` and each choice's ``token_ids``."""
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Names of the unknown top-level fields the client sent (tolerated, logged by name)."""
+        return self._ignored
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -87,6 +96,8 @@ class ChatCompletionRequest(BaseModel):
             top_p=self.top_p,
             seed=self.seed,
             stop=self.stop or (),
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
         )
 
     def media_refs(self) -> list[MediaRef]:
@@ -120,11 +131,42 @@ class ChatCompletionRequest(BaseModel):
         return out
 
 
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validate a request body; pydantic errors become one 400 naming the first bad field."""
+def parse_chat_request(
+    body: Any,
+    max_messages: int = 256,
+    max_parts: int = 64,
+    max_text_chars: int = 131_072,
+) -> ChatCompletionRequest:
+    """Validate a decoded request body: counts and unsupported parameters on the raw dict first, then the schema
+    (pydantic errors become one 400 naming the first bad field), then the stop strings."""
+    check_shape(body, max_messages, max_parts, max_text_chars)
+    ignored = check_parameters(body, frozenset(ChatCompletionRequest.model_fields))
     try:
-        return ChatCompletionRequest.model_validate(body)
+        req = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise InvalidRequestError(f"invalid request: {where}: {first['msg']}", param=where or None) from None
+        # A union field reports one error per alternative; the deepest is the one that says what is wrong.
+        worst = max(exc.errors(), key=lambda e: len(e["loc"]))
+        where = ".".join(str(p) for p in worst["loc"] if not _type_tag(p))
+        raise InvalidRequestError(f"invalid request: {where}: {worst['msg']}", param=where or None) from None
+    _check_stop(req.stop)
+    req._ignored = ignored
+    return req
+
+
+def _type_tag(segment: object) -> bool:
+    """A location segment pydantic adds for a union alternative (``str``, ``list[str]``, ``TextPart``), not a field."""
+    if not isinstance(segment, str):
+        return False
+    return "[" in segment or segment in ("str", "int", "float", "bool") or segment[:1].isupper()
+
+
+def _check_stop(stop: str | list[str] | None) -> None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(
+            f"stop has {len(stops)} strings; the limit is {MAX_STOP_STRINGS}", code="invalid_stop", param="stop"
+        )
+    if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+        raise InvalidRequestError(
+            f"each stop string must be 1 to {MAX_STOP_LENGTH} characters", code="invalid_stop", param="stop"
+        )

@@ -30,6 +30,10 @@ class SamplingParams(BaseModel):
     """Seed for sampling; ``None`` picks one at random when the request is created."""
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends when the text contains one; it is cut from the returned text."""
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    """Subtracted from a token's logit once per time it was already generated (OpenAI semantics)."""
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    """Subtracted from a token's logit if it was generated at all."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it for fixed output lengths)."""
 
@@ -46,6 +50,10 @@ class SamplingParams(BaseModel):
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_LENGTH:
                 raise ValueError(f"each stop string must be 1..{MAX_STOP_LENGTH} characters")
         return tuple(v)
+
+    @property
+    def penalised(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

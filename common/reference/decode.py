@@ -6,6 +6,7 @@ must match token for token; nothing served runs it. Stop conditions live in :mod
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -42,8 +43,10 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
     token = pre.first_token_id
     past = pre.kv.num_tokens
     step = 0
+    generated: Counter[int] = Counter()
     with torch.inference_mode():
         while True:
+            generated[token] += 1
             reason = stops.check(token, step + 1)
             yield DecodeStep(token, reason)
             if reason is not None:
@@ -57,7 +60,7 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
             )
             past += 1
             logits = lm.model.lm_head(out.last_hidden_state[:, -1:, :])[0, -1]
-            token = sample_token(logits, sampling, step=step)
+            token = sample_token(logits, sampling, step=step, counts=generated)
 
 
 def decode(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams) -> DecodeResult:

@@ -1,6 +1,9 @@
 """Token sampling shared by prefill (first token) and decode (the rest).
 
-Greedy is ``argmax`` over the logits, exactly ``generate(do_sample=False)``. Otherwise temperature scaling, then
+First the OpenAI frequency / presence penalties, when set: a token already generated ``c`` times loses
+``c × frequency_penalty + presence_penalty`` from its logit (the prompt does not count; the first token, drawn by
+prefill, has nothing to penalise). Greedy is then ``argmax`` over the logits — exactly ``generate(do_sample=False)``
+when no penalty is set. Otherwise temperature scaling, then
 nucleus (top-p) filtering, then one multinomial draw from a generator seeded by ``(seed, step)`` — a pure function
 of the request and the step index, so it does not matter which process draws which step.
 """
@@ -8,6 +11,7 @@ of the request and the step index, so it does not matter which process draws whi
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 
@@ -19,8 +23,22 @@ def _step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """One token id from a ``[vocab]`` logits row."""
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: Mapping[int, int]) -> torch.Tensor:
+    """A penalised float copy of a ``[vocab]`` row; work grows with the distinct tokens generated, not the vocab."""
+    out = logits.float().clone()
+    if counts:
+        ids = torch.tensor(list(counts.keys()), dtype=torch.long)
+        times = torch.tensor(list(counts.values()), dtype=torch.float32)
+        out[ids] -= times * params.frequency_penalty + params.presence_penalty
+    return out
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, step: int, counts: Mapping[int, int] | None = None
+) -> int:
+    """One token id from a ``[vocab]`` logits row; ``counts`` are the tokens generated so far (for the penalties)."""
+    if params.penalised and counts:
+        logits = apply_penalties(logits, params, counts)
     if params.greedy:
         return int(torch.argmax(logits))
     if params.seed is None:

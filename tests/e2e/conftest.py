@@ -6,6 +6,7 @@ tests run, so their monkeypatching of global functions cannot race with Ray's ow
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -50,6 +51,11 @@ def prism_server(model_cache, tmp_path_factory):
         },
         "observability": {"request_log_path": str(request_log)},
     }
+    from common.config import PrismConfig
+    from services.proxy_guard import ray_env
+
+    saved = dict(os.environ)
+    os.environ.update(ray_env(PrismConfig.model_validate(config).body_limit))  # inherited by the proxy actor
     ray.init(
         address="local",  # always a fresh cluster of our own, even if another one runs on this machine
         num_cpus=2,
@@ -59,6 +65,8 @@ def prism_server(model_cache, tmp_path_factory):
         _system_config={"metrics_report_interval_ms": 1000},  # metrics reach the endpoint within ~1 s
         runtime_env={"env_vars": {"PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS": "127.0.0.1/32", "RAY_AUTH_MODE": "disabled"}},
     )
+    os.environ.clear()
+    os.environ.update(saved)
     serve.start(
         http_options={"host": "127.0.0.1", "port": port},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},

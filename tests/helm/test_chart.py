@@ -176,6 +176,32 @@ def test_chart_and_ray_configs_describe_the_same_deployments(rendered):
         assert {k: v for k, v in ours.items() if k not in strip} == {k: v for k, v in theirs.items() if k not in strip}
 
 
+def _containers(docs: list[dict]) -> list[dict]:
+    cluster = _one(docs, "RayService")["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+@pytest.mark.parametrize(
+    "prism",
+    [
+        {},
+        {"server": {"max_body_bytes": 5_000_000}},
+        {"media": {"max_request_bytes": 1000, "max_items_per_request": 2}, "server": {"max_text_chars": 77}},
+    ],
+    ids=["defaults", "explicit", "derived"],
+)
+def test_every_ray_container_bounds_bodies_as_the_config_does(prism):
+    from services.proxy_guard import ray_env
+
+    docs = _render({"prism": prism})
+    config = PrismConfig.model_validate(_serve_config(docs)["applications"][0]["args"]["config"])
+    want = ray_env(config.body_limit)
+    for container in _containers(docs):  # every node runs a Serve proxy
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert {k: env.get(k) for k in want} == want
+
+
 def test_monitoring_and_auth_objects(rendered):
     name, _, docs = rendered
     dashboards = _one(docs, "ConfigMap")

@@ -34,6 +34,9 @@ def _mixed_requests(lm, n: int = 16):
         sampling = SamplingParams(max_tokens=6 + i, ignore_eos=i % 2 == 0)
         if i % 4 == 3:
             sampling = sampling.model_copy(update={"temperature": 0.8, "top_p": 0.9, "seed": i})
+        if i % 4 == 1:  # penalties: per-sequence token counts must follow each sequence through the batch
+            update = {"frequency_penalty": 0.9, "presence_penalty": 0.4} if i % 8 == 1 else {"presence_penalty": -1.5}
+            sampling = sampling.model_copy(update=update)
         out.append((f"req-{i}", _prefilled(lm, i, (0, 1, 3)[i % 3], sampling), sampling))
     return out
 

@@ -9,12 +9,32 @@ from pydantic import ValidationError
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
 from common.reference.pipeline import run_request
-from common.stages.sampler import sample_token
+from common.stages.sampler import apply_penalties, sample_token
 
 
 def test_greedy_is_argmax():
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert sample_token(logits, SamplingParams(), step=0) == 1
+
+
+def test_penalties_follow_openai_arithmetic():
+    logits = torch.tensor([5.0, 4.0, 3.0, 0.0])
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits, p, {0: 3, 2: 1})
+    assert out.tolist() == [5.0 - 1.5 - 0.25, 4.0, 3.0 - 0.5 - 0.25, 0.0]
+    assert sample_token(logits, p, step=3, counts={0: 3}) == 1, "penalised enough, the runner-up wins"
+    assert sample_token(logits, p, step=3, counts={}) == 0, "nothing generated yet: nothing to penalise"
+    assert sample_token(logits, SamplingParams(), step=3, counts={0: 9}) == 0, "no penalty set: counts change nothing"
+
+
+def test_presence_penalty_changes_a_repetitive_answer(tiny_llava):
+    messages = [{"role": "user", "content": "Say something."}]
+    plain = run_request(tiny_llava, messages, [], SamplingParams(max_tokens=24, ignore_eos=True)).output.token_ids
+    assert len(set(plain)) < len(plain), "the greedy answer repeats tokens"
+    p = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0)
+    penalised = run_request(tiny_llava, messages, [], p).output.token_ids
+    assert penalised[0] == plain[0], "the first token has nothing to penalise"
+    assert penalised != plain and len(set(penalised)) > len(set(plain))
 
 
 def test_seeded_sampling_is_a_function_of_seed_and_step():
@@ -40,7 +60,16 @@ def test_unresolved_seed_is_resolved_once():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_tokens": 0}, {"temperature": -0.1}, {"temperature": 2.5}, {"top_p": 0}, {"stop": ["a"] * 5}, {"stop": [""]}],
+    [
+        {"max_tokens": 0},
+        {"temperature": -0.1},
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"stop": ["a"] * 5},
+        {"stop": [""]},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -2.1},
+    ],
 )
 def test_invalid_params_are_rejected(kwargs):
     with pytest.raises(ValidationError):

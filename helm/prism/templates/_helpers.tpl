@@ -75,6 +75,39 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- toYaml $cfg -}}
 {{- end -}}
 
+{{/*
+The request-body bound in bytes: PrismConfig.body_limit (common/config.py) computed from the same values —
+server.max_body_bytes, or base64 of the media request bytes + 8 bytes per text character + 1 MiB.
+*/}}
+{{- define "prism.bodyLimit" -}}
+{{- $cfg := default dict .Values.prism -}}
+{{- $server := default dict $cfg.server -}}
+{{- $media := default dict $cfg.media -}}
+{{- if $server.max_body_bytes -}}
+{{- int64 $server.max_body_bytes -}}
+{{- else -}}
+{{- $perItem := int64 (default 20971520 $media.max_item_bytes) -}}
+{{- $items := int64 (default 8 $media.max_items_per_request) -}}
+{{- $bytes := min (int64 (default 67108864 $media.max_request_bytes)) (mul $items $perItem) -}}
+{{- $text := int64 (default 131072 $server.max_text_chars) -}}
+{{- add (mul 4 (div (add $bytes 2) 3)) (mul 8 $text) 1048576 -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Environment of every Ray container: each node runs a Serve proxy, and the proxy bounds request bodies before the
+ingress sees a byte (services/proxy_guard.py); gRPC messages are bounded by Serve itself.
+*/}}
+{{- define "prism.proxyEnv" -}}
+{{- $limit := include "prism.bodyLimit" . -}}
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: services.proxy_guard:middlewares
+- name: PRISM_MAX_BODY_BYTES
+  value: {{ $limit | quote }}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ add (int64 $limit) 65536 | quote }}
+{{- end -}}
+
 {{/* The whole Serve config (serveConfigV2). */}}
 {{- define "prism.serveConfig" -}}
 proxy_location: EveryNode
@@ -120,7 +153,7 @@ spec:
         {{- range .ports }}
         - {{ toJson . }}
         {{- end }}
-      {{- $env := concat (default list $v.env) (default list .env) }}
+      {{- $env := concat (fromYamlArray (include "prism.proxyEnv" $root)) (default list $v.env) (default list .env) }}
       {{- if and .rdma (eq $v.transport "nixl") }}
       {{- $env = append $env (dict "name" "UCX_TLS" "value" $v.rdma.ucx.tls) }}
       {{- if $v.rdma.ucx.netDevices }}

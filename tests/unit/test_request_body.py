@@ -1,0 +1,157 @@
+"""The ingress's first checks, in-process: JSON depth, shape counts, unsupported parameters refused by name, stop
+strings, penalties carried into sampling — each a 4xx naming the parameter, none echoing the client's values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import PrismConfig
+from common.errors import InvalidRequestError, PrismError, UnsupportedParameter
+from common.protocol.body import UNSUPPORTED, decode_json
+from common.protocol.openai import parse_chat_request
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _refused(body, **limits) -> PrismError:
+    with pytest.raises(PrismError) as info:
+        parse_chat_request(body, **limits)
+    return info.value
+
+
+@pytest.mark.parametrize("depth", [33, 200, 5000, 100_000])
+def test_deep_json_is_refused_without_recursion_errors(depth):
+    raw = ("[" * depth + "]" * depth).encode()
+    with pytest.raises(InvalidRequestError) as info:
+        decode_json(raw, 32)
+    assert info.value.code == "json_too_deep"
+
+
+def test_depth_at_the_limit_and_a_real_body_pass():
+    assert decode_json(("[" * 32 + "]" * 32).encode(), 32)
+    assert decode_json(json.dumps(BASE).encode(), 32) == BASE
+
+
+@pytest.mark.parametrize("raw", [b"{", b"\xff\xfe", b"", b"nul"])
+def test_not_json(raw):
+    with pytest.raises(InvalidRequestError) as info:
+        decode_json(raw, 32)
+    assert info.value.code == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ([1, 2], "invalid_json", None),
+        ({**BASE, "messages": [{"role": "user", "content": "x"}] * 300}, "too_many_messages", "messages"),
+        (
+            {**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 65}]},
+            "too_many_content_parts",
+            "messages.0.content",
+        ),
+        ({**BASE, "messages": [{"role": "user", "content": "x" * 131_073}]}, "text_too_long", "messages"),
+        (
+            {**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 70_000}] * 2}]},
+            "text_too_long",
+            "messages",
+        ),
+        ({**BASE, "stop": ["a", "b", "c", "d", "e"]}, "invalid_stop", "stop"),
+        ({**BASE, "stop": ""}, "invalid_stop", "stop"),
+        ({**BASE, "stop": ["ok", ""]}, "invalid_stop", "stop"),
+        ({**BASE, "stop": "s" * 300}, "invalid_stop", "stop"),
+        ({**BASE, "stop": [1]}, "invalid_request", "stop.0"),
+        ({**BASE, "messages": [{"role": "user", "content": 5}]}, "invalid_request", "messages.0.content"),
+        ({**BASE, "frequency_penalty": 2.5}, "invalid_request", "frequency_penalty"),
+        ({**BASE, "messages": [{"role": "tool", "content": "x"}]}, "invalid_request", "messages.0.role"),
+    ],
+)
+def test_shape_limits_and_values(body, code, param):
+    err = _refused(body)
+    assert (err.http_status, err.code) == (400, code)
+    assert err.param == param
+
+
+def test_limits_are_configurable():
+    assert _refused({**BASE, "messages": [{"role": "user", "content": "x"}] * 3}, max_messages=2).code == (
+        "too_many_messages"
+    )
+    assert (
+        _refused({**BASE, "messages": [{"role": "user", "content": "abc"}]}, max_text_chars=2).code == "text_too_long"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {}}),
+        ("logprobs", True),
+        ("top_logprobs", 3),
+        ("logit_bias", {"50256": -100}),
+        ("n", 2),
+        ("best_of", 3),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+    ],
+)
+def test_unsupported_parameters_are_refused_by_name(name, value):
+    err = _refused({**BASE, name: value})
+    assert isinstance(err, UnsupportedParameter)
+    assert (err.http_status, err.code, err.param) == (400, "unsupported_parameter", name)
+    assert json.dumps(value) not in err.message
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("response_format", {"type": "text"}),
+        ("logprobs", False),
+        ("top_logprobs", 0),
+        ("logit_bias", {}),
+        ("n", 1),
+        ("modalities", ["text"]),
+        ("audio", None),
+        ("presence_penalty", 0),
+        ("frequency_penalty", 0.0),
+    ],
+)
+def test_defaults_of_unsupported_parameters_are_accepted(name, value):
+    assert parse_chat_request({**BASE, name: value}).model == "m"
+
+
+def test_every_unsupported_parameter_has_a_case():
+    covered = {"tools", "tool_choice", "functions", "function_call", "response_format", "logprobs", "top_logprobs"}
+    covered |= {"logit_bias", "n", "best_of", "audio", "modalities", "prediction"}
+    assert covered == set(UNSUPPORTED)
+
+
+def test_unknown_fields_are_tolerated_and_named_for_the_log():
+    req = parse_chat_request({**BASE, "user": "u-1", "vendor_x": {"secret": 1}, "metadata": {"a": "b"}})
+    assert req.ignored_fields == ["metadata", "user", "vendor_x"]
+    many = {**BASE, **{f"f{i:03d}": i for i in range(40)}, "z" * 500: 1}
+    names = parse_chat_request(many).ignored_fields
+    assert len(names) == 16 and all(len(n) <= 64 for n in names)
+
+
+def test_penalties_reach_the_sampler():
+    req = parse_chat_request({**BASE, "frequency_penalty": 0.5, "presence_penalty": -1})
+    sampling = req.sampling(16)
+    assert (sampling.frequency_penalty, sampling.presence_penalty) == (0.5, -1.0) and sampling.penalised
+
+
+def test_default_body_limit_covers_the_media_and_text_limits():
+    cfg = PrismConfig()
+    base64_media = 4 * -(-cfg.media.max_request_bytes // 3)
+    assert cfg.body_limit >= base64_media + cfg.server.max_text_chars
+    assert cfg.body_limit < 100 << 20
+    assert PrismConfig.model_validate({"server": {"max_body_bytes": 4096}}).body_limit == 4096
