@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -32,6 +31,7 @@ from common.model.loader import load_frontend
 from common.protocol.body import decode_json
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
+from services.grpc_errors import grpc_abort
 from services.http_body import read_json
 from services.lifecycle import InFlight, RequestLifecycle
 from services.observer import RequestObserver
@@ -40,20 +40,6 @@ from services.pipeline_client import Call, PipelineClient
 from services.proto import prism_pb2
 
 api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
-
-_GRPC_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.INVALID_ARGUMENT,
-    415: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.FAILED_PRECONDITION,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    502: grpc.StatusCode.UNAVAILABLE,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
 
 
 class IngressDeployment:
@@ -185,7 +171,7 @@ class IngressDeployment:
                     usage=prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids)),
                 )
         except Exception:
-            raise _grpc_abort(grpc_context, life) from None
+            raise grpc_abort(grpc_context, life.error) from None
         finally:
             _grpc_trace(grpc_context, life)
 
@@ -219,7 +205,7 @@ class IngressDeployment:
                     )
         except Exception:
             _grpc_trace(grpc_context, life)
-            raise _grpc_abort(grpc_context, life) from None
+            raise grpc_abort(grpc_context, life.error) from None
 
 
 def _bearer(request: Request) -> str | None:
@@ -227,21 +213,8 @@ def _bearer(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-class GrpcAbort(Exception):
-    """Raised after setting a status on the gRPC context: Serve turns it into that status for the client."""
-
-
 def _grpc_header(grpc_context, name: str) -> str | None:
     return dict(grpc_context.invocation_metadata() or ()).get(name)
-
-
-def _grpc_abort(grpc_context, life: RequestLifecycle) -> GrpcAbort:
-    """Set the status of the lifecycle's typed error on the context; returns what to raise."""
-    exc = life.error
-    assert exc is not None
-    grpc_context.set_code(_GRPC_CODES.get(exc.http_status, grpc.StatusCode.INTERNAL))
-    grpc_context.set_details(json.dumps(exc.to_body()))
-    return GrpcAbort(exc.message)
 
 
 def _grpc_trace(grpc_context, life: RequestLifecycle) -> None:

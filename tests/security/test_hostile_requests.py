@@ -1,0 +1,337 @@
+"""Hostile and unsupported requests against the deployed app (``make serve``): each is refused with its own 4xx and an
+OpenAI error body in under 2 s; 300 MB bodies (with and without Content-Length) are refused in the proxy without any
+process growing by 100 MB; no replica restarts; nothing the client sent reaches a log; the service answers normally
+afterwards.
+
+``PRISM_CORPUS_REPORT=<file>`` writes the measured table (case → status → code → seconds) as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from services.proto import prism_pb2, prism_pb2_grpc
+from tests.security.conftest import API_KEY
+
+MODEL = "prism-tiny-llava"
+KEY = {"authorization": f"Bearer {API_KEY}"}
+SECRET = "SECRET-CLIENT-VALUE-7f3a"
+FAST_S = 2.0
+MB = 1 << 20
+
+
+def _body(**extra) -> dict:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    body.update(extra)
+    return body
+
+
+def _msg(content) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def _nested(depth: int) -> dict:
+    node: object = SECRET
+    for _ in range(depth):
+        node = {"k": node}
+    return _body(metadata=node)
+
+
+def _words(n: int) -> str:
+    return " ".join(f"w{i % 997}x{i % 13}" for i in range(n))
+
+
+def _image_url(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+# (case, headers, body (dict → JSON, bytes as is), status, code)
+CASES: list[tuple[str, dict, object, int, str]] = [
+    ("no API key", {}, _body(), 401, "invalid_api_key"),
+    ("wrong API key", {"authorization": "Bearer nope"}, _body(), 401, "invalid_api_key"),
+    ("Content-Type text/plain", {**KEY, "content-type": "text/plain"}, _body(), 415, "unsupported_media_type"),
+    (
+        "form-encoded body",
+        {**KEY, "content-type": "application/x-www-form-urlencoded"},
+        b"model=x",
+        415,
+        "unsupported_media_type",
+    ),
+    ("truncated JSON", KEY, b'{"model": "prism-tiny', 400, "invalid_json"),
+    ("JSON array", KEY, [1, 2, 3], 400, "invalid_json"),
+    ("JSON nested 5,000 deep", KEY, b"[" * 5000 + b"]" * 5000, 400, "json_too_deep"),
+    ("JSON nested 100,000 deep", KEY, b"[" * 100_000 + b"]" * 100_000, 400, "json_too_deep"),
+    ("object nested 40 deep", KEY, _nested(40), 400, "json_too_deep"),
+    ("40 MB text message", KEY, _body(messages=_msg("a" * (40 * MB))), 400, "text_too_long"),
+    ("prompt over max_prompt_tokens", KEY, _body(messages=_msg(_words(12_000))), 400, "prompt_too_long"),
+    ("300 messages", KEY, _body(messages=_msg("x") * 300), 400, "too_many_messages"),
+    (
+        "100 content parts",
+        KEY,
+        _body(messages=_msg([{"type": "text", "text": "x"}] * 100)),
+        400,
+        "too_many_content_parts",
+    ),
+    ("stop: 5 strings", KEY, _body(stop=[SECRET, "b", "c", "d", "e"]), 400, "invalid_stop"),
+    ("stop: empty string", KEY, _body(stop=""), 400, "invalid_stop"),
+    ("stop: 300 characters", KEY, _body(stop=SECRET * 12), 400, "invalid_stop"),
+    ("tools", KEY, _body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_parameter"),
+    ("tool_choice auto", KEY, _body(tool_choice="auto"), 400, "unsupported_parameter"),
+    ("response_format json_object", KEY, _body(response_format={"type": "json_object"}), 400, "unsupported_parameter"),
+    ("logprobs true", KEY, _body(logprobs=True), 400, "unsupported_parameter"),
+    ("top_logprobs 5", KEY, _body(top_logprobs=5), 400, "unsupported_parameter"),
+    ("logit_bias", KEY, _body(logit_bias={"42": 100}), 400, "unsupported_parameter"),
+    ("n 2", KEY, _body(n=2), 400, "unsupported_parameter"),
+    ("audio output", KEY, _body(modalities=["text", "audio"], audio={"voice": "x"}), 400, "unsupported_parameter"),
+    ("frequency_penalty 3", KEY, _body(frequency_penalty=3), 400, "invalid_request"),
+    ("temperature -1", KEY, _body(temperature=-1), 400, "invalid_request"),
+    ("max_tokens 1,000,000", KEY, _body(max_tokens=1_000_000), 400, "invalid_request"),
+    ("role tool", KEY, _body(messages=[{"role": "tool", "content": "x"}]), 400, "invalid_request"),
+    ("no messages", KEY, {"model": MODEL}, 400, "invalid_request"),
+    ("content part type audio", KEY, _body(messages=_msg([{"type": "input_audio"}])), 400, "invalid_request"),
+    ("unknown model", KEY, _body(model="gpt-" + SECRET), 404, "model_not_found"),
+    (
+        "9 images",
+        KEY,
+        _body(messages=_msg([_image_url("https://example.com/a.png")] * 9)),
+        400,
+        "too_many_media_items",
+    ),
+    (
+        "data URL over the item limit",
+        KEY,
+        _body(messages=_msg([_image_url("data:image/png;base64," + "A" * (28 * MB))])),
+        413,
+        "media_too_large",
+    ),
+    ("file:// URL", KEY, _body(messages=_msg([_image_url("file:///etc/passwd")])), 403, "media_fetch_blocked"),
+    (
+        "cloud metadata URL",
+        KEY,
+        _body(messages=_msg([_image_url("http://169.254.169.254/latest/meta-data/")])),
+        403,
+        "media_fetch_blocked",
+    ),
+    (
+        "SVG data URL",
+        KEY,
+        _body(messages=_msg([_image_url("data:image/svg+xml;base64,PHN2Zz4=")])),
+        400,
+        "invalid_media",
+    ),
+]
+HEADER_CASES = [
+    ("X-Prism-Deadline-Ms garbage", {"x-prism-deadline-ms": "soon"}, 400, "invalid_request"),
+    ("X-Prism-Deadline-Ms over the maximum", {"x-prism-deadline-ms": "99999999"}, 400, "invalid_request"),
+]
+
+
+def _processes() -> dict[str, tuple[int, int]]:
+    """Serve's proxy and replicas: name → (pid, RSS in MB)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if title.startswith(("ray::ProxyActor", "ray::ServeReplica")):
+            rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+            out[title.removeprefix("ray::").split(" ")[0]] = (int(pid), rss // 1024)
+    return out
+
+
+def _send(base: str, headers: dict, body: object) -> tuple[httpx.Response, float]:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **headers}
+    start = time.perf_counter()
+    response = httpx.post(f"{base}/v1/chat/completions", content=content, headers=headers, timeout=30)
+    return response, time.perf_counter() - start
+
+
+def _upload(base: str, total: int, chunked: bool, key: bool = True) -> tuple[int, float, int]:
+    """Stream ``total`` bytes of body over a raw socket until the server answers; (status, seconds, bytes sent)."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: prism\r\nContent-Type: application/json\r\n"
+    head += f"Authorization: Bearer {API_KEY}\r\n" if key else ""
+    head += "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {total}\r\n"
+    start = time.perf_counter()
+    sock.sendall((head + "\r\n").encode())
+    piece, sent = b"x" * MB, 0
+    try:
+        while sent < total and not select.select([sock], [], [], 0)[0]:
+            sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n" if chunked else piece)
+            sent += len(piece)
+    except OSError:  # the server answered and closed while we were still sending
+        pass
+    sock.settimeout(10)
+    reply = b""
+    try:
+        while b"request_too_large" not in reply:  # headers and body may arrive in separate segments
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            reply += piece
+    except OSError:
+        pass
+    finally:
+        sock.close()
+    seconds = time.perf_counter() - start
+    status = int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1") else 0
+    if status:
+        assert b'"request_too_large"' in reply or b"request_too_large" in reply
+    return status, seconds, sent
+
+
+@pytest.fixture(scope="module")
+def report():
+    rows: list[dict] = []
+    yield rows
+    path = os.environ.get("PRISM_CORPUS_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(rows, indent=1))
+
+
+@pytest.fixture(scope="module")
+def before(served):
+    """Processes before any hostile request (after a first ordinary one warmed every stage)."""
+    response, _ = _send(served["base"], KEY, _body())
+    assert response.status_code == 200
+    return _processes()
+
+
+def _check_refusal(response: httpx.Response, seconds: float, status: int, code: str) -> None:
+    assert (response.status_code, response.json()["error"]["code"]) == (status, code), response.text[:300]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    assert SECRET not in error["message"] or code == "model_not_found"  # the model name is echoed on purpose
+    assert seconds < FAST_S, f"refused after {seconds:.2f}s"
+
+
+@pytest.mark.parametrize(("case", "headers", "body", "status", "code"), CASES, ids=[c[0] for c in CASES])
+def test_corpus_case_is_refused_fast(served, before, report, case, headers, body, status, code):
+    response, seconds = _send(served["base"], headers, body)
+    report.append({"case": case, "status": response.status_code, "code": response.json()["error"]["code"],
+                   "seconds": round(seconds, 3)})  # fmt: skip
+    _check_refusal(response, seconds, status, code)
+
+
+@pytest.mark.parametrize(("case", "headers", "status", "code"), HEADER_CASES, ids=[c[0] for c in HEADER_CASES])
+def test_bad_headers_are_refused_fast(served, before, report, case, headers, status, code):
+    response, seconds = _send(served["base"], {**KEY, **headers}, _body())
+    report.append({"case": case, "status": response.status_code, "code": response.json()["error"]["code"],
+                   "seconds": round(seconds, 3)})  # fmt: skip
+    _check_refusal(response, seconds, status, code)
+
+
+@pytest.mark.parametrize(
+    ("case", "total", "chunked", "key"),
+    [
+        ("150 MB body without an API key (Content-Length)", 150 * MB, False, False),
+        ("300 MB body (Content-Length)", 300 * MB, False, True),
+        ("300 MB body (chunked, no Content-Length)", 300 * MB, True, True),
+        ("300 MB body (chunked) again", 300 * MB, True, True),
+    ],
+)
+def test_oversized_bodies_are_refused_in_the_proxy(served, before, report, case, total, chunked, key):
+    ahead = _processes()
+    status, seconds, sent = _upload(served["base"], total, chunked, key)
+    time.sleep(0.5)
+    after = _processes()
+    growth = {name: after[name][1] - ahead[name][1] for name in ahead if name in after}
+    report.append({"case": case, "status": status, "code": "request_too_large", "seconds": round(seconds, 3),
+                   "sent_mb": sent // MB, "rss_growth_mb": growth})  # fmt: skip
+    assert status == 413, "the 413 (the connection is closed right after it)"
+    assert seconds < FAST_S
+    assert sent < total, "refused while the client was still sending"
+    assert max(growth.values()) < 100, growth
+
+
+def test_defaults_of_unsupported_parameters_and_vendor_fields_are_served(served, before):
+    defaults = {"logprobs": False, "n": 1, "tools": [], "response_format": {"type": "text"}, "presence_penalty": 0}
+    response, _ = _send(served["base"], KEY, _body(vendor_extension=SECRET, **defaults))
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"]
+    lines = [json.loads(line) for line in served["request_log"].read_text().splitlines()]
+    mine = next(line for line in lines if line["request_id"] == response.json()["id"])
+    assert mine["spans"][0]["attrs"]["ignored_fields"] == ["vendor_extension"]
+
+
+def test_grpc_refusals(served, before, report):
+    channel = grpc.insecure_channel(f"127.0.0.1:{served['grpc']}", options=[("grpc.max_send_message_length", 200 * MB)])
+    stub = prism_pb2_grpc.PrismStub(channel)
+    route = (("application", "prism"),)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    warm = prism_pb2.GenerateRequest(chat_completion_json=json.dumps(_body()), api_key=API_KEY)
+    assert stub.Generate(warm, metadata=route, timeout=60).finish_reason  # the first call sets up the route
+    cases = [
+        ("gRPC: no API key", json.dumps(_body()), "", grpc.StatusCode.UNAUTHENTICATED, "invalid_api_key"),
+        ("gRPC: JSON nested 5,000 deep", "[" * 5000 + "]" * 5000, API_KEY, grpc.StatusCode.INVALID_ARGUMENT,
+         "json_too_deep"),
+        ("gRPC: tools", json.dumps(_body(tools=[{"type": "function"}])), API_KEY, grpc.StatusCode.INVALID_ARGUMENT,
+         "unsupported_parameter"),
+        ("gRPC: 120 MB message", "x" * (120 * MB), API_KEY, grpc.StatusCode.RESOURCE_EXHAUSTED, None),
+    ]  # fmt: skip
+    try:
+        for case, payload, key, want, code in cases:
+            start = time.perf_counter()
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Generate(prism_pb2.GenerateRequest(chat_completion_json=payload, api_key=key), metadata=route,
+                              timeout=30)  # fmt: skip
+            seconds = time.perf_counter() - start
+            report.append({"case": case, "status": info.value.code().name, "code": code, "seconds": round(seconds, 3)})
+            assert info.value.code() == want, info.value.details()
+            if code:
+                assert json.loads(info.value.details())["error"]["code"] == code
+            assert seconds < FAST_S
+    finally:
+        channel.close()
+
+
+def test_after_the_corpus_nothing_restarted_nothing_leaked_and_service_answers(served, before):
+    # runs last in this module (pytest keeps file order)
+    response, _ = _send(served["base"], KEY, _body())
+    assert response.status_code == 200
+    after = _processes()
+    assert {n: p for n, (p, _) in after.items()} == {n: p for n, (p, _) in before.items()}, "no process restarted"
+    log = served["request_log"].read_text()
+    assert SECRET not in log.replace(f'"gpt-{SECRET}"', "")
+    statuses = [json.loads(line)["status"] for line in log.splitlines()]
+    assert statuses and all(s < 500 for s in statuses), "no request ended in a 5xx"
+    assert SECRET not in served["log"].read_text(), "nothing the client sent reaches the service's logs"
+
+
+def test_refusals_are_counted_where_they_happen(served, before):
+    """The proxy's 413s and the ingress's 4xx both land in ``prism_requests_total`` (Ray exports every ~10 s)."""
+
+    def count(text: str, **labels: str) -> float:
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("ray_prism_requests_total{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    deadline = time.time() + 60
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{served['metrics']}/metrics", timeout=10).text
+        proxy = count(text, deployment="proxy", code="request_too_large", status="413")
+        ingress = count(text, deployment="Ingress", code="unsupported_parameter")
+        if (proxy >= 4 and ingress >= 9) or time.time() > deadline:
+            break
+        time.sleep(2)
+    assert proxy == 4, "each oversized HTTP body refused by the proxy is counted once"
+    assert ingress >= 9
