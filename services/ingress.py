@@ -157,9 +157,7 @@ class IngressDeployment:
         life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
         try:
             async with life:
-                tenant = self.client.tenant(request.api_key)
-                body = await self._grpc_json(request)
-                call = life.call = await self.client.begin(tenant, body, request.deadline_ms, life.trace)
+                call = await self._grpc_begin(life, request)
                 out_ids, finish = await self.client.collect(call)
                 life.close()
                 return prism_pb2.GenerateResponse(
@@ -175,21 +173,21 @@ class IngressDeployment:
         finally:
             _grpc_trace(grpc_context, life)
 
-    async def _grpc_json(self, request: prism_pb2.GenerateRequest) -> Any:
-        """The message's JSON under the same bounds as an HTTP body (Serve bounds the whole message too:
-        ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE``)."""
+    async def _grpc_begin(self, life: RequestLifecycle, request: prism_pb2.GenerateRequest) -> Call:
+        """Authenticate (before the JSON is parsed), bound and parse the message, and issue the chain."""
+        tenant = self.client.tenant(request.api_key)
         raw = request.chat_completion_json.encode()
-        if len(raw) > self.cfg.body_limit:
+        if len(raw) > self.cfg.body_limit:  # Serve bounds the whole message too: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
             raise RequestTooLarge(f"chat_completion_json is {len(raw)} bytes; the limit is {self.cfg.body_limit}")
-        return await asyncio.to_thread(decode_json, raw, self.cfg.server.max_json_depth)
+        body = await asyncio.to_thread(decode_json, raw, self.cfg.server.max_json_depth)
+        life.call = await self.client.begin(tenant, body, request.deadline_ms, life.trace)
+        return life.call
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
         life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
         try:
             async with life:
-                tenant = self.client.tenant(request.api_key)
-                body = await self._grpc_json(request)
-                call = life.call = await self.client.begin(tenant, body, request.deadline_ms, life.trace)
+                call = await self._grpc_begin(life, request)
                 detok = Detokenizer(self.frontend.tokenizer, call.sampling.stop)
                 out_ids: list[int] = []
                 async for token, finish in self.client.tokens(call):

@@ -10,17 +10,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from tests.mediakit import video_bytes
-from tests.netutil import free_port
+from tests.netutil import free_port, wait_for_http
 
 QWEN = "prism-tiny-qwen2vl"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -101,17 +99,9 @@ def ray_cluster():
            f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1"]  # fmt: skip
     head = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{dash}"
-    deadline = time.time() + 90
-    while True:
-        try:
-            if httpx.get(f"{url}/api/version", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline or head.poll() is not None:
-            os.killpg(head.pid, signal.SIGKILL)
-            raise RuntimeError("the Ray head did not start")
-        time.sleep(0.5)
+    if not wait_for_http(f"{url}/api/version", head, 90):
+        os.killpg(head.pid, signal.SIGKILL)
+        raise RuntimeError("the Ray head did not start")
     yield f"127.0.0.1:{port}", url
     os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
     try:

@@ -13,11 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
-from tests.netutil import free_port
+from tests.netutil import free_port, wait_for_http
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sec-key-a"
@@ -42,17 +41,9 @@ def served(model_cache, tmp_path_factory):
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{http}"
-    deadline = time.time() + 240
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline or proc.poll() is not None:
-            _stop(proc)
-            raise RuntimeError(f"make serve did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
+    if not wait_for_http(f"{base}/health", proc, 240):
+        _stop(proc)
+        raise RuntimeError(f"make serve did not come up:\n{log.read_text()[-4000:]}")
     yield {"base": base, "grpc": grpc_port, "metrics": metrics, "request_log": work / "requests.jsonl", "log": log}
     _stop(proc)
 
