@@ -88,6 +88,7 @@ class Workload:
             "max_tokens": self.outputs.sample(self.rng),
             "temperature": 0,
             "stream": True,
+            "stream_options": {"include_usage": True},  # output tokens from the server's count, as vLLM's bench does
         }
         return kind, body
 

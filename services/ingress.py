@@ -9,7 +9,8 @@ the sequence's KV, and Serve propagates the cancellation to the stages still wor
 Every entry point runs its request inside one :class:`RequestLifecycle` (:mod:`services.lifecycle`): it takes an
 in-flight place and closes exactly once — metrics + one JSON log line through the :class:`RequestObserver`, the
 decode stream cancelled, the place given back. With ``X-Prism-Trace: 1`` the trace summary is returned as
-``prism_trace`` in the JSON body, in the final SSE chunk (the one with ``usage``), or in an error body; over gRPC
+``prism_trace`` in the JSON body, in the last SSE chunk (the usage chunk when the client asked for one), or in an
+error body; over gRPC
 (metadata ``x-prism-trace: 1``) as the ``prism-trace`` trailing metadata.
 """
 
@@ -124,28 +125,37 @@ class IngressDeployment:
             return error_response(life.error, life.summary())
 
     async def _sse(self, life: RequestLifecycle, call: Call) -> AsyncIterator[str]:
+        """OpenAI's stream: a role chunk, content chunks, the chunk with the finish reason, and — only when the client
+        set ``stream_options.include_usage`` — a usage chunk with no choices (every other chunk then carries
+        ``usage: null``). ``prism_trace`` and ``prompt_token_ids`` ride on the last chunk, whichever it is."""
         rid, model, created = call.rid, self.frontend.served_name, int(time.time())
+        options = call.req.stream_options
+        with_usage = options is not None and options.include_usage
+        nulls = {"usage": None} if with_usage else {}
         detok = Detokenizer(self.frontend.tokenizer, call.sampling.stop)
         out_ids: list[int] = []
         try:
-            yield chunk(rid, model, created, {"role": "assistant", "content": ""})
+            yield chunk(rid, model, created, {"role": "assistant", "content": ""}, top=nulls)
             async for token, finish in self.client.tokens(call):
                 out_ids.append(token)
                 delta = detok.push(token)
                 if finish is None:
                     if delta:
-                        yield chunk(rid, model, created, {"content": delta})
+                        yield chunk(rid, model, created, {"content": delta}, top=nulls)
                     continue
-                extra = {"token_ids": out_ids} if call.req.return_token_ids else {}
-                yield chunk(rid, model, created, {"content": delta + detok.finish()}, finish, **extra)
                 life.close()
-                final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created}
-                final.update(model=model, choices=[], usage=usage(call.prompt_ids, out_ids))
+                last: dict[str, Any] = {}
                 if call.req.return_token_ids:
-                    final["prompt_token_ids"] = call.prompt_ids
+                    last["prompt_token_ids"] = call.prompt_ids
                 if life.traced:
-                    final["prism_trace"] = life.trace.summary()
-                yield sse(final)
+                    last["prism_trace"] = life.trace.summary()
+                extra = {"token_ids": out_ids} if call.req.return_token_ids else {}
+                content = {"content": delta + detok.finish()}
+                yield chunk(rid, model, created, content, finish, top=nulls if with_usage else last, **extra)
+                if with_usage:
+                    final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created}
+                    final.update(model=model, choices=[], usage=usage(call.prompt_ids, out_ids), **last)
+                    yield sse(final)
         except Exception as exc:  # mid-stream failure: an error event, then the stream ends cleanly
             yield sse(error_body(life.close(exc), life.summary()))  # type: ignore[arg-type]
         finally:

@@ -59,10 +59,21 @@ def usage(prompt_ids: list[int], out_ids: list[int]) -> dict[str, int]:
     }
 
 
-def chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None, **extra) -> str:
+def chunk(
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish: str | None = None,
+    top: dict[str, Any] | None = None,
+    **extra: Any,
+) -> str:
+    """One ``chat.completion.chunk`` event: ``extra`` goes into the choice, ``top`` beside ``choices``."""
     choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
     choice.update(extra)
-    return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]})
+    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    body.update(top or {})
+    return sse(body)
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -9,7 +9,8 @@ architectures, built here on first use and cached on disk:
   bfloat16 too.
 
 Each directory holds ``config.json``, ``model.safetensors``, ``generation_config.json``, a trained BPE
-``tokenizer.json`` with its ``chat_template``, and ``preprocessor_config.json``; plain
+``tokenizer.json`` with its ``chat_template``, and the family's processor files (``preprocessor_config.json``;
+LLaVA's ``processor_config.json``, Qwen2-VL's ``video_preprocessor_config.json``); plain
 ``AutoModelForImageTextToText.from_pretrained(dir)`` loads it. The weights use a larger init range than
 transformers' default so greedy output is not one repeated token (a degenerate model would hide bugs that reorder or
 drop tokens). Same version of this file + same transformers → byte-identical files (the tests check it).
@@ -38,7 +39,7 @@ from common.model.families.base import FamilyAdapter, PresetDims
 from common.model.registry import FAMILIES
 from common.model.tokenizer_builder import train_bpe_tokenizer
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 """Bump when anything here changes the built files: cached builds of the old version are then ignored."""
 
 _SEED = 20261130
@@ -132,7 +133,7 @@ def build_embedded_model(name: str, out_dir: str | Path) -> Path:
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    adapter.build_image_processor(dims).save_pretrained(out)
+    adapter.save_processor(out, dims, tokenizer, config)
     return out
 
 

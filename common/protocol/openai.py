@@ -62,7 +62,8 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = True
+    include_usage: bool = False
+    """Send a usage chunk (no choices) before ``[DONE]``; OpenAI sends one only when asked."""
 
 
 class ChatCompletionRequest(BaseModel):

@@ -60,7 +60,13 @@ def _stream_with_trace(client, messages, max_tokens=8):
     ttft = None
     trace = usage = None
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, extra_headers=TRACE
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers=TRACE,
     )
     for chunk in stream:
         if ttft is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
@@ -104,6 +110,7 @@ def test_traced_stream_decomposes_ttft_into_contiguous_stage_spans(client):
 def test_untraced_response_has_no_trace_and_errors_carry_one(client, prism_server):
     r = client.chat.completions.create(model=MODEL, messages=_messages("Hi"), max_tokens=2, temperature=0)
     assert "prism_trace" not in (r.model_extra or {})
+
     base, _ = prism_server
     bad = httpx.post(
         f"{base}/v1/chat/completions",
@@ -115,6 +122,16 @@ def test_untraced_response_has_no_trace_and_errors_carry_one(client, prism_serve
     body = bad.json()
     assert body["error"]["param"] == "max_tokens"
     assert body["prism_trace"]["status"] == 400 and body["prism_trace"]["code"] == body["error"]["code"]
+
+
+def test_streamed_trace_without_a_usage_chunk_rides_on_the_last_chunk(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=_messages("Hi."), max_tokens=4, temperature=0, stream=True, extra_headers=TRACE
+        )
+    )
+    assert all(c.choices for c in chunks), "no usage chunk unless asked"
+    assert chunks[-1].choices[0].finish_reason and chunks[-1].model_extra["prism_trace"]["status"] == 200
 
 
 def test_second_identical_image_hits_processor_and_encoder_caches(client, prism_server):

@@ -77,6 +77,7 @@ def test_data_url_image_streaming_and_not(client, tiny_llava):
             max_tokens=12,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
             extra_body={"return_token_ids": True},
         )
     )
@@ -85,6 +86,20 @@ def test_data_url_image_streaming_and_not(client, tiny_llava):
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].model_extra["token_ids"] == ref_out
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref_out)
+    assert chunks[-1].model_extra["prompt_token_ids"] == ref_prompt
+    assert all(c.usage is None for c in chunks[:-1]), "with include_usage every other chunk has usage: null"
+
+    # Without stream_options there is no usage chunk (as OpenAI); the last chunk is the one with the finish reason.
+    plain = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )  # fmt: skip
+    assert all(c.choices for c in plain) and all(c.usage is None for c in plain)
+    assert plain[-1].choices[0].finish_reason == "length"
+    assert plain[-1].choices[0].model_extra["token_ids"] == ref_out
+    assert plain[-1].model_extra["prompt_token_ids"] == ref_prompt
 
 
 def test_http_image_from_allowed_local_server(client, tiny_llava):

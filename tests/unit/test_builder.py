@@ -28,6 +28,45 @@ def test_build_is_deterministic(name, tmp_path):
     assert a == b
     for required in ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"):
         assert required in a
+    assert ("processor_config.json" if "llava" in name else "video_preprocessor_config.json") in a
+
+
+def test_llava_directory_gives_a_working_auto_processor(model_cache):
+    """A llava-hf checkpoint's ``AutoProcessor`` expands ``<image>`` to the visual tokens; ours must do the same
+    (without ``processor_config.json`` it came back with ``patch_size=None`` and failed on the first image)."""
+    from transformers import AutoConfig, AutoProcessor, LlavaProcessor
+
+    from common.media.synthetic import synthetic_image
+
+    d = resolve_model_dir("prism-tiny-llava", model_cache)
+    proc = AutoProcessor.from_pretrained(d)
+    config = AutoConfig.from_pretrained(d)
+    assert isinstance(proc, LlavaProcessor) and proc.patch_size == config.vision_config.patch_size
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True)
+    out = proc(text=text, images=[synthetic_image(200, 150, seed=1)], return_tensors="pt")
+    grid = config.vision_config.image_size // config.vision_config.patch_size
+    assert int((out["input_ids"] == config.image_token_id).sum()) == grid * grid
+    assert tuple(out["pixel_values"].shape[-2:]) == (config.vision_config.image_size,) * 2
+
+
+def test_qwen2vl_directory_has_the_files_a_real_checkpoint_has(model_cache):
+    """HF's ``Qwen2VLProcessor`` and video processor need torchvision (no CPU build here): check what can load —
+    config, tokenizer, the PIL image processor — and that the video processor's file agrees with them."""
+    import json
+
+    from transformers import AutoConfig
+
+    d = resolve_model_dir("prism-tiny-qwen2vl", model_cache)
+    config = AutoConfig.from_pretrained(d)
+    image = AutoImageProcessor.from_pretrained(d, backend="pil")
+    video = json.loads((d / "video_preprocessor_config.json").read_text())
+    assert video["video_processor_type"] == "Qwen2VLVideoProcessor"
+    assert video["patch_size"] == image.patch_size == config.vision_config.patch_size
+    assert video["temporal_patch_size"] == image.temporal_patch_size == config.vision_config.temporal_patch_size
+    assert video["merge_size"] == image.merge_size == config.vision_config.spatial_merge_size
+    assert video["image_mean"] == list(image.image_mean) and video["size"] == dict(image.size)
+    assert AutoTokenizer.from_pretrained(d).chat_template
 
 
 @pytest.mark.parametrize("name", ["prism-tiny-llava", "prism-tiny-qwen2vl"])

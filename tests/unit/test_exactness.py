@@ -1,7 +1,8 @@
 """The staged path (process → prompt → encode → merge → prefill → KV blocks → decode) must produce exactly the
 token ids of transformers' ``model.generate()`` (greedy) for the same model and input.
 
-The reference inputs are built the way a transformers user would: LLaVA through HF's own ``LlavaProcessor``;
+The reference inputs are built the way a transformers user would: LLaVA through ``AutoProcessor.from_pretrained`` of
+the model directory (a ``LlavaProcessor`` configured by the checkpoint's ``processor_config.json``);
 Qwen2-VL (whose processor needs torchvision) by expanding ``<|image_pad|>`` in the prompt text exactly as
 ``Qwen2VLProcessor`` does, with the family's PIL image processor for pixels.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlavaProcessor
+from transformers import AutoProcessor, LlavaProcessor
 
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
@@ -44,13 +45,8 @@ def _reference_llava(lm, messages, images):
     if not images:
         inputs = lm.tokenizer(prompt, return_tensors="pt")
     else:
-        proc = LlavaProcessor(
-            image_processor=lm.image_processor,
-            tokenizer=lm.tokenizer,
-            patch_size=lm.config.vision_config.patch_size,
-            vision_feature_select_strategy=lm.config.vision_feature_select_strategy,
-            num_additional_image_tokens=1,  # CLIP's CLS token, dropped by the "default" strategy
-        )
+        proc = AutoProcessor.from_pretrained(lm.model_dir)  # the checkpoint's own processor_config.json
+        assert isinstance(proc, LlavaProcessor)
         inputs = proc(text=prompt, images=images, return_tensors="pt")
     return dict(inputs)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -128,3 +129,8 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def build_image_processor(self, dims: PresetDims) -> Any:
         """The PIL image processor saved next to an embedded model."""
+
+    def save_processor(self, out: Path, dims: PresetDims, tokenizer: Any, config: Any) -> None:
+        """Write the processor files a real checkpoint of this family carries (at least ``preprocessor_config.json``),
+        so Hugging Face's own loaders find what they expect."""
+        self.build_image_processor(dims).save_pretrained(out)

@@ -7,6 +7,7 @@ selection strategy, kept by "full"). Positions are plain 1-D RoPE, so decode nee
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaProcessor,
 )
 
 from common.model.families.base import FamilyAdapter, PresetDims, ProcessedPixels
@@ -126,3 +128,18 @@ class LlavaAdapter(FamilyAdapter):
         return CLIPImageProcessorPil(
             size={"shortest_edge": side}, crop_size={"height": side, "width": side}, do_center_crop=True
         )
+
+    def save_processor(self, out: Path, dims: PresetDims, tokenizer: Any, config: Any) -> None:
+        """``processor_config.json`` as llava-hf checkpoints have it (patch size, feature-select strategy, CLIP's
+        extra CLS token), so ``AutoProcessor.from_pretrained`` gives a working ``LlavaProcessor``; and the image
+        processor's own ``preprocessor_config.json``, which transformers 5 folds into the former."""
+        image = self.build_image_processor(dims)
+        image.save_pretrained(out)
+        LlavaProcessor(
+            image_processor=image,
+            tokenizer=tokenizer,
+            patch_size=config.vision_config.patch_size,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+            num_additional_image_tokens=1,
+            chat_template=tokenizer.chat_template,
+        ).save_pretrained(out)

@@ -13,6 +13,8 @@ prompt, positions continue from ``max(position) + 1`` rather than the token coun
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -212,3 +214,13 @@ class Qwen2VLAdapter(FamilyAdapter):
             merge_size=2,
             temporal_patch_size=2,
         )
+
+    def save_processor(self, out: Path, dims: PresetDims, tokenizer: Any, config: Any) -> None:
+        """``preprocessor_config.json`` and ``video_preprocessor_config.json`` as Qwen2-VL checkpoints saved by
+        transformers 5 have them. (HF's ``Qwen2VLProcessor`` and video processor need torchvision, which has no CPU
+        build here; Prism's video path runs the image processor per temporal patch.)"""
+        image = self.build_image_processor(dims)
+        image.save_pretrained(out)
+        video = {k: v for k, v in image.to_dict().items() if k not in ("image_processor_type", "processor_class")}
+        video.update(video_processor_type="Qwen2VLVideoProcessor", do_sample_frames=False)
+        (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2, sort_keys=True) + "\n")
