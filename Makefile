@@ -46,9 +46,10 @@ bench: venv
 	$(PY) -m loadtest.bench --model prism-small-llava
 
 # Offline video batch on a local Ray (or RAY_ADDRESS): make batch INPUT=manifest.parquet OUTPUT=out/ [CONFIG=x.yaml]
+# CONFIG is passed only when given (serve's default config is not a batch config: the job defaults to a video model).
 batch: venv
 	@test -n "$(INPUT)" -a -n "$(OUTPUT)" || (echo "usage: make batch INPUT=<manifest> OUTPUT=<dir> [CONFIG=<yaml>]"; exit 2)
-	$(PY) -m services.batch --input $(INPUT) --output $(OUTPUT) $(if $(CONFIG),--config $(CONFIG))
+	$(PY) -m services.batch --input $(INPUT) --output $(OUTPUT) $(if $(filter-out file,$(origin CONFIG)),--config $(CONFIG))
 
 # Regenerate the gRPC stubs (committed) after editing services/proto/prism.proto.
 proto: venv

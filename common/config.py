@@ -38,6 +38,14 @@ class ModelConfig(_Strict):
     torch_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads for this process; set it to the replica's CPU share so replicas don't fight."""
 
+    @property
+    def name(self) -> str:
+        """The name clients use (what :func:`common.model.loader.load_frontend` serves it as)."""
+        if self.served_name:
+            return self.served_name
+        path = Path(self.model).expanduser()
+        return path.resolve().name if path.is_dir() else self.model
+
 
 class EngineConfig(_Strict):
     """Engine settings of the encode, prefill and decode stages."""
@@ -97,12 +105,30 @@ class StageConfig(_Strict):
         return self
 
 
-class DeploymentsConfig(_Strict):
-    ingress: StageConfig = StageConfig(num_cpus=0.1, max_ongoing_requests=512, max_queued_requests=128)
+class ModelStages(_Strict):
+    """The four stage deployments that serve one model."""
+
     media: StageConfig = StageConfig()
     encode: StageConfig = StageConfig()
     prefill: StageConfig = StageConfig()
     decode: StageConfig = StageConfig(max_ongoing_requests=64)
+
+
+class DeploymentsConfig(ModelStages):
+    """Every deployment of a one-model application: the ingress and the model's stages."""
+
+    ingress: StageConfig = StageConfig(num_cpus=0.1, max_ongoing_requests=512, max_queued_requests=128)
+
+
+class ServedModel(ModelConfig):
+    """One model of a several-model application (an entry of ``models:``): its source, dtype, name and its own
+    stage deployments — media included, so each model's processor and processor cache live in replicas of its own."""
+
+    deployments: ModelStages = ModelStages()
+    """This model's media, encode, prefill and decode deployments."""
+
+    def model_only(self) -> ModelConfig:
+        return ModelConfig(**self.model_dump(exclude={"deployments"}))
 
 
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -210,6 +236,8 @@ class BatchConfig(_Strict):
     """CPUs per encode / generate actor (actors hold theirs for the whole job: media tasks need room beside them)."""
     default_max_tokens: int = Field(default=128, ge=1)
     """Output tokens for rows without ``max_tokens``."""
+    model: str | None = None
+    """With several ``models:``, the one (its served name) the batch job runs; ``None``: the first that takes video."""
     write_every_rows: int = Field(default=16, ge=1)
     """Rows per output part file: a killed job loses at most this many finished rows plus those in flight."""
     progress_interval_s: float = Field(default=10.0, gt=0)
@@ -217,9 +245,14 @@ class BatchConfig(_Strict):
 
 
 class PrismConfig(_Strict):
-    """Top-level configuration (the ``args.config`` of the Serve application)."""
+    """Top-level configuration (the ``args.config`` of the Serve application).
+
+    One model: ``model`` and ``deployments``. Several: ``models`` (a list of :class:`ServedModel`, each with its own
+    stage deployments) and ``deployments.ingress``; the ingress routes each request by its ``model`` field."""
 
     model: ModelConfig = ModelConfig()
+    models: list[ServedModel] = Field(default_factory=list)
+    """Several models in one application; leave ``model`` out then (and give each model its stages here)."""
     engine: EngineConfig = EngineConfig()
     media: MediaConfig = Field(default_factory=MediaConfig)
     admission: AdmissionConfig = AdmissionConfig()
@@ -227,6 +260,41 @@ class PrismConfig(_Strict):
     deployments: DeploymentsConfig = DeploymentsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     batch: BatchConfig = BatchConfig()
+
+    @model_validator(mode="after")
+    def _one_or_several(self) -> PrismConfig:
+        if not self.models:
+            return self
+        if self.model != ModelConfig():  # (a dumped config carries the default `model` beside its `models`)
+            raise ValueError("give either `model` (one model) or `models` (several), not both")
+        default = DeploymentsConfig()
+        stray = [n for n in ModelStages.model_fields if getattr(self.deployments, n) != getattr(default, n)]
+        if stray:
+            raise ValueError(
+                f"with `models`, each model's stages go under models[i].deployments, not deployments.{sorted(stray)[0]}"
+            )
+        names = [m.name for m in self.models]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"models must have distinct names; {twice[0]!r} appears more than once")
+        return self
+
+    def served(self) -> list[PrismConfig]:
+        """One single-model config per served model (what its stage deployments and its ingress client take): the
+        config itself when it has one model."""
+        if not self.models:
+            return [self]
+        ingress = self.deployments.ingress
+        return [
+            self.model_copy(
+                update={
+                    "model": m.model_only(),
+                    "models": [],
+                    "deployments": DeploymentsConfig(ingress=ingress, **dict(m.deployments)),
+                }
+            )
+            for m in self.models
+        ]
 
     @property
     def body_limit(self) -> int:

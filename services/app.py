@@ -1,13 +1,16 @@
 """The one place that turns Prism's plain deployment classes into a Ray Serve application.
 
 ``build_app(args)`` is the ``import_path`` target of every Serve config (``services.app:build_app``); ``args.config``
-is a :class:`PrismConfig` as a dict. Each stage gets its own replicas, resources, queue bound and — when its
+is a :class:`PrismConfig` as a dict. Each served model gets its own four stage deployments (``Media``, ``Encode``,
+``Prefill``, ``Decode``; suffixed ``-<served name>`` when the config lists several ``models``) and one ingress
+routes to them by the request's ``model``. Each stage gets its own replicas, resources, queue bound and — when its
 ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth. The
 ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -52,15 +55,31 @@ def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any
     return opts
 
 
+def _suffix(name: str) -> str:
+    """A served model's name as a deployment-name suffix (letters, digits, ``_`` and ``-`` only)."""
+    return "-" + re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
 def build_app(args: dict[str, Any]) -> Application:
     cfg = PrismConfig.model_validate(args.get("config", {}))
+    key = cfg.observability.media_hash_key or secrets.token_hex(16)  # one key for every replica of this app
+    retry = cfg.server.retry_after_s
+    pipelines: dict[str, list[Application]] = {}
+    for sub in cfg.served():
+        raw = sub.model_dump(mode="json")
+        raw["observability"]["media_hash_key"] = key
+        suffix = _suffix(sub.model.name) if cfg.models else ""  # one model: plain names, as before
+        d = sub.deployments
+        pipelines[sub.model.name] = [
+            serve.deployment(**_options(f"{name}{suffix}", stage, retry))(cls).bind(raw)
+            for name, stage, cls in (
+                ("Media", d.media, MediaDeployment),
+                ("Encode", d.encode, EncodeDeployment),
+                ("Prefill", d.prefill, PrefillDeployment),
+                ("Decode", d.decode, DecodeDeployment),
+            )
+        ]
     raw = cfg.model_dump(mode="json")
-    if not cfg.observability.media_hash_key:  # one key for every replica of this deployment of the app
-        raw["observability"]["media_hash_key"] = secrets.token_hex(16)
-    d, retry = cfg.deployments, cfg.server.retry_after_s
-    media = serve.deployment(**_options("Media", d.media, retry))(MediaDeployment).bind(raw)
-    encode = serve.deployment(**_options("Encode", d.encode, retry))(EncodeDeployment).bind(raw)
-    prefill = serve.deployment(**_options("Prefill", d.prefill, retry))(PrefillDeployment).bind(raw)
-    decode = serve.deployment(**_options("Decode", d.decode, retry))(DecodeDeployment).bind(raw)
-    ingress = serve.deployment(**_options("Ingress", d.ingress, retry))(IngressApp)
-    return ingress.bind(raw, media, encode, prefill, decode)
+    raw["observability"]["media_hash_key"] = key
+    ingress = serve.deployment(**_options("Ingress", cfg.deployments.ingress, retry))(IngressApp)
+    return ingress.bind(raw, pipelines)

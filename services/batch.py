@@ -43,13 +43,40 @@ def load_config(path: str | None, media_root: Path) -> PrismConfig:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         if "applications" in raw:
             raw = raw["applications"][0].get("args", {}).get("config", {})
-    raw.setdefault("model", {}).setdefault("model", DEFAULT_MODEL)
+    if not raw.get("models"):
+        raw.setdefault("model", {}).setdefault("model", DEFAULT_MODEL)
     media = raw.setdefault("media", {})
     if not media.get("file_root"):
         media["file_root"] = str(media_root.resolve())
     schemes = list(media.get("allowed_schemes", ("https", "http", "data")))
     media["allowed_schemes"] = [*schemes, "file"] if "file" not in schemes else schemes
-    return PrismConfig.model_validate(raw)
+    return _video_model(PrismConfig.model_validate(raw))
+
+
+def _video_model(cfg: PrismConfig) -> PrismConfig:
+    """The one-model config of the model the job runs — ``batch.model``, or the first of ``models`` that takes
+    video — refused (``ValueError``: exit 2, before Ray starts) when that model cannot take video."""
+    from common.model.builder import resolve_model_dir
+    from common.model.registry import family_for_dir
+
+    def takes_video(sub: PrismConfig) -> bool:
+        return "video" in family_for_dir(resolve_model_dir(sub.model.model, sub.model.cache_dir)).modalities
+
+    served = cfg.served()
+    if cfg.batch.model is not None:
+        chosen = [sub for sub in served if sub.model.name == cfg.batch.model]
+        if not chosen:
+            names = ", ".join(sub.model.name for sub in served)
+            raise ValueError(f"batch.model {cfg.batch.model!r} is not among the config's models ({names})")
+    else:
+        chosen = [sub for sub in served if takes_video(sub)] or served[:1]
+    sub = chosen[0]
+    if not takes_video(sub):
+        raise ValueError(
+            f"model {sub.model.name} cannot take video; give a video-capable model (e.g. {DEFAULT_MODEL}) in the "
+            "config, or leave --config out"
+        )
+    return sub
 
 
 def _output_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -79,20 +106,22 @@ def run(manifest: str, output: str, config: str | None = None, media_root: str |
         ray.init(ignore_reinit_error=True, log_to_driver=False)  # joins the job's cluster, or starts a local one
         pending: list[dict[str, Any]] = []
         last_log = time.monotonic()
-        for row in build_dataset(todo, cfg).iter_rows():
-            result = _output_row(row)
-            pending.append(result)
-            progress.add(result["status"], result["error_code"])
-            if len(pending) >= cfg.batch.write_every_rows:
-                out.write_part(pending)
-                pending = []
-                _log(progress.line())
-                last_log = time.monotonic()
-            elif time.monotonic() - last_log >= cfg.batch.progress_interval_s:
-                _log(progress.line())
-                last_log = time.monotonic()
-        out.write_part(pending)
-        _log(progress.line())
+        try:
+            for row in build_dataset(todo, cfg).iter_rows():
+                result = _output_row(row)
+                pending.append(result)
+                progress.add(result["status"], result["error_code"])
+                if len(pending) >= cfg.batch.write_every_rows:
+                    out.write_part(pending)
+                    pending = []
+                    _log(progress.line())
+                    last_log = time.monotonic()
+                elif time.monotonic() - last_log >= cfg.batch.progress_interval_s:
+                    _log(progress.line())
+                    last_log = time.monotonic()
+        finally:  # a pipeline that dies still leaves every finished row on disk: a re-run resumes after them
+            out.write_part(pending)
+            _log(progress.line())
     results = out.finalize([r.id for r in rows])
     summary = {**progress.summary(), "results": str(results)}
     _log("[prism-batch] summary " + json.dumps(summary, sort_keys=True))
@@ -115,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ManifestError, ValueError, OSError) as exc:
         print(f"[prism-batch] cannot run: {exc}", file=sys.stderr, flush=True)
         return 2
+    except Exception as exc:  # the pipeline itself failed; the rows it finished are written
+        print(f"[prism-batch] stopped by {type(exc).__name__}; finished rows are saved, re-run to resume",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
     print(summary["results"], flush=True)
     return 0
 

@@ -1,4 +1,5 @@
-"""Ingress deployment: the OpenAI-compatible HTTP API and the gRPC API, over one :class:`PipelineClient`.
+"""Ingress deployment: the OpenAI-compatible HTTP API and the gRPC API, over one :class:`PipelineClient` per served
+model — a request goes to the model its ``model`` field names (404 ``model_not_found`` listing the served ones).
 
 HTTP: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``. gRPC: ``prism.v1.Prism``
 (``Generate`` unary, ``GenerateStream`` server-streaming; ``services/proto/prism.proto``). Each replica admits at most
@@ -27,11 +28,12 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.config import PrismConfig
-from common.errors import PrismError, RequestTooLarge
+from common.errors import InvalidRequestError, ModelNotFound, PrismError, RequestTooLarge
 from common.model.loader import load_frontend
 from common.protocol.body import decode_json
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
+from services.auth import ApiKeys
 from services.grpc_errors import grpc_abort
 from services.http_body import read_json
 from services.lifecycle import InFlight, RequestLifecycle
@@ -44,17 +46,13 @@ api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
 
 
 class IngressDeployment:
-    def __init__(
-        self,
-        config: dict[str, Any],
-        media: DeploymentHandle,
-        encode: DeploymentHandle,
-        prefill: DeploymentHandle,
-        decode: DeploymentHandle,
-    ) -> None:
+    def __init__(self, config: dict[str, Any], pipelines: dict[str, list[DeploymentHandle]]) -> None:
+        """``pipelines``: served model name → its media, encode, prefill and decode handles."""
         self.cfg = PrismConfig.model_validate(config)
-        self.frontend = load_frontend(self.cfg.model)
-        self.client = PipelineClient(self.cfg, self.frontend, media, encode, prefill, decode)
+        self.keys = ApiKeys(self.cfg.server)
+        self.clients: dict[str, PipelineClient] = {}
+        for sub in self.cfg.served():
+            self.clients[sub.model.name] = PipelineClient(sub, load_frontend(sub.model), *pipelines[sub.model.name])
         self.observer = RequestObserver(self.cfg.observability)
         server = self.cfg.server
         self.places = InFlight(server.max_in_flight_per_ingress, server.retry_after_s, self._load)
@@ -62,6 +60,19 @@ class IngressDeployment:
 
     def _load(self, in_flight: int) -> None:
         self.observer.metrics.load(in_flight, in_flight)
+
+    def _client(self, body: Any) -> PipelineClient:
+        """The served model the request names (404 ``model_not_found`` listing the served ones otherwise)."""
+        name = body.get("model") if isinstance(body, dict) else None
+        client = self.clients.get(name) if isinstance(name, str) else None
+        if client is not None:
+            return client
+        if not isinstance(body, dict):
+            raise InvalidRequestError("request body must be a JSON object", code="invalid_json")
+        if not isinstance(name, str):
+            raise InvalidRequestError("`model` (a string) is required", param="model")
+        served = ", ".join(repr(n) for n in self.clients)
+        raise ModelNotFound(f"model {name!r} is not served here; served: {served}", param="model")
 
     def _lifecycle(self, protocol: str, trace_header: str | None) -> RequestLifecycle:
         return RequestLifecycle(self.observer, self.places, protocol, self.observer.wants_trace(trace_header))
@@ -74,43 +85,48 @@ class IngressDeployment:
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
-            self.client.tenant(_bearer(request))
+            self.keys.tenant(_bearer(request))
         except PrismError as exc:
             return error_response(exc)
-        card = {
-            "id": self.frontend.served_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "prism",
-            "root": str(self.frontend.model_dir),
-            "prism_contract": self.frontend.contract.model_dump(),
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [
+            {
+                "id": client.frontend.served_name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "prism",
+                "root": str(client.frontend.model_dir),
+                "modalities": ["text", *client.frontend.adapter.modalities],
+                "prism_contract": client.frontend.contract.model_dump(),
+            }
+            for client in self.clients.values()
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         life = self._lifecycle("http", request.headers.get("x-prism-trace"))
         try:
             async with life:
-                tenant = self.client.tenant(_bearer(request))  # from the headers, before any body byte is read
+                tenant = self.keys.tenant(_bearer(request))  # from the headers, before any body byte is read
                 body = await read_json(request, self.cfg.body_limit, self.cfg.server.max_json_depth)
-                call = life.call = await self.client.begin(
+                client = self._client(body)
+                call = life.call = await client.begin(
                     tenant, body, request.headers.get("x-prism-deadline-ms"), life.trace
                 )
                 if call.req.stream:
                     # The body outlives this handler: it closes the lifecycle, or Starlette's background task does
                     # when the client left before the body ever ran.
                     return StreamingResponse(
-                        self._sse(life.detach(), call),
+                        self._sse(life.detach(), client, call),
                         media_type="text/event-stream",
                         background=BackgroundTask(life.abandon),
                     )
-                out_ids, finish = await self.client.collect(call)
-                text = visible_text(self.frontend.tokenizer, out_ids, call.sampling)
+                out_ids, finish = await client.collect(call)
+                text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)
                 life.close()
                 body = completion_body(
                     call.rid,
-                    self.frontend.served_name,
+                    call.frontend.served_name,
                     text,
                     finish,
                     call.prompt_ids,
@@ -124,19 +140,19 @@ class IngressDeployment:
             assert life.error is not None
             return error_response(life.error, life.summary())
 
-    async def _sse(self, life: RequestLifecycle, call: Call) -> AsyncIterator[str]:
+    async def _sse(self, life: RequestLifecycle, client: PipelineClient, call: Call) -> AsyncIterator[str]:
         """OpenAI's stream: a role chunk, content chunks, the chunk with the finish reason, and — only when the client
         set ``stream_options.include_usage`` — a usage chunk with no choices (every other chunk then carries
         ``usage: null``). ``prism_trace`` and ``prompt_token_ids`` ride on the last chunk, whichever it is."""
-        rid, model, created = call.rid, self.frontend.served_name, int(time.time())
+        rid, model, created = call.rid, call.frontend.served_name, int(time.time())
         options = call.req.stream_options
         with_usage = options is not None and options.include_usage
         nulls = {"usage": None} if with_usage else {}
-        detok = Detokenizer(self.frontend.tokenizer, call.sampling.stop)
+        detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
         out_ids: list[int] = []
         try:
             yield chunk(rid, model, created, {"role": "assistant", "content": ""}, top=nulls)
-            async for token, finish in self.client.tokens(call):
+            async for token, finish in client.tokens(call):
                 out_ids.append(token)
                 delta = detok.push(token)
                 if finish is None:
@@ -167,12 +183,12 @@ class IngressDeployment:
         life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
         try:
             async with life:
-                call = await self._grpc_begin(life, request)
-                out_ids, finish = await self.client.collect(call)
+                client, call = await self._grpc_begin(life, request)
+                out_ids, finish = await client.collect(call)
                 life.close()
                 return prism_pb2.GenerateResponse(
                     id=call.rid,
-                    text=visible_text(self.frontend.tokenizer, out_ids, call.sampling),
+                    text=visible_text(call.frontend.tokenizer, out_ids, call.sampling),
                     token_ids=out_ids,
                     prompt_token_ids=call.prompt_ids,
                     finish_reason=finish,
@@ -183,24 +199,27 @@ class IngressDeployment:
         finally:
             _grpc_trace(grpc_context, life)
 
-    async def _grpc_begin(self, life: RequestLifecycle, request: prism_pb2.GenerateRequest) -> Call:
-        """Authenticate (before the JSON is parsed), bound and parse the message, and issue the chain."""
-        tenant = self.client.tenant(request.api_key)
+    async def _grpc_begin(
+        self, life: RequestLifecycle, request: prism_pb2.GenerateRequest
+    ) -> tuple[PipelineClient, Call]:
+        """Authenticate (before the JSON is parsed), bound and parse the message, route it, and issue the chain."""
+        tenant = self.keys.tenant(request.api_key)
         raw = request.chat_completion_json.encode()
         if len(raw) > self.cfg.body_limit:  # Serve bounds the whole message too: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
             raise RequestTooLarge(f"chat_completion_json is {len(raw)} bytes; the limit is {self.cfg.body_limit}")
         body = await asyncio.to_thread(decode_json, raw, self.cfg.server.max_json_depth)
-        life.call = await self.client.begin(tenant, body, request.deadline_ms, life.trace)
-        return life.call
+        client = self._client(body)
+        life.call = await client.begin(tenant, body, request.deadline_ms, life.trace)
+        return client, life.call
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
         life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
         try:
             async with life:
-                call = await self._grpc_begin(life, request)
-                detok = Detokenizer(self.frontend.tokenizer, call.sampling.stop)
+                client, call = await self._grpc_begin(life, request)
+                detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
                 out_ids: list[int] = []
-                async for token, finish in self.client.tokens(call):
+                async for token, finish in client.tokens(call):
                     out_ids.append(token)
                     delta = detok.push(token) + (detok.finish() if finish else "")
                     usage_msg = None

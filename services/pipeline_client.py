@@ -1,14 +1,14 @@
-"""What the ingress does for one request, whatever the protocol (HTTP or gRPC).
+"""What the ingress does for one request to one served model, whatever the protocol (HTTP or gRPC).
 
-:meth:`PipelineClient.tenant` authenticates (API key → tenant) from the headers, before the body is read;
-:meth:`PipelineClient.begin` validates the OpenAI body and the pre-fetch media limits (400s that cost nothing
-downstream), fixes the absolute deadline, and chains the stages through Serve handles — media → encode → prefill →
-decode — passing each stage's *response* to the next, so pixels, embeddings and KV go replica to replica through the
-object store (or NIXL) and never through the ingress. It waits for the decode stream's :class:`StreamStart` (the
-prompt's token ids), so every stage's error surfaces before a protocol commits to a status; a chain that lost a
-replica before that point is issued again (bounded, jittered — :mod:`services.retry`) under a new attempt number.
-:meth:`PipelineClient.tokens` then yields ``(token_id, finish_reason)`` from the typed decode events under the
-deadline.
+One client per served model: the ingress picks it by the request's ``model`` after :mod:`services.auth` has
+authenticated the request from its headers. :meth:`PipelineClient.begin` validates the OpenAI body and the pre-fetch
+media limits (400s that cost nothing downstream), fixes the absolute deadline, and chains the model's stages through
+Serve handles — media → encode → prefill → decode — passing each stage's *response* to the next, so pixels,
+embeddings and KV go replica to replica through the object store (or NIXL) and never through the ingress. It waits
+for the decode stream's :class:`StreamStart` (the prompt's token ids), so every stage's error surfaces before a
+protocol commits to a status; a chain that lost a replica before that point is issued again (bounded, jittered —
+:mod:`services.retry`) under a new attempt number. :meth:`PipelineClient.tokens` then yields
+``(token_id, finish_reason)`` from the typed decode events under the deadline.
 
 Each attempt carries one :class:`RequestContext` (id, attempt, tenant, deadline, priority, ``sent_at``) to every
 stage. Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (the context's
@@ -29,7 +29,6 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from common.config import PrismConfig
 from common.errors import (
-    AuthenticationError,
     DeadlineExceeded,
     HandoffError,
     InvalidRequestError,
@@ -51,6 +50,8 @@ from services.retry import with_retries
 class Call:
     ctx: RequestContext
     """The context of the attempt whose chain answered."""
+    frontend: ModelFrontend
+    """The model it runs on (tokenizer for the text, served name)."""
     req: ChatCompletionRequest
     sampling: SamplingParams
     stream: DeploymentResponseGenerator
@@ -71,15 +72,6 @@ class PipelineClient:
         self.encode: DeploymentHandle = encode
         self.prefill: DeploymentHandle = prefill
         self.decode: DeploymentHandle = decode
-        self.keys = cfg.server.load_api_keys()
-
-    def tenant(self, api_key: str | None) -> str:
-        keys = self.keys
-        if not keys:
-            return "default"
-        if not api_key or api_key not in keys:
-            raise AuthenticationError("missing or invalid API key (Authorization: Bearer <key>)")
-        return keys[api_key]
 
     def deadline(self, budget_ms: str | int | None) -> float:
         server = self.cfg.server
@@ -130,7 +122,7 @@ class PipelineClient:
         )
         trace.absorb(first.spans)
         trace.prompt_tokens = len(first.prompt_token_ids)
-        return Call(ctx, req, sampling, stream, list(first.prompt_token_ids), trace)
+        return Call(ctx, self.frontend, req, sampling, stream, list(first.prompt_token_ids), trace)
 
     def _check_text_tokens(self, req: ChatCompletionRequest, media_items: int) -> None:
         """The prompt rendered with one placeholder per media item: a lower bound of its final length (each item

@@ -174,3 +174,53 @@ def test_config_accepts_a_serve_config_and_opens_only_the_media_root(tmp_path):
     cfg = load_config(str(path), tmp_path)
     assert isinstance(cfg, PrismConfig) and cfg.media.file_root == str(tmp_path.resolve())
     assert "file" in cfg.media.allowed_schemes
+    assert cfg.model.name == "prism-tiny-qwen2vl" and not cfg.models, "of several models, the first video-capable"
+
+
+def _models_config(tmp_path: Path, model_cache: str, **batch) -> Path:
+    models = [{"model": m, "cache_dir": model_cache} for m in ("prism-tiny-llava", "prism-tiny-qwen2vl")]
+    path = tmp_path / "models.yaml"
+    path.write_text(yaml.safe_dump({"models": models, "batch": batch}))
+    return path
+
+
+def test_batch_model_picks_one_of_several_and_must_take_video(tmp_path, model_cache):
+    from services.batch import load_config
+
+    assert load_config(str(_models_config(tmp_path, model_cache)), tmp_path).model.name == "prism-tiny-qwen2vl"
+    picked = load_config(str(_models_config(tmp_path, model_cache, model="prism-tiny-qwen2vl")), tmp_path)
+    assert picked.model.name == "prism-tiny-qwen2vl"
+    with pytest.raises(ValueError, match="cannot take video"):
+        load_config(str(_models_config(tmp_path, model_cache, model="prism-tiny-llava")), tmp_path)
+    with pytest.raises(ValueError, match="not among the config's models"):
+        load_config(str(_models_config(tmp_path, model_cache, model="nope")), tmp_path)
+
+
+def _make_batch(args: list[str], address: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "batch", *args], cwd=ROOT, env=job_env(address), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_make_batch_as_the_readme_writes_it(clips, ray_cluster, tmp_path):
+    """``make batch INPUT=… OUTPUT=…`` — no CONFIG: the job's own video-capable default, not serve's config."""
+    _, _, root = clips
+    rows = [{"id": c[0], "video": f"{c[0]}.{c[4]}", "prompt": "What happens?", "max_tokens": 4} for c in GOOD[:3]]
+    rows.append({"id": "missing", "video": "missing.mp4", "prompt": "What happens?", "max_tokens": 4})
+    manifest = root / "readme.jsonl"
+    manifest.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    proc = _make_batch([f"INPUT={manifest}", f"OUTPUT={out}"], ray_cluster[0], 300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = {r["id"]: (r["status"], r["error_code"]) for r in _results(out)}
+    assert got == {**{c[0]: ("ok", None) for c in GOOD[:3]}, "missing": ("error", "media_fetch_failed")}
+
+
+def test_make_batch_refuses_an_image_only_config_before_ray_starts(clips, tmp_path, model_cache):
+    manifest, _, _ = clips
+    llava = tmp_path / "llava.yaml"
+    llava.write_text(yaml.safe_dump({"model": {"model": "prism-tiny-llava", "cache_dir": model_cache}}))
+    start = time.monotonic()
+    proc = _make_batch([f"INPUT={manifest}", f"OUTPUT={tmp_path / 'o'}", f"CONFIG={llava}"], "", 120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "prism-tiny-llava cannot take video" in proc.stderr
+    assert time.monotonic() - start < 30 and not (tmp_path / "o").exists()

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from common.media.synthetic import synthetic_image
+from common.model.builder import BUILDER_VERSION
 from common.protocol.sampling import SamplingParams
 from common.reference.pipeline import run_request
 from tests.e2e.conftest import API_KEY
@@ -43,7 +44,7 @@ def _messages(text: str, urls=()):
 def test_models_lists_the_served_model(client, prism_server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    assert models[0].model_extra["root"].endswith("prism-tiny-llava-v1")
+    assert models[0].model_extra["root"].endswith(f"prism-tiny-llava-v{BUILDER_VERSION}")
 
 
 def test_text_only_matches_in_process_reference(client, tiny_llava):

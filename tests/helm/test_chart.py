@@ -202,6 +202,33 @@ def test_every_ray_container_bounds_bodies_as_the_config_does(prism):
         assert {k: env.get(k) for k in want} == want
 
 
+def test_a_models_entry_needs_exactly_one_source():
+    for entry in ({}, {"name": "a", "path": "b"}, {"name": "a", "extra": 1}):
+        with pytest.raises(Exception):  # noqa: B017 (Helm's schema error type is the SDK's own)
+            _render({"models": [entry]})
+
+
+def test_several_models_each_get_their_stages_on_the_stage_groups():
+    from services.app import build_app
+    from tests.unit.test_ray_configs import _deployments
+
+    values = {"models": [{"name": "prism-tiny-llava"}, {"path": "qwen2-vl-2b", "dtype": "bfloat16", "servedName": "q"}]}
+    docs = _render(values)
+    app = _serve_config(docs)["applications"][0]
+    cfg = PrismConfig.model_validate(app["args"]["config"])
+    assert [(m.model, m.dtype, m.name) for m in cfg.models] == [
+        ("prism-tiny-llava", "auto", "prism-tiny-llava"),
+        ("/models/qwen2-vl-2b", "bfloat16", "q"),
+    ]
+    for sub in cfg.served():  # every model's stage pinned to its group, the ingress to the media group
+        for stage in ("media", "encode", "prefill", "decode"):
+            assert getattr(sub.deployments, stage).resources == {f"prism_{stage}": 1}
+        assert sub.deployments.ingress.resources == {"prism_media": 1}
+    single = {"models": [{"name": "prism-tiny-llava"}, {"name": "prism-tiny-qwen2vl"}]}
+    names = {d.name for d in _deployments(build_app(_serve_config(_render(single))["applications"][0]["args"]))}
+    assert len(names) == 9 and "Decode-prism-tiny-qwen2vl" in names
+
+
 def test_monitoring_and_auth_objects(rendered):
     name, _, docs = rendered
     dashboards = _one(docs, "ConfigMap")

@@ -23,3 +23,37 @@ def test_malformed_keys_file_is_refused(tmp_path, content):
     path.write_text(content)
     with pytest.raises(ValueError):
         ServerConfig(api_keys_file=str(path)).load_api_keys()
+
+
+def test_several_models_validate_and_split_per_model():
+    from common.config import PrismConfig
+
+    raw = {
+        "models": [{"model": "prism-tiny-llava"}, {"model": "prism-tiny-qwen2vl", "served_name": "qwen",
+                                                      "deployments": {"decode": {"num_cpus": 0.3}}}],
+        "deployments": {"ingress": {"num_cpus": 0.05}},
+    }  # fmt: skip
+    cfg = PrismConfig.model_validate(raw)
+    assert PrismConfig.model_validate(cfg.model_dump(mode="json")) == cfg, "a dumped config validates again"
+    subs = cfg.served()
+    assert [s.model.name for s in subs] == ["prism-tiny-llava", "qwen"]
+    assert subs[1].deployments.decode.num_cpus == 0.3 and subs[0].deployments.decode.num_cpus == 0.25
+    assert all(s.deployments.ingress.num_cpus == 0.05 and not s.models for s in subs)
+    assert PrismConfig().served() == [PrismConfig()]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"model": {"model": "x"}, "models": [{"model": "prism-tiny-llava"}]}, "either `model`"),
+        ({"models": [{"model": "prism-tiny-llava"}, {"model": "prism-tiny-llava"}]}, "distinct names"),
+        ({"models": [{"model": "prism-tiny-llava"}], "deployments": {"decode": {"num_cpus": 1}}}, "models[i]"),
+    ],
+)
+def test_several_models_refuse_ambiguous_configs(raw, message):
+    from pydantic import ValidationError
+
+    from common.config import PrismConfig
+
+    with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("`", "`")):
+        PrismConfig.model_validate(raw)

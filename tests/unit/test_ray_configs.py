@@ -29,8 +29,44 @@ def test_config_is_valid_and_builds(path):
 
     built = build_app(app.args)
     names = {d.name for d in _deployments(built)}
-    assert names == {"Ingress", "Media", "Encode", "Prefill", "Decode"}
-    assert cfg.deployments.decode.max_replicas >= cfg.deployments.decode.min_replicas
+    stages = ("Media", "Encode", "Prefill", "Decode")
+    if cfg.models:
+        assert names == {"Ingress"} | {f"{s}-{m.name}" for s in stages for m in cfg.models}
+    else:
+        assert names == {"Ingress", *stages}
+    for sub in cfg.served():
+        assert sub.deployments.decode.max_replicas >= sub.deployments.decode.min_replicas
+
+
+def test_local_default_serves_both_families_and_fits_two_cores():
+    raw = yaml.safe_load((CONFIGS[0].parent / "local_cpu.yaml").read_text())
+    cfg = PrismConfig.model_validate(raw["applications"][0]["args"]["config"])
+    assert [m.name for m in cfg.models] == ["prism-tiny-llava", "prism-tiny-qwen2vl"]
+    from services.app import build_app
+
+    deployments = _deployments(build_app(raw["applications"][0]["args"]))
+    cpus = sum(d.ray_actor_options["num_cpus"] * _replicas(d)[0] for d in deployments)
+    most = sum(d.ray_actor_options["num_cpus"] * _replicas(d)[1] for d in deployments)
+    assert cpus < 2 and most < 2, "Serve never starts a replica whose CPU share does not fit"
+
+
+def _replicas(d) -> tuple[int, int]:
+    auto = d._deployment_config.autoscaling_config
+    if auto is None:
+        return d.num_replicas, d.num_replicas
+    return auto.min_replicas, auto.max_replicas
+
+
+def _bound(value):
+    """Bound deployments among an init argument (Serve finds them inside dicts and lists too)."""
+    if hasattr(value, "_bound_deployment"):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _bound(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _bound(v)
 
 
 def _deployments(app):
@@ -38,7 +74,7 @@ def _deployments(app):
     while stack:
         node = stack.pop()
         seen.append(node._bound_deployment)
-        stack.extend(a for a in node._bound_deployment.init_args if hasattr(a, "_bound_deployment"))
+        stack.extend(_bound(list(node._bound_deployment.init_args)))
     return seen
 
 

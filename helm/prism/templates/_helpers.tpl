@@ -52,10 +52,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* A `models` entry's reference: a built-in name, or a directory on the model volume. */}}
+{{- define "prism.entryRef" -}}
+{{- if .entry.name -}}
+{{- .entry.name -}}
+{{- else -}}
+{{- printf "%s/%s" (trimSuffix "/" .root.Values.model.mountPath) (trimPrefix "/" .entry.path) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* PrismConfig (args.config of the Serve application) as YAML. */}}
 {{- define "prism.config" -}}
 {{- $cfg := deepCopy (default dict .Values.prism) -}}
-{{- $_ := set $cfg "model" (dict "model" (include "prism.modelRef" .) "dtype" .Values.model.dtype) -}}
 {{- $server := deepCopy (default dict $cfg.server) -}}
 {{- $_ := set $server "transport" .Values.transport -}}
 {{- if include "prism.authSecret" . -}}
@@ -71,7 +79,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- $_ := set $deployments $stage $serve -}}
 {{- end -}}
+{{- if .Values.models -}}
+{{- $models := list -}}
+{{- range $entry := .Values.models -}}
+{{- $m := dict "model" (include "prism.entryRef" (dict "entry" $entry "root" $)) "dtype" (default "auto" $entry.dtype) -}}
+{{- with $entry.servedName -}}{{- $_ := set $m "served_name" . -}}{{- end -}}
+{{- $_ := set $m "deployments" (omit (deepCopy $deployments) "ingress") -}}
+{{- $models = append $models $m -}}
+{{- end -}}
+{{- $_ := set $cfg "models" $models -}}
+{{- $_ := set $cfg "deployments" (dict "ingress" $deployments.ingress) -}}
+{{- else -}}
+{{- $_ := set $cfg "model" (dict "model" (include "prism.modelRef" .) "dtype" .Values.model.dtype) -}}
 {{- $_ := set $cfg "deployments" $deployments -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 

@@ -1,0 +1,125 @@
+"""``make serve`` with the default config serves both tiny models behind one endpoint, routed by ``model``: images to
+each, video to the Qwen2-VL one, a clear 404 naming both for anything else — through the official ``openai`` client.
+
+``PRISM_DEFAULTS_REPORT=<file>`` writes start-up time and memory of the two-model app as JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.mediakit import png_bytes, synthetic_image, video_bytes
+from tests.served import API_KEY
+
+LLAVA, QWEN = "prism-tiny-llava", "prism-tiny-qwen2vl"
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served['base']}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _image() -> dict:
+    url = "data:image/png;base64," + base64.b64encode(png_bytes(synthetic_image(160, 120, seed=3))).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _video() -> dict:
+    url = "data:video/mp4;base64," + base64.b64encode(video_bytes(2.0, fps=4, size=(96, 64))).decode()
+    return {"type": "video_url", "video_url": {"url": url, "fps": 2}}
+
+
+def _ask(client, model: str, *parts: dict) -> openai.types.chat.ChatCompletion:
+    content = [*parts, {"type": "text", "text": "What do you see?"}]
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0
+    )
+
+
+def _rss_mb() -> dict[str, int]:
+    """RSS of every Ray process of the app (Serve replicas, proxy, controller, GCS, raylet …), by process title."""
+    out: dict[str, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if title.startswith("ray::") or "raylet" in title or "gcs_server" in title:
+            rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+            name = title.split(" ")[0].removeprefix("ray::")
+            out[name] = out.get(name, 0) + rss // 1024
+    return out
+
+
+def test_both_models_answer_and_startup_is_measured(served, client):
+    start = time.monotonic()
+    answers = {model: _ask(client, model, _image()) for model in (LLAVA, QWEN)}
+    assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers.values())
+    rss = _rss_mb()
+    report = {
+        "health_s": round(served["up_s"], 1),
+        "both_answer_s": round(served["up_s"] + time.monotonic() - start, 1),
+        "rss_mb_total": sum(rss.values()),
+        "rss_mb": dict(sorted(rss.items())),
+    }
+    if os.environ.get("PRISM_DEFAULTS_REPORT"):
+        Path(os.environ["PRISM_DEFAULTS_REPORT"]).write_text(json.dumps(report, indent=1))
+    replicas = [n for n in rss if n.startswith("ServeReplica:prism:")]
+    assert len(replicas) == 9, replicas  # one ingress + four stages per model
+    assert report["rss_mb_total"] < 12_000
+
+
+def test_models_lists_both_with_their_modalities(client):
+    cards = {m.id: m.model_extra for m in client.models.list().data}
+    assert set(cards) == {LLAVA, QWEN}
+    assert cards[LLAVA]["modalities"] == ["text", "image"]
+    assert cards[QWEN]["modalities"] == ["text", "image", "video"]
+    assert cards[LLAVA]["prism_contract"]["family"] == "llava"
+    assert cards[QWEN]["prism_contract"]["family"] == "qwen2_vl"
+
+
+def test_video_to_the_qwen2vl_model(client):
+    answer = _ask(client, QWEN, _video())
+    assert answer.model == QWEN and answer.usage.prompt_tokens > 20
+    assert answer.choices[0].message.content is not None
+
+
+def test_each_model_has_its_own_pipeline(client):
+    """The same text to both gives each model's own tokenizer and answer."""
+    llava = client.chat.completions.create(
+        model=LLAVA, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    qwen = client.chat.completions.create(
+        model=QWEN, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert (llava.model, qwen.model) == (LLAVA, QWEN)
+    assert llava.model_extra["prompt_token_ids"] != qwen.model_extra["prompt_token_ids"]
+
+
+def test_video_to_the_image_only_model_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(client, LLAVA, _video())
+    assert "does not accept video" in info.value.body["message"]
+
+
+def test_unknown_model_is_a_404_naming_the_served_ones(served):
+    r = httpx.post(
+        f"{served['base']}/v1/chat/completions",
+        json={"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}]},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    error = r.json()["error"]
+    assert (r.status_code, error["code"], error["param"]) == (404, "model_not_found", "model")
+    assert LLAVA in error["message"] and QWEN in error["message"]
