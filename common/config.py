@@ -105,6 +105,11 @@ class StageConfig(_Strict):
         return self
 
 
+def deployment_suffix(served_name: str) -> str:
+    """A served model's name as the suffix of its deployments' names (letters, digits, ``_`` and ``-`` only)."""
+    return "-" + re.sub(r"[^A-Za-z0-9_-]", "_", served_name)
+
+
 class ModelStages(_Strict):
     """The four stage deployments that serve one model."""
 
@@ -170,7 +175,7 @@ class ServerConfig(_Strict):
     while they are read — in Serve's HTTP proxy already (:mod:`services.proxy_guard`). ``None``: what the other limits
     allow — ``media.max_request_bytes`` of images as base64 data URLs, plus ``max_text_chars`` of text at up to 8
     bytes each as JSON escapes, plus 1 MiB for the JSON around them (≈ 87 MiB with the defaults)."""
-    max_json_depth: int = Field(default=32, ge=4, le=256)
+    max_json_depth: int = Field(default=32, ge=8, le=256)
     """Deepest JSON nesting accepted in a request body (400 ``json_too_deep``)."""
     max_messages: int = Field(default=256, ge=1)
     """Messages in one request (400 ``too_many_messages``)."""
@@ -273,10 +278,12 @@ class PrismConfig(_Strict):
             raise ValueError(
                 f"with `models`, each model's stages go under models[i].deployments, not deployments.{sorted(stray)[0]}"
             )
-        names = [m.name for m in self.models]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"models must have distinct names; {twice[0]!r} appears more than once")
+        for names in ([m.name for m in self.models], [deployment_suffix(m.name) for m in self.models]):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ValueError(
+                    f"models must have distinct names (also as deployment names); {twice[0]!r} appears twice"
+                )
         return self
 
     def served(self) -> list[PrismConfig]:

@@ -10,7 +10,6 @@ ingress refuses with 429 + Retry-After when its queue is full (``BackpressureCon
 
 from __future__ import annotations
 
-import re
 import secrets
 from typing import Any
 
@@ -18,7 +17,7 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 from ray.serve.deployment import Application
 
-from common.config import PrismConfig, StageConfig
+from common.config import PrismConfig, StageConfig, deployment_suffix
 from services.decode import DecodeDeployment
 from services.encode import EncodeDeployment
 from services.ingress import IngressApp
@@ -55,30 +54,27 @@ def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any
     return opts
 
 
-def _suffix(name: str) -> str:
-    """A served model's name as a deployment-name suffix (letters, digits, ``_`` and ``-`` only)."""
-    return "-" + re.sub(r"[^A-Za-z0-9_-]", "_", name)
-
-
 def build_app(args: dict[str, Any]) -> Application:
     cfg = PrismConfig.model_validate(args.get("config", {}))
     key = cfg.observability.media_hash_key or secrets.token_hex(16)  # one key for every replica of this app
     retry = cfg.server.retry_after_s
-    pipelines: dict[str, list[Application]] = {}
+    pipelines: list[list[Application]] = []  # per served model, in the config's order
     for sub in cfg.served():
         raw = sub.model_dump(mode="json")
         raw["observability"]["media_hash_key"] = key
-        suffix = _suffix(sub.model.name) if cfg.models else ""  # one model: plain names, as before
+        suffix = deployment_suffix(sub.model.name) if cfg.models else ""  # one model: plain names, as before
         d = sub.deployments
-        pipelines[sub.model.name] = [
-            serve.deployment(**_options(f"{name}{suffix}", stage, retry))(cls).bind(raw)
-            for name, stage, cls in (
-                ("Media", d.media, MediaDeployment),
-                ("Encode", d.encode, EncodeDeployment),
-                ("Prefill", d.prefill, PrefillDeployment),
-                ("Decode", d.decode, DecodeDeployment),
-            )
-        ]
+        pipelines.append(
+            [
+                serve.deployment(**_options(f"{name}{suffix}", stage, retry))(cls).bind(raw)
+                for name, stage, cls in (
+                    ("Media", d.media, MediaDeployment),
+                    ("Encode", d.encode, EncodeDeployment),
+                    ("Prefill", d.prefill, PrefillDeployment),
+                    ("Decode", d.decode, DecodeDeployment),
+                )
+            ]
+        )
     raw = cfg.model_dump(mode="json")
     raw["observability"]["media_hash_key"] = key
     ingress = serve.deployment(**_options("Ingress", cfg.deployments.ingress, retry))(IngressApp)

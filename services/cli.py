@@ -73,7 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
     body_limit = 0
     for app in raw.get("applications", []):
         cfg = PrismConfig.model_validate(app.get("args", {}).get("config", {}))  # fail fast on a bad config
-        print(f"model: {resolve_model_dir(cfg.model.model, cfg.model.cache_dir)}", flush=True)
+        for sub in cfg.served():  # built here once, not by every replica at once
+            print(f"model {sub.model.name}: {resolve_model_dir(sub.model.model, sub.model.cache_dir)}", flush=True)
         body_limit = max(body_limit, cfg.body_limit)
     # The proxies bound request bodies before the ingress sees a byte (services/proxy_guard.py); they inherit this
     # environment from the head.

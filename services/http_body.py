@@ -27,7 +27,9 @@ async def read_json(request: Request, max_bytes: int, max_depth: int) -> Any:
     if content_type is not None and not _is_json(content_type):
         raise UnsupportedMediaType("request body must be JSON (Content-Type: application/json)", param="Content-Type")
     declared = request.headers.get("content-length", "").strip()
-    if declared.isdigit() and int(declared) > max_bytes:
+    if declared and (
+        not declared.isascii() or not declared.isdigit() or len(declared) > 15 or int(declared) > max_bytes
+    ):
         raise RequestTooLarge(f"request body is {declared} bytes; the limit is {max_bytes}")
     # One growing buffer rather than a list of chunks: past glibc's mmap threshold it lives in its own mapping, so
     # a refused body's memory goes back to the system at once instead of staying in the heap.

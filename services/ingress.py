@@ -24,7 +24,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.config import PrismConfig
@@ -46,13 +45,14 @@ api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
 
 
 class IngressDeployment:
-    def __init__(self, config: dict[str, Any], pipelines: dict[str, list[DeploymentHandle]]) -> None:
-        """``pipelines``: served model name → its media, encode, prefill and decode handles."""
+    def __init__(self, config: dict[str, Any], pipelines: list[list[DeploymentHandle]]) -> None:
+        """``pipelines``: per served model, in the config's order, its media, encode, prefill and decode handles."""
         self.cfg = PrismConfig.model_validate(config)
         self.keys = ApiKeys(self.cfg.server)
         self.clients: dict[str, PipelineClient] = {}
-        for sub in self.cfg.served():
-            self.clients[sub.model.name] = PipelineClient(sub, load_frontend(sub.model), *pipelines[sub.model.name])
+        for sub, handles in zip(self.cfg.served(), pipelines, strict=True):
+            frontend = load_frontend(sub.model)  # served under the name the frontend reports
+            self.clients[frontend.served_name] = PipelineClient(sub, frontend, *handles)
         self.observer = RequestObserver(self.cfg.observability)
         server = self.cfg.server
         self.places = InFlight(server.max_in_flight_per_ingress, server.retry_after_s, self._load)
@@ -72,7 +72,7 @@ class IngressDeployment:
         if not isinstance(name, str):
             raise InvalidRequestError("`model` (a string) is required", param="model")
         served = ", ".join(repr(n) for n in self.clients)
-        raise ModelNotFound(f"model {name!r} is not served here; served: {served}", param="model")
+        raise ModelNotFound(f"model {name[:64]!r} is not served here; served: {served}", param="model")
 
     def _lifecycle(self, protocol: str, trace_header: str | None) -> RequestLifecycle:
         return RequestLifecycle(self.observer, self.places, protocol, self.observer.wants_trace(trace_header))
@@ -116,11 +116,7 @@ class IngressDeployment:
                 if call.req.stream:
                     # The body outlives this handler: it closes the lifecycle, or Starlette's background task does
                     # when the client left before the body ever ran.
-                    return StreamingResponse(
-                        self._sse(life.detach(), client, call),
-                        media_type="text/event-stream",
-                        background=BackgroundTask(life.abandon),
-                    )
+                    return _LifecycleStream(self._sse(life.detach(), client, call), life)
                 out_ids, finish = await client.collect(call)
                 text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)
                 life.close()
@@ -137,7 +133,8 @@ class IngressDeployment:
                     body["prism_trace"] = life.trace.summary()
                 return JSONResponse(body)
         except Exception:  # closed by the lifecycle under its typed error
-            assert life.error is not None
+            if life.error is None:  # a cancellation Serve raised as an exception: the client is gone
+                raise
             return error_response(life.error, life.summary())
 
     async def _sse(self, life: RequestLifecycle, client: PipelineClient, call: Call) -> AsyncIterator[str]:
@@ -173,7 +170,10 @@ class IngressDeployment:
                     final.update(model=model, choices=[], usage=usage(call.prompt_ids, out_ids), **last)
                     yield sse(final)
         except Exception as exc:  # mid-stream failure: an error event, then the stream ends cleanly
-            yield sse(error_body(life.close(exc), life.summary()))  # type: ignore[arg-type]
+            typed = life.close(exc)
+            if typed is None:  # cancelled: nobody to tell
+                raise
+            yield sse(error_body(typed, life.summary()))
         finally:
             life.abandon()  # no-op once closed; otherwise the client went away (cancels the stream, frees its KV)
         yield "data: [DONE]\n\n"
@@ -185,8 +185,7 @@ class IngressDeployment:
             async with life:
                 client, call = await self._grpc_begin(life, request)
                 out_ids, finish = await client.collect(call)
-                life.close()
-                return prism_pb2.GenerateResponse(
+                response = prism_pb2.GenerateResponse(
                     id=call.rid,
                     text=visible_text(call.frontend.tokenizer, out_ids, call.sampling),
                     token_ids=out_ids,
@@ -194,7 +193,11 @@ class IngressDeployment:
                     finish_reason=finish,
                     usage=prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids)),
                 )
+                life.close()
+                return response
         except Exception:
+            if life.error is None:  # cancelled
+                raise
             raise grpc_abort(grpc_context, life.error) from None
         finally:
             _grpc_trace(grpc_context, life)
@@ -231,8 +234,25 @@ class IngressDeployment:
                         id=call.rid, delta=delta, token_id=token, finish_reason=finish or "", usage=usage_msg
                     )
         except Exception:
+            if life.error is None:  # cancelled
+                raise
             _grpc_trace(grpc_context, life)
             raise grpc_abort(grpc_context, life.error) from None
+
+
+class _LifecycleStream(StreamingResponse):
+    """An SSE response that closes its request's lifecycle however it ends — also when it is cancelled before its
+    body ever ran (then the body's own ``finally`` never runs, and Starlette skips background tasks)."""
+
+    def __init__(self, body: AsyncIterator[str], life: RequestLifecycle) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.life = life
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.life.abandon()  # no-op once the body closed it
 
 
 def _bearer(request: Request) -> str | None:

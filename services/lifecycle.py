@@ -27,6 +27,7 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from starlette.requests import ClientDisconnect
 
 from common.errors import Overloaded, PrismError, StageUnavailable
 from common.obs.request_trace import RequestTrace
@@ -37,9 +38,9 @@ log = logging.getLogger("prism.ingress")
 REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 """Failures that say a stage replica went away under the request (retried before the first token, else 503)."""
 
-CANCELLED = (asyncio.CancelledError, GeneratorExit, TaskCancelledError, RequestCancelledError)
-"""How the client going away reaches the ingress: its own task cancelled, or Serve cancelling a call under it (the
-proxy saw the disconnect)."""
+CANCELLED = (asyncio.CancelledError, GeneratorExit, TaskCancelledError, RequestCancelledError, ClientDisconnect)
+"""How the client going away reaches the ingress: its own task cancelled, Serve cancelling a call under it (the
+proxy saw the disconnect), or the body read finding the client gone."""
 
 CANCELLED_STATUS = 499
 """Status recorded when the client went away (nginx's convention: no response was sent)."""
@@ -142,12 +143,14 @@ class RequestLifecycle:
             self.outcome = Outcome.FAILED if status >= 500 else Outcome.REFUSED
             if status >= 500:
                 _log_failure(self.trace.request_id, status, code, exc)
-        if self.call is not None:
-            self.call.stream.cancel()  # frees the sequence's KV at once if decode still runs it
-        self.observer.finish(self.trace, status, code, kv_blocks)
-        if self._admitted:
-            self._admitted = False
-            self.places.release()
+        try:
+            if self.call is not None:
+                self.call.stream.cancel()  # frees the sequence's KV at once if decode still runs it
+            self.observer.finish(self.trace, status, code, kv_blocks)
+        finally:  # the place goes back whatever the above did
+            if self._admitted:
+                self._admitted = False
+                self.places.release()
         return self.error
 
     def summary(self) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ from common.protocol.sampling import SamplingParams
 from common.stages.prompt import render_chat
 from services.lifecycle import REPLICA_LOST
 from services.retry import with_retries
+
+_DIGITS = re.compile(r"[0-9]{1,12}")
+"""ASCII digits only (``str.isdigit`` accepts "²", which ``int`` refuses), and few enough for ``int``."""
 
 
 @dataclass
@@ -78,7 +82,7 @@ class PipelineClient:
         budget = server.default_deadline_ms
         if budget_ms not in (None, "", 0):
             text = str(budget_ms).strip()
-            if not text.isdigit() or int(text) < 1:
+            if not _DIGITS.fullmatch(text) or int(text) < 1:
                 raise InvalidRequestError("X-Prism-Deadline-Ms must be a positive integer", param="X-Prism-Deadline-Ms")
             budget = int(text)
             if budget > server.max_deadline_ms:
@@ -112,7 +116,9 @@ class PipelineClient:
         attempts = itertools.count(1)
 
         def context() -> RequestContext:
-            return RequestContext(trace.request_id, tenant, deadline, trace.timeline.last, attempt=next(attempts))
+            n = next(attempts)  # a re-issued chain's stages count their queue from its own issue time
+            sent_at = trace.timeline.last if n == 1 else time.time()
+            return RequestContext(trace.request_id, tenant, deadline, sent_at, attempt=n)
 
         stream, ctx, first = await with_retries(
             lambda: self._attempt(req, sampling, context()),

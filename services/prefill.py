@@ -115,7 +115,9 @@ class PrefillDeployment:
 
     async def _release_loop(self) -> None:
         """Free published hand-offs once read (or expired); stops when the transport holds nothing."""
-        while await asyncio.to_thread(self.transport.release):
+        # `held` is re-read on the event loop: a publish that landed while the last release ran in its thread would
+        # otherwise be left to the next request's poller.
+        while await asyncio.to_thread(self.transport.release) or self.transport.held:
             await asyncio.sleep(0.02)
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -92,6 +92,8 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         body = await self._read_counted(receive)
+        if body is False:  # the client went away mid-upload: nobody to answer, nothing to run
+            return
         if body is None:
             await self._refuse(send)
             from services.memory import release_freed_memory
@@ -100,15 +102,15 @@ class BodyLimit:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    async def _read_counted(self, receive: Receive) -> bytearray | None:
-        """A body of unknown length (chunked upload), gathered here up to the limit: ``None`` once over it. The
-        ingress never sees a byte of a refused body, and the one buffer (an mmap past glibc's threshold) goes back
-        to the system when it is dropped."""
+    async def _read_counted(self, receive: Receive) -> bytearray | bool | None:
+        """A body of unknown length (chunked upload), gathered here up to the limit: ``None`` once over it, ``False``
+        if the client disconnected first. The ingress never sees a byte of a refused body, and the one buffer (an
+        mmap past glibc's threshold) goes back to the system when it is dropped."""
         body = bytearray()
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return body  # disconnect: the app will see it on its first receive
+                return False
             chunk = message.get("body", b"")
             if len(body) + len(chunk) > self.max_bytes:
                 return None
@@ -143,11 +145,17 @@ def _replay(body: bytearray, receive: Receive) -> Receive:
 
 
 def _content_length(scope: Scope) -> int | None:
+    """The declared body length; ``None`` when there is none to trust — absent, malformed (the HTTP server's to
+    refuse), or beside ``Transfer-Encoding`` (which then frames the body, RFC 9112 §6.3)."""
+    declared = None
     for name, value in scope.get("headers", ()):
-        if name.lower() == b"content-length":
+        name = name.lower()
+        if name == b"transfer-encoding":
+            return None
+        if name == b"content-length":
             text = value.decode("latin-1").strip()
-            return int(text) if text.isdigit() else None  # a malformed value is the HTTP server's to refuse
-    return None
+            declared = int(text) if text.isascii() and text.isdigit() and len(text) <= 15 else None
+    return declared
 
 
 _counter: Any = None

@@ -16,13 +16,16 @@ Each refusal is a 4xx naming the limit and the parameter; none echoes the client
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
 from common.errors import InvalidRequestError, UnsupportedParameter
 
 MAX_LOGGED_FIELDS = 16
-"""Unknown field names listed in the request log, at most (each cut to 64 characters)."""
+"""Unknown field names listed in the request log, at most; only identifier-like names (``[A-Za-z0-9_.-]{1,64}``)
+are listed, the rest counted."""
+_FIELD_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _default_or(*allowed: Any) -> Callable[[Any], bool]:
@@ -39,7 +42,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logprobs": _default_or(False),
     "top_logprobs": _default_or(0),
     "logit_bias": _default_or({}),
-    "n": _default_or(1),
+    "n": lambda v: v is None or isinstance(v, bool) or not isinstance(v, int) or v <= 1,  # n < 1: the schema's 400
     "best_of": _default_or(1),
     "audio": _default_or(),
     "modalities": _default_or(["text"]),
@@ -112,4 +115,6 @@ def check_parameters(body: dict[str, Any], known: frozenset[str]) -> list[str]:
         if name in body and not harmless(body[name]):
             raise UnsupportedParameter(f"parameter {name!r} is not supported by this server", param=name)
     unknown = sorted(k for k in body if k not in known and k not in UNSUPPORTED)
-    return [name[:64] for name in unknown[:MAX_LOGGED_FIELDS]]
+    names = [k for k in unknown if _FIELD_NAME.fullmatch(k)][:MAX_LOGGED_FIELDS]
+    others = len(unknown) - len(names)  # names that are not plain identifiers could carry content: counted only
+    return names + ([f"+{others} more"] if others else [])

@@ -47,7 +47,7 @@ class RequestContext:
     attempt: int = 1
     """1 for the first chain; a chain re-issued after a lost replica counts up."""
     priority: Priority = "interactive"
-    """Traffic class: interactive requests are served before batch ones where a stage orders its queue."""
+    """Traffic class. Carried so admission can tell interactive from batch work; no stage orders by it yet."""
 
     @property
     def key(self) -> str:

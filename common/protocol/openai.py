@@ -81,6 +81,8 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    """Choices per request: only 1 (``n`` > 1 is refused by name as an unsupported parameter before this)."""
     return_token_ids: bool = False
     """Prism extension: include ``prompt_token_ids`` and each choice's ``token_ids``."""
     _ignored: list[str] = PrivateAttr(default_factory=list)

@@ -36,7 +36,7 @@ def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
         LocalHandle(PrefillDeployment(raw, transport)),
         LocalHandle(DecodeDeployment(raw, transport)),
     ]
-    ingress = IngressDeployment(raw, {PrismConfig.model_validate(raw).model.name: stages})
+    ingress = IngressDeployment(raw, [stages])
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
     app.state.stages = [stage._obj for stage in stages]  # for tests: the stage objects behind the handles
 

@@ -57,3 +57,26 @@ def test_several_models_refuse_ambiguous_configs(raw, message):
 
     with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("`", "`")):
         PrismConfig.model_validate(raw)
+
+
+def test_model_names_must_stay_distinct_as_deployment_names():
+    from pydantic import ValidationError
+
+    from common.config import PrismConfig
+
+    raw = {"models": [{"model": "prism-tiny-llava", "served_name": "a.b"}, {"model": "prism-tiny-qwen2vl",
+                                                                          "served_name": "a_b"}]}  # fmt: skip
+    with pytest.raises(ValidationError, match="also as deployment names"):
+        PrismConfig.model_validate(raw)
+
+
+@pytest.mark.parametrize("header", ["²", "1" * 40, "-5", "soon", "0"])
+def test_deadline_header_garbage_is_a_400_not_a_500(header):
+    from common.config import PrismConfig
+    from common.errors import InvalidRequestError
+    from services.pipeline_client import PipelineClient
+
+    client = PipelineClient(PrismConfig(), None, None, None, None, None)
+    with pytest.raises(InvalidRequestError) as info:
+        client.deadline(header)
+    assert info.value.param == "X-Prism-Deadline-Ms"

@@ -117,3 +117,47 @@ def test_cancelled_and_detached(parts):
 
     life = _run(detached())
     assert life.outcome is Outcome.CANCELLED and places.count == 0
+
+
+@pytest.mark.parametrize("make", ["task", "request", "disconnect"])
+def test_cancellations_serve_raises_as_exceptions_are_cancellations(parts, make):
+    from ray.exceptions import TaskCancelledError
+    from ray.serve.exceptions import RequestCancelledError
+    from starlette.requests import ClientDisconnect
+
+    exc = {"task": TaskCancelledError(), "request": RequestCancelledError("r"), "disconnect": ClientDisconnect()}[make]
+    observer, places, _ = parts
+
+    async def go():
+        life = RequestLifecycle(observer, places, "http", traced=False)
+        with pytest.raises(type(exc)):
+            async with life:
+                raise exc
+        return life
+
+    life = _run(go())
+    assert life.outcome is Outcome.CANCELLED and life.error is None and life.trace.status == 499
+    assert places.count == 0
+
+
+def test_a_failing_close_still_gives_the_place_back(parts):
+    observer, places, _ = parts
+
+    class Broken:
+        kv_blocks = 0
+
+        class stream:
+            @staticmethod
+            def cancel():
+                raise RuntimeError("cancel failed")
+
+    async def go():
+        life = RequestLifecycle(observer, places, "http", traced=False)
+        await life.__aenter__()
+        life.call = Broken()
+        with pytest.raises(RuntimeError):
+            life.close()
+        return life
+
+    _run(go())
+    assert places.count == 0

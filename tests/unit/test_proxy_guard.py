@@ -105,3 +105,24 @@ def test_serve_accepts_what_the_callback_returns(monkeypatch):
 def test_malformed_content_length_is_left_to_the_http_server(value):
     app, refusals, _, _ = _run([(b"content-length", value)], [b"x" * 10])
     assert app.calls == 1 and not refusals
+
+
+def test_content_length_beside_transfer_encoding_is_not_trusted():
+    """RFC 9112: Transfer-Encoding frames the body, so a small Content-Length must not let a big body through."""
+    app, refusals, sent, _ = _run([(b"content-length", b"10"), (b"transfer-encoding", b"chunked")], [b"x" * 60] * 3)
+    assert app.calls == 0 and refusals == [1] and sent[0]["status"] == 413
+
+
+def test_a_client_gone_mid_upload_runs_nothing():
+    app, guard_refusals, sent = _App(), [], []
+    guard = BodyLimit(app, max_bytes=100, on_refusal=lambda: guard_refusals.append(1))
+    messages = [{"type": "http.request", "body": b"x" * 10, "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(guard({"type": "http", "method": "POST", "headers": []}, receive, send))
+    assert app.calls == 0 and not sent and not guard_refusals

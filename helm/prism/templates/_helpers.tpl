@@ -108,7 +108,7 @@ server.max_body_bytes, or base64 of the media request bytes + 8 bytes per text c
 {{- int64 $server.max_body_bytes -}}
 {{- else -}}
 {{- $perItem := int64 (default 20971520 $media.max_item_bytes) -}}
-{{- $items := int64 (default 8 $media.max_items_per_request) -}}
+{{- $items := int64 (ternary $media.max_items_per_request 8 (hasKey $media "max_items_per_request")) -}}
 {{- $bytes := min (int64 (default 67108864 $media.max_request_bytes)) (mul $items $perItem) -}}
 {{- $text := int64 (default 131072 $server.max_text_chars) -}}
 {{- add (mul 4 (div (add $bytes 2) 3)) (mul 8 $text) 1048576 -}}
