@@ -68,10 +68,11 @@ def _video_model(cfg: PrismConfig) -> PrismConfig:
         if not chosen:
             names = ", ".join(sub.model.name for sub in served)
             raise ValueError(f"batch.model {cfg.batch.model!r} is not among the config's models ({names})")
-    else:
-        chosen = [sub for sub in served if takes_video(sub)] or served[:1]
-    sub = chosen[0]
-    if not takes_video(sub):
+        sub = chosen[0]
+        video = takes_video(sub)
+    else:  # the first that takes video (each model's family looked up once)
+        sub, video = next(((s, True) for s in served if takes_video(s)), (served[0], False))
+    if not video:
         raise ValueError(
             f"model {sub.model.name} cannot take video; give a video-capable model (e.g. {DEFAULT_MODEL}) in the "
             "config, or leave --config out"

@@ -55,7 +55,8 @@ class DecodeDeployment:
     ) -> AsyncIterator[DecodeEvent]:
         timeline = Timeline.after(pre, ctx.sent_at)
         ctx.check_deadline("decode")
-        prefilled = await asyncio.to_thread(self.transport.fetch, unwrap(pre))
+        handle, fetch = unwrap(pre), self.transport.fetch
+        prefilled = await asyncio.to_thread(fetch, handle) if self.transport.fetch_blocks else fetch(handle)
         self.fetches += 1
         backend = self.transport.name
         transfer = timeline.mark("decode.transfer", backend=backend, bytes=prefilled.kv.nbytes)

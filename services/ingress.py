@@ -11,8 +11,7 @@ Every entry point runs its request inside one :class:`RequestLifecycle` (:mod:`s
 in-flight place and closes exactly once — metrics + one JSON log line through the :class:`RequestObserver`, the
 decode stream cancelled, the place given back. With ``X-Prism-Trace: 1`` the trace summary is returned as
 ``prism_trace`` in the JSON body, in the last SSE chunk (the usage chunk when the client asked for one), or in an
-error body; over gRPC
-(metadata ``x-prism-trace: 1``) as the ``prism-trace`` trailing metadata.
+error body; over gRPC (metadata ``x-prism-trace: 1``) as the ``prism-trace`` trailing metadata.
 """
 
 import asyncio
@@ -114,8 +113,7 @@ class IngressDeployment:
                     tenant, body, request.headers.get("x-prism-deadline-ms"), life.trace
                 )
                 if call.req.stream:
-                    # The body outlives this handler: it closes the lifecycle, or Starlette's background task does
-                    # when the client left before the body ever ran.
+                    # The body outlives this handler: the response closes the lifecycle (also if its body never ran).
                     return _LifecycleStream(self._sse(life.detach(), client, call), life)
                 out_ids, finish = await client.collect(call)
                 text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)

@@ -10,8 +10,7 @@ open ──enter──► admitted (holds an in-flight place) ──► working 
 status, a cancellation → CANCELLED), or as OK. :meth:`RequestLifecycle.close` is the only place that finishes the
 request's trace (metrics + the request log line), cancels its decode stream and gives the place back; a closed
 lifecycle ignores later closes, so the first outcome is the one recorded. An SSE response outlives its handler:
-:meth:`detach` hands the open lifecycle to the response body, which closes it itself (and Starlette's background task
-closes it as CANCELLED if the body never ran).
+:meth:`detach` hands the open lifecycle to the response, which closes it itself — as CANCELLED if its body never ran.
 
 Every 5xx is logged with its traceback: ids, codes, exception types and frames, never request content.
 """

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,21 +32,18 @@ from common.errors import (
     DeadlineExceeded,
     HandoffError,
     InvalidRequestError,
-    ModelNotFound,
     PrismError,
 )
 from common.media.loader import check_request
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
+from common.protocol.body import ascii_int
 from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
 from common.stages.prompt import render_chat
 from services.lifecycle import REPLICA_LOST
 from services.retry import with_retries
-
-_DIGITS = re.compile(r"[0-9]{1,12}")
-"""ASCII digits only (``str.isdigit`` accepts "²", which ``int`` refuses), and few enough for ``int``."""
 
 
 @dataclass
@@ -81,10 +77,10 @@ class PipelineClient:
         server = self.cfg.server
         budget = server.default_deadline_ms
         if budget_ms not in (None, "", 0):
-            text = str(budget_ms).strip()
-            if not _DIGITS.fullmatch(text) or int(text) < 1:
+            parsed = ascii_int(str(budget_ms), max_digits=12)
+            if parsed is None or parsed < 1:
                 raise InvalidRequestError("X-Prism-Deadline-Ms must be a positive integer", param="X-Prism-Deadline-Ms")
-            budget = int(text)
+            budget = parsed
             if budget > server.max_deadline_ms:
                 raise InvalidRequestError(
                     f"X-Prism-Deadline-Ms is {budget}; the limit is {server.max_deadline_ms}",
@@ -97,10 +93,7 @@ class PipelineClient:
         started. Every check here is a 4xx that costs milliseconds: counts and parameters, the media references, and
         the prompt's text tokens (rendered and tokenised in a worker thread, never on the event loop)."""
         trace.tenant = tenant
-        server = self.cfg.server
-        req = parse_chat_request(body, server.max_messages, server.max_content_parts, server.max_text_chars)
-        if req.model != self.frontend.served_name:
-            raise ModelNotFound(f"model {req.model!r} is not served here; try {self.frontend.served_name!r}")
+        req = parse_chat_request(body, self.cfg.server)  # (the ingress picked this client by the body's `model`)
         deadline = self.deadline(budget_ms)
         sampling = req.sampling(self.cfg.engine.max_output_tokens).resolved()
         if sampling.max_tokens > self.cfg.engine.max_output_tokens:

@@ -29,6 +29,8 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
+from common.protocol.body import ascii_int
+
 ENV_MAX_BODY_BYTES = "PRISM_MAX_BODY_BYTES"
 CALLBACK = "services.proxy_guard:middlewares"
 
@@ -153,8 +155,7 @@ def _content_length(scope: Scope) -> int | None:
         if name == b"transfer-encoding":
             return None
         if name == b"content-length":
-            text = value.decode("latin-1").strip()
-            declared = int(text) if text.isascii() and text.isdigit() and len(text) <= 15 else None
+            declared = ascii_int(value.decode("latin-1"))
     return declared
 
 

@@ -67,19 +67,23 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     deadline = time.time() + 60
-    while _ray_processes() and time.time() < deadline:  # the CLI's `ray stop` may still be at work
+    while ray_processes() and time.time() < deadline:  # the CLI's `ray stop` may still be at work
         time.sleep(1)
-    if _ray_processes():
+    if ray_processes():
         subprocess.run([str(ROOT / ".venv" / "bin" / "ray"), "stop", "--force"], check=False)
 
 
-def _ray_processes() -> list[int]:
+def ray_processes() -> list[tuple[int, str, int]]:
+    """``(pid, name, RSS in MB)`` of every Ray process on this machine: workers by their title without ``ray::``
+    (``ServeReplica:prism:Ingress``, ``ProxyActor`` …), the raylet and GCS by their executable's path."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        if cmd.startswith((b"ray::", b"/")) and (b"raylet" in cmd or b"gcs_server" in cmd or cmd.startswith(b"ray::")):
-            found.append(int(pid))
+        if title.startswith("ray::") or "raylet" in title or "gcs_server" in title:
+            rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS")), 0)
+            found.append((int(pid), title.split(" ")[0].removeprefix("ray::"), rss // 1024))
     return found

@@ -93,7 +93,7 @@ def load_frontend(cfg: ModelConfig, config: Any = None, dtype: str | None = None
     if not tokenizer.chat_template:
         raise UnsupportedModelError(f"{model_dir} has no chat template")
     image_processor = adapter.load_image_processor(str(model_dir))
-    served = cfg.served_name or (cfg.model if not Path(cfg.model).expanduser().is_dir() else model_dir.name)
+    served = cfg.name
     if dtype is None:
         dtype = cfg.dtype if cfg.dtype != "auto" else str(getattr(config, "dtype", None) or "float32")
     contract = build_contract(

@@ -51,6 +51,15 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 """OpenAI chat parameters Prism does not implement, with the values it honours by not implementing them."""
 
 
+def ascii_int(text: str, max_digits: int = 15) -> int | None:
+    """A header's non-negative integer (``Content-Length``, ``X-Prism-Deadline-Ms``), or ``None``: ASCII digits only
+    (``str.isdigit`` also accepts "²", which ``int`` refuses) and at most ``max_digits`` of them."""
+    text = text.strip()
+    if not (0 < len(text) <= max_digits and text.isascii() and text.isdigit()):
+        return None
+    return int(text)
+
+
 def decode_json(raw: bytes | bytearray, max_depth: int) -> Any:
     """Parse a body; 400 ``invalid_json`` if it is not JSON, ``json_too_deep`` past ``max_depth`` levels."""
     try:

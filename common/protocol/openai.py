@@ -12,10 +12,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from common.config import ServerConfig
 from common.errors import InvalidRequestError
 from common.media.loader import MediaRef
 from common.protocol.body import check_parameters, check_shape
-from common.protocol.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, SamplingParams
+from common.protocol.sampling import SamplingParams, stop_problem
 
 
 class _Part(BaseModel):
@@ -134,15 +135,12 @@ class ChatCompletionRequest(BaseModel):
         return out
 
 
-def parse_chat_request(
-    body: Any,
-    max_messages: int = 256,
-    max_parts: int = 64,
-    max_text_chars: int = 131_072,
-) -> ChatCompletionRequest:
-    """Validate a decoded request body: counts and unsupported parameters on the raw dict first, then the schema
-    (pydantic errors become one 400 naming the first bad field), then the stop strings."""
-    check_shape(body, max_messages, max_parts, max_text_chars)
+def parse_chat_request(body: Any, server: ServerConfig | None = None) -> ChatCompletionRequest:
+    """Validate a decoded request body under ``server``'s limits (the defaults when ``None``): counts and unsupported
+    parameters on the raw dict first, then the schema (pydantic errors become one 400 naming the first bad field),
+    then the stop strings."""
+    server = server or ServerConfig()
+    check_shape(body, server.max_messages, server.max_content_parts, server.max_text_chars)
     ignored = check_parameters(body, frozenset(ChatCompletionRequest.model_fields))
     try:
         req = ChatCompletionRequest.model_validate(body)
@@ -164,12 +162,6 @@ def _type_tag(segment: object) -> bool:
 
 
 def _check_stop(stop: str | list[str] | None) -> None:
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(
-            f"stop has {len(stops)} strings; the limit is {MAX_STOP_STRINGS}", code="invalid_stop", param="stop"
-        )
-    if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
-        raise InvalidRequestError(
-            f"each stop string must be 1 to {MAX_STOP_LENGTH} characters", code="invalid_stop", param="stop"
-        )
+    problem = stop_problem([stop] if isinstance(stop, str) else stop or [])
+    if problem:
+        raise InvalidRequestError(problem, code="invalid_stop", param="stop")

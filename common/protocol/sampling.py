@@ -8,11 +8,22 @@ its first token is drawn by prefill in one replica and the rest by decode in ano
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
+
+
+def stop_problem(stops: Sequence[object]) -> str | None:
+    """What is wrong with a list of stop strings, or ``None``: the one rule the API (400 ``invalid_stop``) and the
+    engines' :class:`SamplingParams` share."""
+    if len(stops) > MAX_STOP_STRINGS:
+        return f"stop has {len(stops)} strings; the limit is {MAX_STOP_STRINGS}"
+    if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_LENGTH for s in stops):
+        return f"each stop string must be 1 to {MAX_STOP_LENGTH} characters"
+    return None
 
 
 class SamplingParams(BaseModel):
@@ -44,11 +55,11 @@ class SamplingParams(BaseModel):
             v = (v,)
         if v is None:
             return ()
-        if not isinstance(v, (list, tuple)) or len(v) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop must be a string or at most {MAX_STOP_STRINGS} strings")
-        for s in v:
-            if not isinstance(s, str) or not s or len(s) > MAX_STOP_LENGTH:
-                raise ValueError(f"each stop string must be 1..{MAX_STOP_LENGTH} characters")
+        if not isinstance(v, (list, tuple)):
+            raise ValueError("stop must be a string or a list of strings")
+        problem = stop_problem(v)
+        if problem:
+            raise ValueError(problem)
         return tuple(v)
 
     @property

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.mediakit import png_bytes, synthetic_image, video_bytes
-from tests.served import API_KEY
+from tests.served import API_KEY, ray_processes
 
 LLAVA, QWEN = "prism-tiny-llava", "prism-tiny-qwen2vl"
 
@@ -45,18 +45,10 @@ def _ask(client, model: str, *parts: dict) -> openai.types.chat.ChatCompletion:
 
 
 def _rss_mb() -> dict[str, int]:
-    """RSS of every Ray process of the app (Serve replicas, proxy, controller, GCS, raylet …), by process title."""
+    """RSS of every Ray process of the app (Serve replicas, proxy, controller, GCS, raylet …), by process name."""
     out: dict[str, int] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        if title.startswith("ray::") or "raylet" in title or "gcs_server" in title:
-            rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
-            name = title.split(" ")[0].removeprefix("ray::")
-            out[name] = out.get(name, 0) + rss // 1024
+    for _, name, rss in ray_processes():
+        out[name] = out.get(name, 0) + rss
     return out
 
 

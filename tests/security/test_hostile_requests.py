@@ -21,6 +21,7 @@ import pytest
 
 from services.proto import prism_pb2, prism_pb2_grpc
 from tests.security.conftest import API_KEY
+from tests.served import ray_processes
 
 MODEL = "prism-tiny-llava"
 KEY = {"authorization": f"Bearer {API_KEY}"}
@@ -142,17 +143,7 @@ HEADER_CASES = [
 
 def _processes() -> dict[str, tuple[int, int]]:
     """Serve's proxy and replicas: name → (pid, RSS in MB)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        if title.startswith(("ray::ProxyActor", "ray::ServeReplica")):
-            rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
-            out[title.removeprefix("ray::").split(" ")[0]] = (int(pid), rss // 1024)
-    return out
+    return {name: (pid, rss) for pid, name, rss in ray_processes() if name.startswith(("ProxyActor", "ServeReplica"))}
 
 
 def _send(base: str, headers: dict, body: object) -> tuple[httpx.Response, float]:

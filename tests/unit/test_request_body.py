@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from common.config import PrismConfig
+from common.config import PrismConfig, ServerConfig
 from common.errors import InvalidRequestError, PrismError, UnsupportedParameter
 from common.protocol.body import UNSUPPORTED, decode_json
 from common.protocol.openai import parse_chat_request
@@ -17,7 +17,7 @@ BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 def _refused(body, **limits) -> PrismError:
     with pytest.raises(PrismError) as info:
-        parse_chat_request(body, **limits)
+        parse_chat_request(body, ServerConfig(**limits))
     return info.value
 
 

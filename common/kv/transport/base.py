@@ -19,6 +19,8 @@ TransportName = Literal["object_store", "nixl", "fake"]
 
 class KVTransport(abc.ABC):
     name: TransportName
+    fetch_blocks: bool = True
+    """Whether :meth:`fetch` does I/O (run it in a worker thread) or just hands back what arrived (call it inline)."""
 
     @abc.abstractmethod
     def publish(self, out: PrefillOutput, expires_at: float) -> Any:
@@ -26,7 +28,7 @@ class KVTransport(abc.ABC):
 
     @abc.abstractmethod
     def fetch(self, handle: Any) -> PrefillOutput:
-        """The output behind ``handle``; may block (run it in a worker thread); raises :class:`HandoffError`."""
+        """The output behind ``handle`` (blocking when :attr:`fetch_blocks`); raises :class:`HandoffError`."""
 
     def release(self, now: float | None = None) -> int:
         """Free what was read or expired; returns how many hand-offs the sender still holds."""

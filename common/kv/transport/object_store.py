@@ -14,6 +14,7 @@ from common.protocol.handoff import PrefillOutput
 
 class ObjectStoreTransport(KVTransport):
     name = "object_store"
+    fetch_blocks = False  # Serve already resolved the response into the argument: nothing to wait for
 
     def publish(self, out: PrefillOutput, expires_at: float) -> PrefillOutput:
         return out
