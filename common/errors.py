@@ -154,6 +154,12 @@ class Overloaded(PrismError):
     retry_after_s = 1.0
 
 
+class TenantQuotaExceeded(Overloaded):
+    """The tenant is over its own concurrency or rate quota (HTTP 429 with Retry-After); other tenants are not."""
+
+    default_code = "tenant_quota_exceeded"
+
+
 class DeadlineExceeded(PrismError):
     """The request's deadline budget ran out; the stage refused rather than work for nobody."""
 

@@ -1,7 +1,11 @@
 """Encode deployment: vision tower + projector behind the encoder cache and the shape-bucketed batcher.
 
 Requests from many callers share batches: each call submits its items to the :class:`EncodeEngine` and awaits a
-future; the driver loop encodes one batch per step. A cancelled call (client gone) removes its queued items.
+future; the driver loop encodes one batch per step. Before submitting, a call is admitted against the replica's patch
+budget (``admission.encode_patch_budget``; only the patches the encoder cache does not hold count, so cache hits
+never wait) — it waits in rank order (fewest patches first, with aging; batch class behind interactive) or gets
+429 / 504 (:mod:`services.admission`). A cancelled call (client gone) removes its queued items; items whose
+deadline passes in the queue are dropped before the next batch (504).
 
 Trace: ``encode.transfer`` (media done → this call starts: the pixels' hand-off), ``encode.queue`` (waiting for a
 batch), ``encode`` (the batch that finished it; encoder-cache hits/misses and visual tokens as attributes).
@@ -15,11 +19,13 @@ from typing import Any
 from common.cache.encoder_cache import EncoderCache
 from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
+from common.errors import DeadlineExceeded
 from common.media.stage import decode_options
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbeddings
 from common.sched.encoder_batcher import EncoderBatcher
+from services.admission import StageAdmission
 from services.metrics import Metrics
 from services.runtime import AwaitedEngine
 
@@ -35,8 +41,10 @@ class EncodeDeployment:
         batcher = EncoderBatcher(patch_budget=eng.encoder_patch_budget)
         self.engine = EncodeEngine(self.lm, batcher, self.cache, time.monotonic)
         self.options = decode_options(self.cfg.media)
-        self.runner = AwaitedEngine(self.engine.step, self.engine.has_work, dict.items, self.engine.cancel)
+        self.runner = AwaitedEngine(self._step, self.engine.has_work, _results, self.engine.cancel)
         self.metrics = Metrics("encode")
+        adm = self.cfg.admission
+        self.admission = StageAdmission("encode", "patches", adm.encode_patch_budget, adm, self.metrics)
         self.metrics.keep_fresh(self._load)
 
     async def encode(
@@ -52,8 +60,10 @@ class EncodeDeployment:
         if not items:
             return timeline.wrap([])
         ctx.check_deadline("encode")
+        patches = self.engine.uncached_patches(items, ctx.tenant, self.options)
         try:
-            out = await self.runner.run(ctx.key, lambda: self._submit(ctx.key, items, ctx.tenant))
+            async with self.admission.held(ctx, patches, patches):
+                out = await self.runner.run(ctx.key, lambda: self._submit(ctx, items))
         finally:
             stats = self.engine.pop_stats(ctx.key)
             self._load()
@@ -72,10 +82,20 @@ class EncodeDeployment:
             self.metrics.cache_bytes("encoder", self.cache.stats().bytes)
         return timeline.wrap(out)
 
-    def _submit(self, request_id: str, items: list[ProcessedMedia], tenant: str) -> list[VisualEmbeddings] | None:
-        done = self.engine.submit(request_id, items, tenant=tenant, processor_options=self.options)
+    def _submit(self, ctx: RequestContext, items: list[ProcessedMedia]) -> list[VisualEmbeddings] | None:
+        done = self.engine.submit(
+            ctx.key, items, tenant=ctx.tenant, processor_options=self.options, deadline=ctx.monotonic_deadline()
+        )
         self._load()
         return done
+
+    def _step(self) -> tuple[list[str], dict[str, list[VisualEmbeddings]]]:
+        return self.engine.expire(), self.engine.step()
+
+    async def stats(self) -> dict[str, int]:
+        """Work counters (batches and items through the vision tower) and what the budget holds."""
+        gate = self.admission.gate
+        return {"batches": self.engine.batches, "items": self.engine.items_encoded, "admitted_patches": gate.used}
 
     def _load(self) -> None:
         self.metrics.load(len(self.runner.waiting), self.engine.batcher.pending_patches)
@@ -85,3 +105,10 @@ class EncodeDeployment:
             "queue_depth": float(self.engine.batcher.pending_patches),
             "pending_items": float(len(self.runner.waiting)),
         }
+
+
+def _results(out: tuple[list[str], dict[str, list[VisualEmbeddings]]]):
+    expired, done = out
+    for rid in expired:
+        yield rid, DeadlineExceeded("deadline exceeded while queued for the encoder")
+    yield from done.items()

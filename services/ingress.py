@@ -29,6 +29,7 @@ from common.config import PrismConfig
 from common.errors import InvalidRequestError, ModelNotFound, PrismError, RequestTooLarge
 from common.model.loader import load_frontend
 from common.protocol.body import decode_json
+from common.sched.quota import TenantQuotas
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
 from services.auth import ApiKeys
@@ -48,17 +49,25 @@ class IngressDeployment:
         """``pipelines``: per served model, in the config's order, its media, encode, prefill and decode handles."""
         self.cfg = PrismConfig.model_validate(config)
         self.keys = ApiKeys(self.cfg.server)
+        server = self.cfg.server
+        # Each ingress replica enforces its share of every tenant quota (see common.sched.quota on the accuracy).
+        share = 1.0 / self.cfg.deployments.ingress.max_replicas
+        self.quotas = TenantQuotas(self.cfg.admission, share, server.retry_after_s)
+        self.observer = RequestObserver(self.cfg.observability)
         self.clients: dict[str, PipelineClient] = {}
         for sub, handles in zip(self.cfg.served(), pipelines, strict=True):
             frontend = load_frontend(sub.model)  # served under the name the frontend reports
-            self.clients[frontend.served_name] = PipelineClient(sub, frontend, *handles)
-        self.observer = RequestObserver(self.cfg.observability)
-        server = self.cfg.server
+            self.clients[frontend.served_name] = PipelineClient(
+                sub, frontend, *handles, quotas=self.quotas, metrics=self.observer.metrics
+            )
         self.places = InFlight(server.max_in_flight_per_ingress, server.retry_after_s, self._load)
         self.observer.metrics.keep_fresh(lambda: self._load(self.places.count))
 
     def _load(self, in_flight: int) -> None:
-        self.observer.metrics.load(in_flight, in_flight)
+        metrics = self.observer.metrics
+        metrics.load(in_flight, in_flight)
+        for tenant, count in self.quotas.in_flight().items():
+            metrics.set("prism_tenant_in_flight", count, tenant=tenant)
 
     def _client(self, body: Any) -> PipelineClient:
         """The served model the request names (404 ``model_not_found`` listing the served ones otherwise)."""
@@ -109,8 +118,9 @@ class IngressDeployment:
                 tenant = self.keys.tenant(_bearer(request))  # from the headers, before any body byte is read
                 body = await read_json(request, self.cfg.body_limit, self.cfg.server.max_json_depth)
                 client = self._client(body)
+                headers = request.headers
                 call = life.call = await client.begin(
-                    tenant, body, request.headers.get("x-prism-deadline-ms"), life.trace
+                    tenant, body, headers.get("x-prism-deadline-ms"), life.trace, headers.get("x-prism-priority")
                 )
                 if call.req.stream:
                     # The body outlives this handler: the response closes the lifecycle (also if its body never ran).
@@ -181,7 +191,7 @@ class IngressDeployment:
         life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
         try:
             async with life:
-                client, call = await self._grpc_begin(life, request)
+                client, call = await self._grpc_begin(life, request, grpc_context)
                 out_ids, finish = await client.collect(call)
                 response = prism_pb2.GenerateResponse(
                     id=call.rid,
@@ -201,7 +211,7 @@ class IngressDeployment:
             _grpc_trace(grpc_context, life)
 
     async def _grpc_begin(
-        self, life: RequestLifecycle, request: prism_pb2.GenerateRequest
+        self, life: RequestLifecycle, request: prism_pb2.GenerateRequest, grpc_context
     ) -> tuple[PipelineClient, Call]:
         """Authenticate (before the JSON is parsed), bound and parse the message, route it, and issue the chain."""
         tenant = self.keys.tenant(request.api_key)
@@ -210,14 +220,15 @@ class IngressDeployment:
             raise RequestTooLarge(f"chat_completion_json is {len(raw)} bytes; the limit is {self.cfg.body_limit}")
         body = await asyncio.to_thread(decode_json, raw, self.cfg.server.max_json_depth)
         client = self._client(body)
-        life.call = await client.begin(tenant, body, request.deadline_ms, life.trace)
+        priority = _grpc_header(grpc_context, "x-prism-priority")
+        life.call = await client.begin(tenant, body, request.deadline_ms, life.trace, priority)
         return client, life.call
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
         life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
         try:
             async with life:
-                client, call = await self._grpc_begin(life, request)
+                client, call = await self._grpc_begin(life, request, grpc_context)
                 detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
                 out_ids: list[int] = []
                 async for token, finish in client.tokens(call):

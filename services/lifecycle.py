@@ -8,7 +8,8 @@ open ──enter──► admitted (holds an in-flight place) ──► working 
 :class:`RequestLifecycle` is an async context manager. Entering takes an in-flight place (or closes the request as a
 429 and raises). Leaving closes it — by the exception that left the block (a typed error → REFUSED or FAILED by its
 status, a cancellation → CANCELLED), or as OK. :meth:`RequestLifecycle.close` is the only place that finishes the
-request's trace (metrics + the request log line), cancels its decode stream and gives the place back; a closed
+request's trace (metrics + the request log line), cancels its stage chain, gives the tenant's quota and the place
+back; a closed
 lifecycle ignores later closes, so the first outcome is the one recorded. An SSE response outlives its handler:
 :meth:`detach` hands the open lifecycle to the response, which closes it itself — as CANCELLED if its body never ran.
 
@@ -144,7 +145,7 @@ class RequestLifecycle:
                 _log_failure(self.trace.request_id, status, code, exc)
         try:
             if self.call is not None:
-                self.call.stream.cancel()  # frees the sequence's KV at once if decode still runs it
+                self.call.close()  # cancels what of its chain still runs (frees KV at once), gives its quota back
             self.observer.finish(self.trace, status, code, kv_blocks)
         finally:  # the place goes back whatever the above did
             if self._admitted:

@@ -1,11 +1,19 @@
 """Media deployment (CPU): fetch, check, decode and process a request's images and videos → ``ProcessedMedia``.
 
 Thin wrapper: :class:`common.media.stage.MediaStage` does the safe fetch and decoding, the family processor and the
-processor cache run in :func:`common.stages.process.process_images`. Work runs in a thread so one slow download never
+processor cache run in :func:`common.stages.process.process_images`. Work runs in threads so one slow download never
 blocks the replica's other requests. Loads the model's front end only (no weights).
 
-Trace: ``media.queue`` (ingress sent → this call starts), ``media.fetch`` and ``media.decode`` (summed over items),
-``media.process`` (the processor, with this request's processor-cache hits, pixels, frames and visual tokens).
+Lifecycle of one call: fetch + sniff + header check (thread; nothing decoded) → **admission** against the replica's
+pixel budget (``admission.media_pixel_budget``: waits in rank order, or 429 / 504 — :mod:`services.admission`) →
+decode + processor (thread, holding the pixels until it ends) → the request's :class:`ResourceVector` completed
+from the processed media and checked against every per-request limit — visual tokens, the prompt limit, the decode
+KV lease — so a request that cannot fit is refused here, before the encoder queue. Fetch and decode stop at the
+request's deadline (``min(deadline, media timeouts)``) and when the caller goes away.
+
+Trace: ``media.queue`` (ingress sent → this call starts), ``media.fetch`` (downloads and header checks),
+``media.admission`` (waiting for room in the pixel budget), ``media.decode`` (summed over items), ``media.process``
+(the processor, with this request's processor-cache hits, pixels, patches, visual and prompt tokens).
 """
 
 from __future__ import annotations
@@ -18,13 +26,16 @@ from common.cache.processor_cache import ProcessorCache
 from common.cache.tally import TalliedCache
 from common.config import PrismConfig
 from common.errors import InvalidRequestError
-from common.media.loader import LoadTimings, MediaRef
+from common.media.loader import CheckedMedia, LoadTimings, MediaRef
 from common.media.stage import MediaStage
 from common.model.loader import load_frontend
 from common.obs.keyed_hash import keyed_hash
 from common.obs.trace import Timeline, Traced
 from common.protocol.handoff import ProcessedMedia, RequestContext
+from common.sched.resources import ResourceVector, check_limits
+from common.sched.stop import Stop
 from common.stages.process import process_loaded
+from services.admission import StageAdmission
 from services.metrics import Metrics
 from services.runtime import set_threads
 
@@ -40,50 +51,80 @@ class MediaDeployment:
         if eng.processor_cache_bytes:
             self.cache = ProcessorCache(eng.processor_cache_bytes, eng.shared_cache_scope)
         self.in_flight = 0
+        self.max_lease_blocks = max(1, int(eng.kv_pool_blocks * eng.max_lease_fraction))
         self.metrics = Metrics("media")
+        adm = self.cfg.admission
+        self.admission = StageAdmission("media", "pixels", adm.media_pixel_budget, adm, self.metrics)
         self.metrics.keep_fresh(self._load)
 
     async def process(self, refs: list[MediaRef], ctx: RequestContext) -> Traced[list[ProcessedMedia]]:
         timeline = Timeline(ctx.sent_at)
         queued = timeline.mark("media.queue").duration_s
         ctx.check_deadline("media")
+        self._check_modalities(refs)  # refuse before fetching anything
+        stop = Stop(ctx.monotonic_deadline())
+        timings = LoadTimings()
         self.in_flight += 1
         self._load()
         try:
-            return await asyncio.to_thread(self._process, refs, ctx.tenant, timeline, queued)
+            start = time.time()
+            try:
+                checked = await asyncio.to_thread(self.stage.fetch, refs, timings, stop)
+            except asyncio.CancelledError:
+                stop.cancel()  # the thread ends at its next check instead of finishing the download for nobody
+                raise
+            timeline.mark("media.fetch", items=len(checked), bytes=timings.nbytes)
+            pixels = sum(c.pixels for c in checked)
+            grant = await self.admission.admit(ctx, pixels, 0)  # media: first come, first served within a class
+            timeline.mark("media.admission", pixels=pixels, waited=grant.waited_s > 0)
+            work = lambda: self._decode(checked, ctx, timings, timeline, stop)  # noqa: E731
+            out = await self.admission.in_thread(grant, stop, work)
+            self.metrics.stage_time(queued, time.time() - start)
+            return out
         finally:
             self.in_flight -= 1
             self._load()
 
-    def _process(
-        self, refs: list[MediaRef], tenant: str, timeline: Timeline, queued: float
-    ) -> Traced[list[ProcessedMedia]]:
+    def _check_modalities(self, refs: list[MediaRef]) -> None:
         unsupported = {r.kind for r in refs} - set(self.frontend.adapter.modalities)
-        if unsupported:  # refuse before fetching anything
+        if unsupported:
             raise InvalidRequestError(
                 f"model {self.frontend.served_name} does not accept {', '.join(sorted(unsupported))} input",
                 param="messages",
             )
-        start = time.time()
-        timings = LoadTimings()
-        loaded = self.stage.load(refs, timings)
-        timeline.span("media.fetch", timings.fetch_s, items=len(refs), bytes=timings.nbytes)
+
+    def _decode(
+        self, checked: list[CheckedMedia], ctx: RequestContext, timings: LoadTimings, timeline: Timeline, stop: Stop
+    ) -> Traced[list[ProcessedMedia]]:
+        loaded = self.stage.decode(checked, timings, stop)
         timeline.span("media.decode", timings.decode_s, frames=sum(len(m.frames) for m in loaded))
+        stop.check("media processing")
         view = TalliedCache(self.cache) if self.cache is not None else None
-        out = process_loaded(self.frontend, loaded, cache=view, tenant=tenant, options=self.stage.decode_options())
+        out = process_loaded(self.frontend, loaded, cache=view, tenant=ctx.tenant, options=self.stage.decode_options())
+        vector = self._check_vector(ctx, out)
         timeline.mark(
             "media.process",
-            pixels=sum(m.source_size[0] * m.source_size[1] for m in out),
-            visual_tokens=sum(m.num_visual_tokens for m in out),
+            pixels=vector.pixels,
+            patches=vector.patches,
+            visual_tokens=vector.visual_tokens,
+            prompt_tokens=vector.prompt_tokens,
             processor_cache_hits=view.hits if view else 0,
             processor_cache_misses=view.misses if view else 0,
             media=[keyed_hash(self.cfg.observability.media_hash_key, m.media_digest) for m in out],
         )
-        self.metrics.stage_time(queued, time.time() - start)
         if view is not None and self.cache is not None:
             self.metrics.cache_lookups("processor", view.hits, view.misses)
             self.metrics.cache_bytes("processor", self.cache.stats().bytes)
         return timeline.wrap(out)
+
+    def _check_vector(self, ctx: RequestContext, out: list[ProcessedMedia]) -> ResourceVector:
+        """The request's vector completed by its processed media, checked against every per-request limit: the
+        prompt and the KV lease are judged here, before the encoder queue, not after encode or prefill ran."""
+        eng = self.cfg.engine
+        base = ctx.vector or ResourceVector.at_ingress(len(out), len(out), 0, eng.kv_block_size)
+        vector = base.with_media(out, eng.kv_block_size)
+        check_limits(vector, self.cfg.admission, eng.max_prompt_tokens, self.max_lease_blocks)
+        return vector
 
     def _load(self) -> None:
         self.metrics.load(self.in_flight, self.in_flight)

@@ -10,8 +10,17 @@ protocol commits to a status; a chain that lost a replica before that point is i
 :mod:`services.retry`) under a new attempt number. :meth:`PipelineClient.tokens` then yields
 ``(token_id, finish_reason)`` from the typed decode events under the deadline.
 
-Each attempt carries one :class:`RequestContext` (id, attempt, tenant, deadline, priority, ``sent_at``) to every
-stage. Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (the context's
+Admission at the ingress, in the order the costs appear (:mod:`common.sched`): the body's counts and parameters, then
+the prompt's text tokens (the request's :class:`ResourceVector` as far as the ingress can know it — complete for a
+text-only request, whose prompt and KV limits are checked here), then the tenant's quota (429
+``tenant_quota_exceeded``). The quota's ticket is charged the media stage's pixels, patches and visual tokens when
+they reach the ingress with the stream's start, and released when the request closes, however it closes.
+
+Each attempt carries one :class:`RequestContext` (id, attempt, tenant, deadline, priority, ``sent_at``, the vector)
+to every stage, and the client keeps every stage response of the attempt: a failed attempt, a 504 or a client gone
+cancels the whole chain (media, encode, prefill, decode), not only the decode stream.
+
+Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (the context's
 ``sent_at``), the stages' spans arrive with the stream's start event and first token, and every token is stamped as
 it arrives here.
 """
@@ -37,10 +46,13 @@ from common.errors import (
 from common.media.loader import check_request
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
+from common.obs.trace import Span
 from common.protocol.body import ascii_int
-from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
+from common.protocol.handoff import DecodeEvent, Priority, RequestContext, StreamAbort, StreamStart, StreamToken
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
+from common.sched.quota import TenantQuotas, Ticket
+from common.sched.resources import ResourceVector, check_limits
 from common.stages.prompt import render_chat
 from services.lifecycle import REPLICA_LOST
 from services.retry import with_retries
@@ -57,17 +69,48 @@ class Call:
     stream: DeploymentResponseGenerator
     prompt_ids: list[int]
     trace: RequestTrace
+    chain: list[Any]
+    """Every stage response of the attempt (media, encode, prefill, the decode stream): cancelled together."""
+    release: Any
+    """Gives the tenant's quota back (idempotent)."""
     kv_blocks: int = 0
 
     @property
     def rid(self) -> str:
         return self.ctx.request_id
 
+    def close(self) -> None:
+        """Cancel whatever of the chain still runs and give the quota back; safe to call more than once."""
+        try:
+            _cancel(self.chain)
+        finally:
+            self.release()
+
+
+def _cancel(chain: list[Any]) -> None:
+    for response in reversed(chain):  # decode first: it frees KV at once
+        response.cancel()
+
 
 class PipelineClient:
-    def __init__(self, cfg: PrismConfig, frontend: ModelFrontend, media, encode, prefill, decode) -> None:
+    def __init__(
+        self,
+        cfg: PrismConfig,
+        frontend: ModelFrontend,
+        media,
+        encode,
+        prefill,
+        decode,
+        quotas: TenantQuotas | None = None,
+        metrics: Any = None,
+    ) -> None:
+        """``metrics``: the ingress's :class:`services.metrics.Metrics` (admission decisions are counted there)."""
         self.cfg = cfg
         self.frontend = frontend
+        self.quotas = quotas or TenantQuotas(cfg.admission, retry_after_s=cfg.server.retry_after_s)
+        self.metrics = metrics
+        eng = cfg.engine
+        self.max_lease_blocks = max(1, int(eng.kv_pool_blocks * eng.max_lease_fraction))
         self.media: DeploymentHandle = media
         self.encode: DeploymentHandle = encode
         self.prefill: DeploymentHandle = prefill
@@ -88,12 +131,21 @@ class PipelineClient:
                 )
         return time.time() + budget / 1000.0
 
-    async def begin(self, tenant: str, body: Any, budget_ms: str | int | None, trace: RequestTrace) -> Call:
-        """Validate the decoded body for an authenticated ``tenant`` and issue the chain; returns once decode has
-        started. Every check here is a 4xx that costs milliseconds: counts and parameters, the media references, and
-        the prompt's text tokens (rendered and tokenised in a worker thread, never on the event loop)."""
+    async def begin(
+        self,
+        tenant: str,
+        body: Any,
+        budget_ms: str | int | None,
+        trace: RequestTrace,
+        priority_header: str | None = None,
+    ) -> Call:
+        """Validate the decoded body for an authenticated ``tenant``, admit it and issue the chain; returns once
+        decode has started. Every check here is a 4xx/429 that costs milliseconds: counts and parameters, the media
+        references, the prompt's text tokens (rendered and tokenised in a worker thread, never on the event loop),
+        the per-request limits the ingress can already judge, and the tenant's quota."""
         trace.tenant = tenant
         req = parse_chat_request(body, self.cfg.server)  # (the ingress picked this client by the body's `model`)
+        priority = _priority(req, priority_header)
         deadline = self.deadline(budget_ms)
         sampling = req.sampling(self.cfg.engine.max_output_tokens).resolved()
         if sampling.max_tokens > self.cfg.engine.max_output_tokens:
@@ -103,56 +155,108 @@ class PipelineClient:
             )
         refs = req.media_refs()
         check_request(refs, self.cfg.media)
-        await asyncio.to_thread(self._check_text_tokens, req, len(refs))
-        ignored = {"ignored_fields": req.ignored_fields} if req.ignored_fields else {}
-        trace.sent(media_items=len(refs), max_tokens=sampling.max_tokens, **ignored)
-        attempts = itertools.count(1)
-
-        def context() -> RequestContext:
-            n = next(attempts)  # a re-issued chain's stages count their queue from its own issue time
-            sent_at = trace.timeline.last if n == 1 else time.time()
-            return RequestContext(trace.request_id, tenant, deadline, sent_at, attempt=n)
-
-        stream, ctx, first = await with_retries(
-            lambda: self._attempt(req, sampling, context()),
-            deadline,
-            REPLICA_LOST,
-            max_attempts=self.cfg.server.max_chain_attempts,
+        rendered = await asyncio.to_thread(self._count_text_tokens, req)
+        data_bytes = sum(len(r.url) * 3 // 4 for r in refs if r.url[:5].lower() == "data:")
+        vector = ResourceVector.at_ingress(
+            rendered, len(refs), sampling.max_tokens, self.cfg.engine.kv_block_size, media_bytes=data_bytes
         )
+        ticket = self._admit(tenant, priority, vector)
+        try:
+            ignored = {"ignored_fields": req.ignored_fields} if req.ignored_fields else {}
+            trace.sent(media_items=len(refs), max_tokens=sampling.max_tokens, priority=priority, **ignored)
+            attempts = itertools.count(1)
+
+            def context() -> RequestContext:
+                n = next(attempts)  # a re-issued chain's stages count their queue from its own issue time
+                sent_at = trace.timeline.last if n == 1 else time.time()
+                return RequestContext(
+                    trace.request_id, tenant, deadline, sent_at, attempt=n, priority=priority, vector=vector
+                )
+
+            chain, ctx, first = await with_retries(
+                lambda: self._attempt(req, sampling, context()),
+                deadline,
+                REPLICA_LOST,
+                max_attempts=self.cfg.server.max_chain_attempts,
+            )
+        except BaseException:
+            self.quotas.release(ticket)
+            raise
         trace.absorb(first.spans)
         trace.prompt_tokens = len(first.prompt_token_ids)
-        return Call(ctx, self.frontend, req, sampling, stream, list(first.prompt_token_ids), trace)
+        self._charge_media(ticket, vector, first.spans)
+        return Call(
+            ctx,
+            self.frontend,
+            req,
+            sampling,
+            chain[-1],
+            list(first.prompt_token_ids),
+            trace,
+            chain,
+            lambda: self.quotas.release(ticket),
+        )
 
-    def _check_text_tokens(self, req: ChatCompletionRequest, media_items: int) -> None:
-        """The prompt rendered with one placeholder per media item: a lower bound of its final length (each item
-        expands to at least one visual token), so over ``max_prompt_tokens`` here is over it for certain."""
-        limit = self.cfg.engine.max_prompt_tokens
-        n = len(self.frontend.tokenizer(render_chat(self.frontend, req.template_messages()))["input_ids"])
-        if n > limit:
-            what = "tokens" if not media_items else f"tokens before its {media_items} media items are expanded"
-            raise InvalidRequestError(
-                f"prompt is {n} {what}; the limit is {limit}", code="prompt_too_long", param="messages"
-            )
+    def _admit(self, tenant: str, priority: Priority, vector: ResourceVector) -> Ticket:
+        """Per-request limits (complete for a text-only request; for one with media the vector is a lower bound, so
+        over a limit here is over it for certain), then the tenant's quota; each decision counted."""
+        reason = "limit"
+        try:
+            check_limits(vector, self.cfg.admission, self.cfg.engine.max_prompt_tokens, self.max_lease_blocks)
+            reason = "quota"
+            ticket = self.quotas.admit(tenant, vector)
+        except PrismError:
+            self._count(tenant, priority, "refused", reason)
+            raise
+        self._count(tenant, priority, "admitted", "immediate")
+        return ticket
+
+    def _count(self, tenant: str, priority: str, result: str, reason: str) -> None:
+        if self.metrics is not None:
+            tags = {"stage": "ingress", "tenant": tenant, "class": priority, "result": result, "reason": reason}
+            self.metrics.inc("prism_admission_total", **tags)
+
+    def _count_text_tokens(self, req: ChatCompletionRequest) -> int:
+        """Tokens of the prompt rendered with one placeholder per media item (each expands to its visual tokens in
+        the media stage's count)."""
+        return len(self.frontend.tokenizer(render_chat(self.frontend, req.template_messages()))["input_ids"])
+
+    def _charge_media(self, ticket: Ticket, vector: ResourceVector, spans: tuple[Span, ...]) -> None:
+        """Charge the tenant what the media stage measured (pixels, patches, visual tokens beyond the lower bound)."""
+        for span in spans:
+            if span.name == "media.process":
+                attrs = span.attrs
+                visual = int(attrs.get("visual_tokens", 0))
+                self.quotas.charge(
+                    ticket,
+                    pixels=float(attrs.get("pixels", 0)),
+                    patches=float(attrs.get("patches", 0)),
+                    prompt_tokens=float(max(0, visual - vector.visual_tokens)),
+                )
+                return
 
     async def _attempt(
         self, req: ChatCompletionRequest, sampling: SamplingParams, ctx: RequestContext
-    ) -> tuple[DeploymentResponseGenerator, RequestContext, StreamStart]:
+    ) -> tuple[list[Any], RequestContext, StreamStart]:
         """Issue the whole chain (each stage's response passed to the next) and wait for the decode stream's start;
-        a failed attempt cancels its chain."""
+        a failed attempt cancels every response of its chain."""
         refs = req.media_refs()
+        chain: list[Any] = []
         embeddings: Any = []
         if refs:
             media = self.media.process.remote(refs, ctx)
             embeddings = self.encode.encode.remote(media, ctx)
+            chain += [media, embeddings]
         pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, ctx)
         stream = self.decode.generate.options(stream=True).remote(pre, sampling, ctx)
+        chain += [pre, stream]
         try:
             first = await self._next(stream, ctx.deadline)
             if not isinstance(first, StreamStart):
                 raise HandoffError(f"the decode stream began with {type(first).__name__}, not its start")
-            return stream, ctx, first
+            return chain, ctx, first
         except BaseException:
-            stream.cancel()
+            _cancel(chain)
             raise
 
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
@@ -182,7 +286,7 @@ class PipelineClient:
                 out.append(token)
                 finish = reason
         finally:
-            call.stream.cancel()
+            _cancel(call.chain)
         return out, finish or "stop"
 
     async def _next(self, stream: DeploymentResponseGenerator, deadline: float) -> DecodeEvent:
@@ -197,3 +301,15 @@ class PipelineClient:
             raise DeadlineExceeded("deadline exceeded while the request was in flight") from None
         except StopAsyncIteration:
             raise PrismError("decode stream ended unexpectedly") from None
+
+
+def _priority(req: ChatCompletionRequest, header: str | None) -> Priority:
+    """The body's ``priority``, else ``X-Prism-Priority``, else interactive."""
+    if req.priority is not None:
+        return req.priority
+    if header in (None, ""):
+        return "interactive"
+    value = header.strip().lower()
+    if value not in ("interactive", "batch"):
+        raise InvalidRequestError("X-Prism-Priority must be 'interactive' or 'batch'", param="X-Prism-Priority")
+    return value  # type: ignore[return-value]

@@ -2,8 +2,13 @@
 
 Receives the chat messages (media reduced to markers) and the visual embeddings — never pixels — builds the prompt
 with the model's chat template, validates the span map against the embeddings (:func:`common.stages.merge.merge`),
-and queues the request on the :class:`PrefillEngine`. The driver spends ``prefill_chunk_tokens`` per step across
-queued prompts. The result is a :class:`PrefillOutput` (first token + KV blocks as numpy) that travels through the
+and — once admitted against the replica's token budget (``admission.prefill_token_budget``; waits in rank order or
+429 / 504, :mod:`services.admission`) — queues the request on the :class:`PrefillEngine`. The driver spends
+``prefill_chunk_tokens`` per step across queued prompts, shortest remaining first with aging (the low-latency lane:
+a text prompt or a prefix-cache hit is not held behind a large image prompt's chunks; batch class behind
+interactive), and drops queued prompts whose deadline passed (504).
+
+The result is a :class:`PrefillOutput` (first token + KV blocks as numpy) that travels through the
 replica's KV transport publishes (:mod:`common.kv.transport`): with ``object_store`` the output itself travels in the
 response; with ``nixl`` a small descriptor does, the decode replica reads the KV straight from this replica's memory,
 and a poller frees it on the reader's notification or at the request's deadline. Prompt rendering and tokenisation
@@ -21,6 +26,7 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
+from common.errors import DeadlineExceeded
 from common.kv.transport import KVTransport, make_transport
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
@@ -28,6 +34,7 @@ from common.protocol.handoff import MergedInputs, RequestContext, VisualEmbeddin
 from common.protocol.sampling import SamplingParams
 from common.stages.merge import merge
 from common.stages.prompt import build_prompt
+from services.admission import StageAdmission
 from services.metrics import Metrics
 from services.runtime import AwaitedEngine
 
@@ -43,16 +50,20 @@ class PrefillDeployment:
             chunk_tokens=eng.prefill_chunk_tokens,
             prefix_cache_blocks=eng.prefix_cache_blocks,
             shared_prefix_scope=eng.shared_cache_scope,
+            aging_tokens_per_s=self.cfg.admission.aging_tokens_per_s,
+            batch_delay_s=self.cfg.admission.batch_delay_s,
         )
         self.transport = transport or make_transport(self.cfg.server.transport)
         self._releaser: asyncio.Task | None = None
         self.runner = AwaitedEngine(
-            lambda: self.engine.step(eng.prefill_chunk_tokens),
+            lambda: (self.engine.expire(), self.engine.step(eng.prefill_chunk_tokens)),
             self.engine.has_work,
-            lambda results: ((r.request_id, r) for r in results),
+            _results,
             self.engine.cancel,
         )
         self.metrics = Metrics("prefill")
+        adm = self.cfg.admission
+        self.admission = StageAdmission("prefill", "tokens", adm.prefill_token_budget, adm, self.metrics)
         self.metrics.keep_fresh(self._load)
 
     async def prefill(
@@ -72,10 +83,10 @@ class PrefillDeployment:
         ctx.check_deadline("prefill")
         merged = await asyncio.to_thread(self._merge, messages, visual)
         prep = timeline.mark("prefill.prompt", prompt_tokens=len(merged.token_ids))
+        tokens = len(merged.token_ids)
         try:
-            result: PrefillResult = await self.runner.run(
-                ctx.key, lambda: self._submit(ctx.key, merged, sampling, ctx.tenant)
-            )
+            async with self.admission.held(ctx, tokens, tokens):
+                result: PrefillResult = await self.runner.run(ctx.key, lambda: self._submit(ctx, merged, sampling))
         finally:
             self._load()
         self._trace(timeline, result, transfer.duration_s, prep.duration_s)
@@ -106,9 +117,21 @@ class PrefillDeployment:
             block_bytes = kv.nbytes // max(1, kv.num_blocks)
             self.metrics.cache_bytes("prefix", len(self.engine.prefix) * block_bytes)
 
-    def _submit(self, request_id: str, merged: MergedInputs, sampling: SamplingParams, tenant: str) -> None:
-        self.engine.submit(request_id, merged, sampling, tenant=tenant)
+    def _submit(self, ctx: RequestContext, merged: MergedInputs, sampling: SamplingParams) -> None:
+        self.engine.submit(
+            ctx.key,
+            merged,
+            sampling,
+            tenant=ctx.tenant,
+            arrival=ctx.sent_at,
+            batch=ctx.batch,
+            deadline=ctx.monotonic_deadline(),
+        )
         self._load()
+
+    async def stats(self) -> dict[str, int]:
+        """Work counter (prompt tokens computed) and what the budget holds."""
+        return {"computed_tokens": self.engine.computed_tokens, "admitted_tokens": self.admission.gate.used}
 
     def _load(self) -> None:
         self.metrics.load(len(self.runner.waiting), self.engine.queued_tokens)
@@ -122,3 +145,11 @@ class PrefillDeployment:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queue_depth": float(self.engine.queued_tokens)}
+
+
+def _results(out: tuple[list[str], list[PrefillResult]]):
+    expired, done = out
+    for rid in expired:
+        yield rid, DeadlineExceeded("deadline exceeded while queued for prefill")
+    for r in done:
+        yield r.request_id, r

@@ -73,8 +73,9 @@ class AwaitedEngine:
     """An engine whose callers each wait for one result per request id (the encode and prefill stages).
 
     :meth:`run` submits under the engine lock and awaits the request's future; each step's output is routed to the
-    futures by ``results(output) → (request_id, value) pairs``. A caller that goes away (cancelled) has its request
-    dropped from the engine; a failing step drops every queued request and fails its caller with a 500.
+    futures by ``results(output) → (request_id, value) pairs`` (a value that is an exception fails that caller). A
+    caller that goes away (cancelled) has its request dropped from the engine; a failing step drops every queued
+    request and fails its caller with a 500.
     """
 
     def __init__(
@@ -113,7 +114,10 @@ class AwaitedEngine:
         for rid, value in self._results(output):
             future = self.waiting.get(rid)
             if future is not None and not future.done():
-                future.set_result(value)
+                if isinstance(value, BaseException):  # the engine dropped it (its deadline passed while queued)
+                    future.set_exception(value)
+                else:
+                    future.set_result(value)
 
     def _fail(self, exc: BaseException) -> None:
         for rid, future in list(self.waiting.items()):

@@ -4,7 +4,8 @@ Lifecycle of one request: ``submit`` looks every media item up in the encoder ca
 digest, processor key, encoder/projector revision + dtype). If all hit, the embeddings come back at once. Misses go
 to the :class:`EncoderBatcher`; each :meth:`step` encodes one batch (items of several requests may share it), stores
 each result with its share of the batch's wall time as recompute cost, and returns the requests that are now
-complete, their embeddings in media order. ``cancel`` drops a request's queued items.
+complete, their embeddings in media order. ``cancel`` drops a request's queued items; :meth:`expire` drops those of
+requests whose deadline (given at submit, engine clock) passed while they waited, so no batch computes for nobody.
 
 Each request's :class:`EncodeStats` (cache hits/misses, when it was queued, when its first batch started) stays
 readable through :meth:`pop_stats` until its caller collects it, so the stage can trace queue wait and work apart.
@@ -56,6 +57,10 @@ class EncodeEngine:
         self.clock = clock
         self._pending: dict[str, _Pending] = {}
         self._stats: dict[str, EncodeStats] = {}
+        self._deadlines: dict[str, float] = {}
+        self.batches = 0
+        """Batches run through the vision tower (work counter: tests check admission refused before it)."""
+        self.items_encoded = 0
 
     def processor_key(self, options: dict[str, Any] | None) -> str:
         return ":".join(
@@ -72,6 +77,7 @@ class EncodeEngine:
         items: list[ProcessedMedia],
         tenant: str = "default",
         processor_options: dict[str, Any] | None = None,
+        deadline: float | None = None,
     ) -> list[VisualEmbeddings] | None:
         """Embeddings now if every item hits the cache; otherwise ``None`` and the request completes in a step."""
         if request_id in self._pending:
@@ -94,12 +100,33 @@ class EncodeEngine:
         if all(s is not None for s in state.slots):
             return list(state.slots)  # type: ignore[arg-type]
         self._pending[request_id] = state
+        if deadline is not None:
+            self._deadlines[request_id] = deadline
         return None
+
+    def uncached_patches(
+        self, items: list[ProcessedMedia], tenant: str = "default", processor_options: dict[str, Any] | None = None
+    ) -> int:
+        """Patches of the items the encoder cache does not hold (what encoding this request would cost now)."""
+        if self.cache is None:
+            return sum(_patches(m) for m in items)
+        pkey = self.processor_key(processor_options)
+        enc = self.lm.contract.encoder_key
+        return sum(_patches(m) for m in items if self.cache.key(tenant, m.media_digest, pkey, enc) not in self.cache)
 
     def cancel(self, request_id: str) -> bool:
         self.batcher.remove_request(request_id)
         self._stats.pop(request_id, None)
+        self._deadlines.pop(request_id, None)
         return self._pending.pop(request_id, None) is not None
+
+    def expire(self) -> list[str]:
+        """Drop the requests whose deadline passed while they waited; their ids."""
+        now = self.clock()
+        gone = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
+        for rid in gone:
+            self.cancel(rid)
+        return gone
 
     def pop_stats(self, request_id: str) -> EncodeStats | None:
         """The request's stats, forgotten by the engine (call once its result or failure is known)."""
@@ -120,6 +147,8 @@ class EncodeEngine:
         start = time.perf_counter()
         outputs = encode_media(self.lm, [item.media for item in batch])
         elapsed = time.perf_counter() - start
+        self.batches += 1
+        self.items_encoded += len(batch)
         total = sum(item.patches for item in batch)
         completed = {}
         for item, emb in zip(batch, outputs, strict=True):
@@ -134,6 +163,7 @@ class EncodeEngine:
             if all(s is not None for s in state.slots):
                 completed[item.request_id] = list(state.slots)
                 del self._pending[item.request_id]
+                self._deadlines.pop(item.request_id, None)
         return completed
 
     def _wrap(self, item: ProcessedMedia, embeddings) -> VisualEmbeddings:
@@ -145,3 +175,8 @@ class EncodeEngine:
             grid_thw=item.grid_thw,
             encoder_revision=self.lm.contract.encoder_key,
         )
+
+
+def _patches(m: ProcessedMedia) -> int:
+    t, h, w = m.grid_thw
+    return t * h * w

@@ -7,7 +7,14 @@ span, and at least one token is always computed for the first-token logits) → 
 → each :meth:`step` spends a token budget across queued requests in FIFO order, one chunk per request at a time
 (chunk ends respect media spans, :mod:`common.engine.chunking`) → after its last chunk a request samples its first
 token, exports its KV as :class:`KVBlocks`, inserts its new full blocks into the prefix cache, and leaves as a
-:class:`PrefillOutput`. :meth:`cancel` drops a queued request at any point.
+:class:`PrefillOutput`. :meth:`cancel` drops a queued request at any point; :meth:`expire` drops those whose
+deadline (given at submit, engine clock) passed.
+
+Rank (the low-latency lane): a request's virtual arrival is its arrival plus the tokens it still has to compute
+÷ ``aging_tokens_per_s`` (plus ``batch_delay_s`` for batch traffic). Short prompts and prefix-cache hits (few tokens
+left to compute) therefore go before a large image prompt that arrived a moment earlier, and are not held behind
+its chunks; the large prompt is overtaken only by work that arrived less than its own size ÷ aging earlier than it
+would rank, so it is never starved. Without ``aging_tokens_per_s`` the order is FIFO.
 
 Requests are computed one chunk at a time (no padding across prompts), which keeps the result bit-identical to an
 unchunked, unbatched prefill up to floating-point reduction order.
@@ -59,6 +66,8 @@ class _State:
     rope_delta: int
     done: int
     stats: PrefillStats
+    rank: float = 0.0
+    deadline: float | None = None
     logits: torch.Tensor | None = None
 
 
@@ -78,8 +87,13 @@ class PrefillEngine:
         prefix_cache_blocks: int = 0,
         shared_prefix_scope: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        aging_tokens_per_s: float | None = None,
+        batch_delay_s: float = 0.0,
     ) -> None:
         self.lm = lm
+        self.aging, self.batch_delay_s = aging_tokens_per_s, batch_delay_s
+        self.computed_tokens = 0
+        """Prompt tokens computed over the engine's life (work counter: tests check admission refused before it)."""
         self.clock = clock
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
@@ -92,7 +106,18 @@ class PrefillEngine:
         self._queue: OrderedDict[str, _State] = OrderedDict()
 
     # ---- queue ----------------------------------------------------------------------------------------------
-    def submit(self, request_id: str, merged: MergedInputs, sampling: SamplingParams, tenant: str = "default") -> None:
+    def submit(
+        self,
+        request_id: str,
+        merged: MergedInputs,
+        sampling: SamplingParams,
+        tenant: str = "default",
+        arrival: float | None = None,
+        batch: bool = False,
+        deadline: float | None = None,
+    ) -> None:
+        """Queue a prompt; ``arrival`` (any clock, the same for every request) and ``batch`` set its rank,
+        ``deadline`` (engine clock) when :meth:`expire` drops it."""
         if request_id in self._queue:
             raise ValueError(f"request {request_id} is already queued")
         lm, bs = self.lm, self.block_size
@@ -110,12 +135,34 @@ class PrefillEngine:
             if hit:
                 self._load_prefix(cache, blocks[:hit])
         stats = PrefillStats(prompt_tokens=n, cached_tokens=hit * bs)
+        arrival = self.clock() if arrival is None else arrival
+        rank = arrival
+        if self.aging is not None:
+            rank += (n - hit * bs) / self.aging + (self.batch_delay_s if batch else 0.0)
         self._queue[request_id] = _State(
-            request_id, merged, sampling.resolved(), hashes, cache, positions, rope_delta, hit * bs, stats
+            request_id,
+            merged,
+            sampling.resolved(),
+            hashes,
+            cache,
+            positions,
+            rope_delta,
+            hit * bs,
+            stats,
+            rank,
+            deadline,
         )
 
     def cancel(self, request_id: str) -> bool:
         return self._queue.pop(request_id, None) is not None
+
+    def expire(self) -> list[str]:
+        """Drop the queued requests whose deadline passed; their ids."""
+        now = self.clock()
+        gone = [rid for rid, s in self._queue.items() if s.deadline is not None and s.deadline <= now]
+        for rid in gone:
+            del self._queue[rid]
+        return gone
 
     def has_work(self) -> bool:
         return bool(self._queue)
@@ -130,7 +177,7 @@ class PrefillEngine:
         """Compute up to ``token_budget`` prompt tokens (a chunk may exceed it only to keep a media span whole)."""
         finished = []
         spent = 0
-        for state in list(self._queue.values()):
+        for state in sorted(self._queue.values(), key=lambda st: st.rank):  # (stable: FIFO among equal ranks)
             if spent >= token_budget:
                 break
             n = len(state.merged.token_ids)
@@ -140,6 +187,7 @@ class PrefillEngine:
             if state.stats.started_at is None:
                 state.stats.started_at = self.clock()
             self._run_chunk(state, state.done, end)
+            self.computed_tokens += end - state.done
             spent += end - state.done
             state.stats.chunks.append((state.done, end))
             state.done = end

@@ -44,6 +44,7 @@ from common.errors import (
 )
 from common.media.config import RASTER_MIME, VIDEO_MIME, MediaConfig
 from common.media.netguard import address_allowed, parse_networks
+from common.sched.stop import NEVER, Stop
 
 Resolver = Callable[[str, int], list[str]]
 """(host, port) → IP address strings. Injected in tests; :func:`system_resolver` otherwise."""
@@ -86,8 +87,9 @@ class MediaFetcher:
         self._private = parse_networks(cfg.allowed_private_networks)
 
     # ---- entry point ----------------------------------------------------------------------------------------
-    def fetch(self, url: str, max_bytes: int | None = None) -> FetchedMedia:
-        """Fetch ``url`` with at most ``max_bytes`` (default: the per-item cap)."""
+    def fetch(self, url: str, max_bytes: int | None = None, stop: Stop = NEVER) -> FetchedMedia:
+        """Fetch ``url`` with at most ``max_bytes`` (default: the per-item cap), within ``total_timeout_s`` and the
+        request's ``stop`` (its deadline, its caller going away)."""
         cap = min(max_bytes or self.cfg.max_item_bytes, self.cfg.max_item_bytes)
         scheme = url.split(":", 1)[0].strip().lower() if ":" in url else ""
         if scheme not in self.cfg.allowed_schemes or (scheme == "file" and not self.cfg.file_root):
@@ -98,7 +100,7 @@ class MediaFetcher:
             return self._fetch_file(url, cap)
         if scheme not in ("http", "https"):
             raise MediaFetchBlocked(f"URL scheme {scheme!r} is not supported for media", param="url")
-        return self._fetch_http(url, cap)
+        return self._fetch_http(url, cap, stop)
 
     # ---- data: ----------------------------------------------------------------------------------------------
     def _fetch_data(self, url: str, cap: int) -> FetchedMedia:
@@ -177,12 +179,14 @@ class MediaFetcher:
                 raise MediaFetchBlocked("media host resolves to a non-public address", param="url")
         return answers[0].split("%", 1)[0]
 
-    def _fetch_http(self, url_text: str, cap: int) -> FetchedMedia:
+    def _fetch_http(self, url_text: str, cap: int, stop: Stop = NEVER) -> FetchedMedia:
         try:
             url = httpx.URL(url_text)
         except (httpx.InvalidURL, ValueError) as exc:
             raise InvalidMediaURL(f"media URL cannot be parsed: {exc}", param="url") from exc
         deadline = time.monotonic() + self.cfg.total_timeout_s
+        if stop.deadline is not None:
+            deadline = min(deadline, stop.deadline)  # never past the request's own deadline
         client = httpx.Client(
             transport=self._transport,
             trust_env=False,
@@ -191,13 +195,14 @@ class MediaFetcher:
         )
         with client:
             for _hop in range(self.cfg.max_redirects + 1):
+                stop.check("the media fetch")
                 ip = self._check_host(url)
                 response = self._send(client, url, ip, deadline)
                 try:
                     if response.is_redirect:
                         url = self._next_hop(url, response.headers.get("location", ""))
                         continue
-                    return self._read_body(response, cap, deadline)
+                    return self._read_body(response, cap, deadline, stop)
                 finally:
                     response.close()
         raise MediaFetchFailed(f"media URL redirected more than {self.cfg.max_redirects} times", param="url")
@@ -244,7 +249,7 @@ class MediaFetcher:
         except httpx.HTTPError as exc:
             raise MediaFetchUnavailable(f"cannot reach the media host: {type(exc).__name__}") from exc
 
-    def _read_body(self, response: httpx.Response, cap: int, deadline: float) -> FetchedMedia:
+    def _read_body(self, response: httpx.Response, cap: int, deadline: float, stop: Stop = NEVER) -> FetchedMedia:
         status = response.status_code
         if status >= 500 or status == 429:
             raise MediaFetchUnavailable(f"media host answered HTTP {status}", param="url")
@@ -265,7 +270,9 @@ class MediaFetcher:
                 if size > cap:
                     raise MediaTooLarge(f"media is over {cap} bytes; download stopped at the limit", param="url")
                 if time.monotonic() > deadline:
+                    stop.check("the media download")  # the request's deadline, if that is the one that passed
                     raise MediaFetchTimeout(f"media fetch exceeded {self.cfg.total_timeout_s}s")
+                stop.check("the media download")
                 digest.update(chunk)
                 chunks.append(chunk)
         except httpx.TimeoutException as exc:

@@ -6,7 +6,9 @@ Limits come in two layers so hostile input costs nothing:
    decoding) and their declared types, and the request's total data-URL bytes. A bad third item means no fetch of
    the first two.
 2. Per item, after fetching (which itself stops at the byte cap): the format by magic bytes, then header-only checks
-   (pixels, animation frames, video codec/size/duration), and only then decoding.
+   (pixels, animation frames, video codec/size/duration) — :func:`fetch_media`, whose :class:`CheckedMedia` say
+   what decoding will cost — and only then decoding (:func:`decode_media`). The media stage admits the decode
+   against its pixel budget in between.
 
 The request-wide byte budget shrinks as items arrive, so N items cannot each take the per-item cap when the request
 cap is lower.
@@ -24,9 +26,10 @@ from PIL import Image
 from common.errors import InvalidMedia, MediaFetchBlocked, MediaTooLarge, TooManyMediaItems
 from common.media.config import RASTER_MIME, VIDEO_MIME, MediaConfig
 from common.media.fetch import MediaFetcher
-from common.media.image import decode_image
+from common.media.image import decode_image, inspect_image
 from common.media.sniff import sniff
-from common.media.video import decode_video
+from common.media.video import decode_video, inspect_video
+from common.sched.stop import NEVER, Stop
 
 
 @dataclass(frozen=True)
@@ -91,40 +94,84 @@ def check_request(refs: Sequence[MediaRef], cfg: MediaConfig) -> None:
         raise MediaTooLarge(f"request's data URLs decode to more than {cfg.max_request_bytes} bytes")
 
 
-def load_media(
-    refs: Sequence[MediaRef], cfg: MediaConfig, fetcher: MediaFetcher, timings: LoadTimings | None = None
-) -> list[LoadedMedia]:
-    """Check, fetch, sniff, header-check and decode every item, in order (adding to ``timings`` if given)."""
+@dataclass(frozen=True)
+class CheckedMedia:
+    """One fetched item whose format and header passed: what decoding it will cost is known, nothing is decoded."""
+
+    ref: MediaRef
+    digest: str
+    format: str
+    modality: Literal["image", "video"]
+    data: bytes
+    pixels: int
+    """Pixels decoding will produce: width × height (× the frames a video will be sampled at)."""
+
+
+def fetch_media(
+    refs: Sequence[MediaRef],
+    cfg: MediaConfig,
+    fetcher: MediaFetcher,
+    timings: LoadTimings | None = None,
+    stop: Stop = NEVER,
+) -> list[CheckedMedia]:
+    """Layer 1, then fetch, sniff and header-check every item in order (no pixel decoded)."""
     check_request(refs, cfg)
     timings = timings if timings is not None else LoadTimings()
     budget = cfg.max_request_bytes
     out = []
     for i, ref in enumerate(refs):
+        stop.check("the media fetch")
         if budget <= 0:
             raise MediaTooLarge(f"request media exceed {cfg.max_request_bytes} bytes in total")
         t0 = time.perf_counter()
-        fetched = fetcher.fetch(ref.url, max_bytes=min(budget, cfg.max_item_bytes))
-        t1 = time.perf_counter()
-        timings.fetch_s += t1 - t0
+        fetched = fetcher.fetch(ref.url, max_bytes=min(budget, cfg.max_item_bytes), stop=stop)
+        timings.fetch_s += time.perf_counter() - t0
         timings.nbytes += len(fetched.data)
         budget -= len(fetched.data)
         modality, fmt = sniff(fetched.data)
         if modality != ref.kind:
             raise InvalidMedia(f"media item {i} was sent as {ref.kind} but its bytes are a {modality} ({fmt})")
         if modality == "image":
-            frames, stamps = [decode_image(fetched.data, fmt, cfg)], []
+            header = inspect_image(fetched.data, fmt, cfg)
+            pixels = header.width * header.height
         else:
-            video = decode_video(fetched.data, fmt, cfg, fps=ref.fps, max_frames=ref.max_frames)
+            pixels = inspect_video(fetched.data, fmt, cfg, fps=ref.fps, max_frames=ref.max_frames)
+        out.append(CheckedMedia(ref, fetched.digest, fmt, modality, fetched.data, pixels))
+    return out
+
+
+def decode_media(
+    checked: Sequence[CheckedMedia], cfg: MediaConfig, timings: LoadTimings | None = None, stop: Stop = NEVER
+) -> list[LoadedMedia]:
+    """Decode header-checked items (stopping between items and video frames when ``stop`` says so)."""
+    timings = timings if timings is not None else LoadTimings()
+    out = []
+    for item in checked:
+        stop.check("media decoding")
+        t0 = time.perf_counter()
+        if item.modality == "image":
+            frames, stamps = [decode_image(item.data, item.format, cfg)], []
+        else:
+            ref = item.ref
+            video = decode_video(item.data, item.format, cfg, fps=ref.fps, max_frames=ref.max_frames, stop=stop)
             frames, stamps = video.frames, video.timestamps_s
-        timings.decode_s += time.perf_counter() - t1
+        timings.decode_s += time.perf_counter() - t0
         out.append(
             LoadedMedia(
-                kind=modality,
-                digest=fetched.digest,
-                format=fmt,
-                nbytes=len(fetched.data),
+                kind=item.modality,
+                digest=item.digest,
+                format=item.format,
+                nbytes=len(item.data),
                 frames=frames,
                 timestamps_s=stamps,
             )
         )
     return out
+
+
+def load_media(
+    refs: Sequence[MediaRef], cfg: MediaConfig, fetcher: MediaFetcher, timings: LoadTimings | None = None
+) -> list[LoadedMedia]:
+    """Check, fetch, sniff, header-check and decode every item, in order (adding to ``timings`` if given)."""
+    timings = timings if timings is not None else LoadTimings()
+    return decode_media(fetch_media(refs, cfg, fetcher, timings), cfg, timings)

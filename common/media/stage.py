@@ -2,7 +2,8 @@
 
 Start-up refuses to run if Pillow's own guards were switched off in this process (defence in depth: Prism checks
 pixels itself, but a disabled guard means someone changed global decoder state). Each call then runs the two-layer
-checks, fetch and decode of :func:`common.media.loader.load_media` under the configured policy.
+checks, fetch and decode of :mod:`common.media.loader` under the configured policy — in one go (:meth:`MediaStage.load`)
+or in two phases with admission in between (:meth:`MediaStage.fetch`, then :meth:`MediaStage.decode`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Sequence
 from common.media.config import MediaConfig
 from common.media.fetch import MediaFetcher, Resolver, system_resolver
 from common.media.image import check_pillow_guard
-from common.media.loader import LoadedMedia, LoadTimings, MediaRef, load_media
+from common.media.loader import CheckedMedia, LoadedMedia, LoadTimings, MediaRef, decode_media, fetch_media, load_media
+from common.sched.stop import NEVER, Stop
 
 
 class MediaStage:
@@ -23,6 +25,13 @@ class MediaStage:
 
     def load(self, refs: Sequence[MediaRef], timings: LoadTimings | None = None) -> list[LoadedMedia]:
         return load_media(refs, self.cfg, self.fetcher, timings)
+
+    def fetch(self, refs: Sequence[MediaRef], timings: LoadTimings, stop: Stop = NEVER) -> list[CheckedMedia]:
+        """Fetched and header-checked; nothing decoded yet."""
+        return fetch_media(refs, self.cfg, self.fetcher, timings, stop)
+
+    def decode(self, checked: Sequence[CheckedMedia], timings: LoadTimings, stop: Stop = NEVER) -> list[LoadedMedia]:
+        return decode_media(checked, self.cfg, timings, stop)
 
     def decode_options(self) -> dict[str, object]:
         return decode_options(self.cfg)

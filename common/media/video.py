@@ -19,6 +19,7 @@ from PIL import Image
 
 from common.errors import InvalidMedia, MediaTooLarge
 from common.media.config import MediaConfig, VideoPolicy
+from common.sched.stop import NEVER, Stop
 
 _DEMUXER = {"MP4": "mov", "MATROSKA": "matroska"}
 
@@ -102,10 +103,26 @@ def _targets(duration: float | None, fps: float, max_frames: int) -> tuple[list[
     return [i * step for i in range(n)], 1.0 / step
 
 
-def decode_video(
+def inspect_video(
     data: bytes, fmt: str, cfg: MediaConfig, fps: float | None = None, max_frames: int | None = None
+) -> int:
+    """Header-only checks; the pixels sampling will decode (frame size × frames to sample). Decodes no frame."""
+    eff_fps, eff_max = effective_sampling(cfg.video, fps, max_frames)
+    with _open(data, fmt) as container:
+        header = _header(container, cfg)
+    targets, _ = _targets(header.duration_s, eff_fps, eff_max)
+    return header.width * header.height * len(targets)
+
+
+def decode_video(
+    data: bytes,
+    fmt: str,
+    cfg: MediaConfig,
+    fps: float | None = None,
+    max_frames: int | None = None,
+    stop: Stop = NEVER,
 ) -> DecodedVideo:
-    """Checked header, then sampled RGB frames."""
+    """Checked header, then sampled RGB frames (``stop`` is checked between decoded frames)."""
     policy = cfg.video
     eff_fps, eff_max = effective_sampling(policy, fps, max_frames)
     with _open(data, fmt) as container:
@@ -116,6 +133,7 @@ def decode_video(
         decoded = 0
         try:
             for frame in container.decode(video=0):
+                stop.check("video decoding")
                 decoded += 1
                 if decoded > policy.max_decoded_frames:
                     raise MediaTooLarge(f"video has more than {policy.max_decoded_frames} frames")

@@ -98,6 +98,25 @@ METRICS: tuple[MetricSpec, ...] = (
         ("application", "deployment", "stage"),
         in_replica=False,
     ),
+    # ---- admission ---------------------------------------------------------------------------------------------
+    _c(
+        "prism_admission_total",
+        "Admission decisions by stage (ingress: tenant quota and per-request limits), tenant, traffic class, result "
+        "(admitted / refused) and reason.",
+        "stage",
+        "tenant",
+        "class",
+        "result",
+        "reason",
+    ),
+    _h(
+        "prism_admission_wait_seconds",
+        "Time a request waited for room in a stage's budget, by traffic class.",
+        LATENCY_BUCKETS,
+        "stage",
+        "class",
+    ),
+    _g("prism_tenant_in_flight", "Requests of a tenant in flight in an ingress replica.", "tenant"),
     # ---- caches -------------------------------------------------------------------------------------------------
     _c(
         "prism_cache_lookups_total",

@@ -196,6 +196,39 @@ def requests_dashboard() -> dict[str, Any]:
         unit="percentunit",
         width=12,
     )
+    lay.row("Admission")
+    lay.panel(
+        "Refused by stage and reason",
+        [
+            (
+                f'sum by (stage, reason) (rate({m("prism_admission_total")}{{{APP}, result="refused"}}[{RATE}]))',
+                "{{stage}} {{reason}}",
+            )
+        ],
+        unit="reqps",
+        desc="ingress: per-request limits and tenant quotas; media / encode / prefill: the stage's budget "
+        "(budget_full: 429, deadline: would wait past it).",
+    )
+    lay.panel(
+        "Admitted vs refused by tenant",
+        [
+            (
+                f'sum by (tenant, result) (rate({m("prism_admission_total")}{{{APP}, stage="ingress"}}[{RATE}]))',
+                "{{tenant}} {{result}}",
+            )
+        ],
+        unit="reqps",
+    )
+    lay.panel(
+        "In flight by tenant",
+        [(f"sum by (tenant) ({m('prism_tenant_in_flight')}{{{APP}}})", "{{tenant}}")],
+    )
+    lay.panel(
+        "Budget wait p95 by stage and class",
+        [(quantile(0.95, "prism_admission_wait_seconds", APP, by="stage, class"), "{{stage}} {{class}}")],
+        unit="s",
+        desc="Time requests wait for room in a stage's budget; batch class should absorb the waiting.",
+    )
     lay.row("Caches")
     lay.panel(
         "Hit rate by layer",

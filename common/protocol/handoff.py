@@ -28,6 +28,7 @@ import numpy as np
 
 from common.errors import DeadlineExceeded
 from common.obs.trace import Span
+from common.sched.resources import ResourceVector
 
 Modality = Literal["image", "video"]
 FinishReason = Literal["stop", "length"]
@@ -47,7 +48,14 @@ class RequestContext:
     attempt: int = 1
     """1 for the first chain; a chain re-issued after a lost replica counts up."""
     priority: Priority = "interactive"
-    """Traffic class. Carried so admission can tell interactive from batch work; no stage orders by it yet."""
+    """Traffic class: every stage budget and the prefill queue rank batch work behind interactive work."""
+    vector: ResourceVector | None = None
+    """The request's resources as the ingress knew them (text tokens, media items, ``max_tokens``); the media stage
+    completes it from the processed media."""
+
+    @property
+    def batch(self) -> bool:
+        return self.priority == "batch"
 
     @property
     def key(self) -> str:

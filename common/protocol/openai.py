@@ -86,6 +86,9 @@ class ChatCompletionRequest(BaseModel):
     """Choices per request: only 1 (``n`` > 1 is refused by name as an unsupported parameter before this)."""
     return_token_ids: bool = False
     """Prism extension: include ``prompt_token_ids`` and each choice's ``token_ids``."""
+    priority: Literal["interactive", "batch"] | None = None
+    """Prism extension: the traffic class (also ``X-Prism-Priority``); batch work ranks behind interactive work in
+    every stage's queue."""
     _ignored: list[str] = PrivateAttr(default_factory=list)
 
     @property

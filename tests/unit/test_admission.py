@@ -1,21 +1,25 @@
-"""Admission is driven by the request's resource vector, not by prompt length alone."""
+"""Admission by resource vector: the vector filled in as its parts become known, per-request limits judged as early
+as they can be (the ingress for text, the media stage for media), stage budgets and tenant quotas."""
 
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
 
-from common.errors import InvalidRequestError, MediaTooLarge, Overloaded
+from common.errors import InvalidRequestError, MediaTooLarge, TenantQuotaExceeded
 from common.media.synthetic import synthetic_image
-from common.sched.resources import Admission, AdmissionConfig, ResourceVector
+from common.sched.quota import TenantQuotas
+from common.sched.resources import AdmissionConfig, Rate, ResourceVector, TenantQuota, check_limits
 from common.stages.process import process_images
-from common.stages.prompt import build_prompt
+from common.stages.prompt import build_prompt, render_chat
+
+
+def _content(n_images: int, text: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
 
 def _vector(lm, n_images: int, size=(448, 448), text="hi", max_tokens=16) -> ResourceVector:
     media = process_images(lm, [synthetic_image(*size, seed=i) for i in range(n_images)])
-    content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
-    prompt = build_prompt(lm, [{"role": "user", "content": content}], media, 100_000)
+    prompt = build_prompt(lm, _content(n_images, text), media, 100_000)
     return ResourceVector.of(prompt, media, max_tokens, 16)
 
 
@@ -23,46 +27,102 @@ def test_vector_measures_media_not_just_text(tiny_qwen):
     small, big = _vector(tiny_qwen, 1, (56, 56)), _vector(tiny_qwen, 3, (448, 448))
     assert small.text_tokens == big.text_tokens - 2 * 2  # vision start/end markers of the two extra images
     assert big.patches > 10 * small.patches and big.visual_tokens > 10 * small.visual_tokens
-    assert big.pixels == 3 * 448 * 448
+    assert big.pixels == 3 * 448 * 448 and big.frames == 3
     assert big.kv_blocks == -(-(big.prompt_tokens + 16) // 16)
 
 
-def test_short_prompt_with_heavy_media_is_refused_by_the_right_limit(tiny_qwen):
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_ingress_vector_completed_by_the_media_stage_is_the_prompt_prefill_builds(family, tiny_llava, tiny_qwen):
+    """The ingress counts the prompt with one placeholder per item; the media stage adds each item's visual tokens.
+    That count is exact — the very prompt prefill builds — so refusing on it early refuses nothing admissible."""
+    lm = tiny_llava if family == "llava" else tiny_qwen
+    messages = _content(2, "describe both pictures in detail")
+    rendered = len(lm.tokenizer(render_chat(lm, messages))["input_ids"])
+    at_ingress = ResourceVector.at_ingress(rendered, 2, 32, 16)
+    media = process_images(lm, [synthetic_image(200, 120, seed=1), synthetic_image(90, 300, seed=2)])
+    completed = at_ingress.with_media(media, 16)
+    built = ResourceVector.of(build_prompt(lm, messages, media, 100_000), media, 32, 16)
+    assert completed.prompt_tokens == built.prompt_tokens and completed.kv_blocks == built.kv_blocks
+    assert at_ingress.prompt_tokens <= completed.prompt_tokens  # the ingress's figure is a lower bound
+    text_only = ResourceVector.at_ingress(rendered, 0, 32, 16)
+    assert text_only.prompt_tokens == rendered and text_only.kv_blocks == -(-(rendered + 32) // 16)
+
+
+def test_limits_name_what_is_over(tiny_qwen):
     rv = _vector(tiny_qwen, 3)
-    adm = Admission(AdmissionConfig(max_request_visual_tokens=100))
     with pytest.raises(InvalidRequestError) as info:
-        adm.admit(rv)
+        check_limits(rv, AdmissionConfig(max_request_visual_tokens=100), 100_000, 100_000)
     assert info.value.code == "too_many_visual_tokens" and "limit is 100" in info.value.message
-    adm = Admission(AdmissionConfig(max_request_patches=500, encoder_patch_budget=1000))
     with pytest.raises(MediaTooLarge) as info:
-        adm.admit(rv)
+        check_limits(rv, AdmissionConfig(max_request_patches=500), 100_000, 100_000)
     assert info.value.http_status == 413 and info.value.code == "too_many_patches"
-    assert adm.in_flight() == {"patches": 0, "prompt_tokens": 0, "kv_blocks": 0}
+    with pytest.raises(InvalidRequestError) as info:
+        check_limits(rv, AdmissionConfig(), rv.prompt_tokens - 1, 100_000)
+    assert info.value.code == "prompt_too_long" and "for 3 media items" in info.value.message
+    with pytest.raises(InvalidRequestError) as info:
+        check_limits(rv, AdmissionConfig(), 100_000, rv.kv_blocks - 1)
+    assert info.value.code == "kv_lease_exceeded" and info.value.param == "max_tokens"
+    check_limits(rv, AdmissionConfig(), rv.prompt_tokens, rv.kv_blocks)  # at the limits: admitted
 
 
-def test_budgets_give_429_and_release_restores(tiny_qwen):
-    rv = _vector(tiny_qwen, 1)
+def _rv(text: int = 10, media: int = 0) -> ResourceVector:
+    return ResourceVector.at_ingress(text + media, media, 8, 16)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_tenant_concurrency_quota_refuses_only_that_tenant():
     cfg = AdmissionConfig(
-        max_request_patches=rv.patches,
-        encoder_patch_budget=2 * rv.patches,
-        decode_kv_block_budget=10_000,
-        retry_after_s=2.5,
+        default_tenant=TenantQuota(max_in_flight=50),
+        tenants={"alpha": TenantQuota(max_in_flight=3, max_media_in_flight=1)},
     )
-    adm = Admission(cfg)
-    adm.admit(rv)
-    adm.admit(rv)
-    with pytest.raises(Overloaded) as info:
-        adm.admit(rv)
-    assert info.value.http_status == 429 and info.value.retry_after_s == 2.5 and "encoder" in info.value.message
-    adm.release(rv)
-    adm.admit(rv)
-    adm.release(rv)
-    adm.release(rv)
-    assert adm.in_flight() == {"patches": 0, "prompt_tokens": 0, "kv_blocks": 0}
-    with pytest.raises(RuntimeError):
-        adm.release(rv)
+    q = TenantQuotas(cfg, retry_after_s=2)
+    first = q.admit("alpha", _rv(media=1))
+    with pytest.raises(TenantQuotaExceeded) as info:
+        q.admit("alpha", _rv(media=1))  # a second request with media
+    assert info.value.http_status == 429 and info.value.code == "tenant_quota_exceeded"
+    assert info.value.retry_after_s == 2 and "alpha" in info.value.message
+    text = [q.admit("alpha", _rv()), q.admit("alpha", _rv())]  # text still fits under max_in_flight
+    with pytest.raises(TenantQuotaExceeded):
+        q.admit("alpha", _rv())
+    others = [q.admit("beta", _rv(media=1)) for _ in range(10)]  # another tenant is untouched
+    q.release(first)
+    q.release(first)  # idempotent
+    q.admit("alpha", _rv(media=1))
+    for t in text + others:
+        q.release(t)
+    assert q.in_flight() == {"alpha": 1, "beta": 0}
 
 
-def test_limits_must_fit_budgets():
-    with pytest.raises(ValidationError):
-        AdmissionConfig(max_request_patches=10, encoder_patch_budget=5)
+def test_token_bucket_charges_late_costs_and_refills():
+    clock = _Clock()
+    cfg = AdmissionConfig(tenants={"alpha": TenantQuota(pixels=Rate(per_s=1_000_000, burst=2_000_000))})
+    q = TenantQuotas(cfg, clock=clock)
+    t = q.admit("alpha", _rv(media=1))
+    q.charge(t, pixels=5_000_000)  # the media stage measured a big image: the bucket goes into debt
+    q.release(t)
+    with pytest.raises(TenantQuotaExceeded) as info:
+        q.admit("alpha", _rv(media=1))
+    assert info.value.retry_after_s == 3  # 3 M pixels of debt at 1 M/s
+    q.admit("alpha", _rv())  # text spends no pixels: not held back by the pixel debt
+    clock.t += 3.01
+    q.admit("alpha", _rv(media=1))
+
+
+def test_quota_share_splits_caps_and_rates_per_ingress_replica():
+    cfg = AdmissionConfig(default_tenant=TenantQuota(max_in_flight=4, requests=Rate(per_s=10, burst=4)))
+    q = TenantQuotas(cfg, share=0.5, clock=_Clock())
+    held = [q.admit("t", _rv()), q.admit("t", _rv())]
+    with pytest.raises(TenantQuotaExceeded):
+        q.admit("t", _rv())  # 4 × 0.5
+    for h in held:
+        q.release(h)
+    with pytest.raises(TenantQuotaExceeded) as info:
+        q.admit("t", _rv())  # the request bucket (burst 4 × 0.5) is spent
+    assert "requests rate" in info.value.message

@@ -138,3 +138,16 @@ def test_encode_engine_batches_across_requests_and_cancels(tiny_qwen):
     done = engine.step()
     assert list(done) == ["small"], "the small image is encoded first"
     assert list(engine.step()) == ["big"] and not engine.has_work()
+
+
+def test_expired_requests_leave_the_encoder_queue_before_a_batch(tiny_llava):
+    clock = FakeClock()
+    engine = EncodeEngine(tiny_llava, EncoderBatcher(patch_budget=10_000), None, clock)
+    media = process_images(tiny_llava, [synthetic_image(64, 64, seed=1)])
+    assert engine.submit("late", media, deadline=5.0) is None
+    assert engine.submit("fine", media, deadline=50.0) is None
+    assert engine.uncached_patches(media) == sum(m.grid_thw[0] * m.grid_thw[1] * m.grid_thw[2] for m in media)
+    clock.t = 6.0
+    assert engine.expire() == ["late"]
+    assert engine.batches == 0 and engine.batcher.pending_items == 1
+    assert set(engine.step()) == {"fine"} and engine.batches == 1 and engine.items_encoded == 1

@@ -22,8 +22,13 @@ class _Stream:
 
 
 class _Call:
+    """The shape of :class:`services.pipeline_client.Call` the lifecycle uses: ``close`` cancels the chain."""
+
     def __init__(self) -> None:
         self.stream, self.kv_blocks = _Stream(), 3
+
+    def close(self) -> None:
+        self.stream.cancel()
 
 
 @pytest.fixture
@@ -146,10 +151,9 @@ def test_a_failing_close_still_gives_the_place_back(parts):
     class Broken:
         kv_blocks = 0
 
-        class stream:
-            @staticmethod
-            def cancel():
-                raise RuntimeError("cancel failed")
+        @staticmethod
+        def close():
+            raise RuntimeError("cancel failed")
 
     async def go():
         life = RequestLifecycle(observer, places, "http", traced=False)

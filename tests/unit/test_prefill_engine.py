@@ -144,3 +144,51 @@ def test_token_budget_spreads_across_requests_and_cache_stays_bounded(tiny_llava
     engine.pool.check_no_leaks()
     engine.submit("gone", merged[0], SAMPLING)
     assert engine.cancel("gone") and not engine.has_work()
+
+
+def _text(lm, words: str):
+    prompt = build_prompt(lm, [{"role": "user", "content": words}], [], 4096)
+    return merge(lm, prompt, [])
+
+
+def test_short_prompt_overtakes_a_large_one_queued_before_it_and_results_are_unchanged(tiny_llava):
+    """The low-latency lane: a text prompt submitted after a large image prompt finishes first (it is not held
+    behind the image's chunks), a large prompt that has waited long enough is not overtaken, and the order changes
+    no token."""
+    lm = tiny_llava
+    big = _merged(lm, [synthetic_image(200, 150, seed=1), synthetic_image(120, 300, seed=2)])
+    small = _text(lm, "hi there")
+    engine = PrefillEngine(lm, 16, chunk_tokens=32, aging_tokens_per_s=100.0)
+    engine.submit("big", big, SAMPLING, arrival=10.0)
+    engine.submit("small", small, SAMPLING, arrival=10.1)
+    first = engine.step(32)
+    assert [r.request_id for r in first] == ["small"]  # done in the first step, though it came second
+    order = list(first)
+    while engine.has_work():
+        order += engine.step(32)
+    assert [r.request_id for r in order] == ["small", "big"]
+    alone = {rid: PrefillEngine(lm, 16, chunk_tokens=32).run(rid, m, SAMPLING) for rid, m in (("b", big), ("s", small))}
+    assert _tokens(lm, order[1].output) == _tokens(lm, alone["b"].output)
+    assert _tokens(lm, order[0].output) == _tokens(lm, alone["s"].output)
+    # Aging: the big prompt ranks arrival + tokens / 100; a text prompt arriving later than that goes after it.
+    engine = PrefillEngine(lm, 16, chunk_tokens=32, aging_tokens_per_s=100.0)
+    engine.submit("big", big, SAMPLING, arrival=10.0)
+    engine.submit("late", small, SAMPLING, arrival=10.0 + len(big.token_ids) / 100.0 + 1.0)
+    assert engine.step(10_000)[0].request_id == "big"
+    # Batch class: ranked batch_delay_s later than interactive work of the same size.
+    engine = PrefillEngine(lm, 16, chunk_tokens=32, aging_tokens_per_s=100.0, batch_delay_s=5.0)
+    engine.submit("batch", small, SAMPLING, arrival=10.0, batch=True)
+    engine.submit("interactive", small, SAMPLING, arrival=12.0)
+    assert engine.step(10_000)[0].request_id == "interactive"
+
+
+def test_expired_prompts_are_dropped_before_any_compute(tiny_llava):
+    now = [0.0]
+    engine = PrefillEngine(tiny_llava, 16, chunk_tokens=32, clock=lambda: now[0])
+    engine.submit("late", _text(tiny_llava, "hello"), SAMPLING, deadline=5.0)
+    engine.submit("fine", _text(tiny_llava, "hello again"), SAMPLING, deadline=50.0)
+    now[0] = 6.0
+    assert engine.expire() == ["late"]
+    assert engine.computed_tokens == 0
+    done = engine.step(10_000)
+    assert [r.request_id for r in done] == ["fine"] and engine.computed_tokens == len(done[0].output.prompt_token_ids)

@@ -1,0 +1,170 @@
+"""A stage replica's in-flight budget: admit work by its size, queue the rest in rank order, refuse what cannot wait.
+
+Each stage replica holds one :class:`BudgetGate` over the unit its cost grows with (pixels being decoded in media,
+patches queued or encoding in encode, prompt tokens queued or computing in prefill). Lifecycle of one request:
+
+``acquire(amount, deadline, rank)`` → admitted at once if nobody waits and the amount fits → otherwise it **waits**
+in rank order (lowest first; :func:`rank` = arrival + size/aging + class delay) → granted when everything ranked
+before it has been granted and its amount fits → ``release(amount)`` when its work is done, whatever the outcome.
+
+Refused instead of waiting, with a typed error that names the budget:
+
+* the wait queue is full (``max_waiting``) → 429 ``server_overloaded`` with Retry-After;
+* the wait it can expect (what is ahead of it ÷ the budget's measured drain rate) ends past its deadline → 429 at
+  once rather than a 504 later;
+* its deadline passes while it waits → 504 ``deadline_exceeded``; a waiter whose caller went away (cancelled) leaves
+  the queue, and if it was granted in that instant its amount is given straight back.
+
+Retry-After is the time the budget needs to drain what is queued ahead plus this request, from the units released
+over the last ``DRAIN_WINDOW_S`` seconds (the configured value until anything was released). Strict rank order means
+a large item at the head holds smaller ones behind it until it fits: ranks age, so nothing starves. An amount larger
+than the whole budget is clamped to it: it runs alone once the stage is empty.
+
+Single event loop only (a Serve replica's): no locks, grants happen in :meth:`release` and :meth:`acquire`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.errors import DeadlineExceeded, Overloaded
+
+DRAIN_WINDOW_S = 30.0
+MAX_RETRY_AFTER_S = 60.0
+
+
+def rank(arrival: float, size: int, aging_per_s: float, batch: bool, batch_delay_s: float) -> float:
+    """Virtual arrival time: shortest first, with aging (a request of ``size`` units ranks as if it arrived
+    ``size / aging_per_s`` seconds later) and batch traffic behind interactive (``batch_delay_s`` later)."""
+    return arrival + size / aging_per_s + (batch_delay_s if batch else 0.0)
+
+
+@dataclass(order=True)
+class _Waiter:
+    rank: float
+    seq: int
+    amount: int = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Grant:
+    amount: int
+    """What was admitted (the request's amount, clamped to the budget); pass it back to :meth:`BudgetGate.release`."""
+    waited_s: float
+
+
+class BudgetGate:
+    def __init__(
+        self,
+        stage: str,
+        unit: str,
+        capacity: int,
+        max_waiting: int,
+        retry_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be ≥ 1")
+        self.stage, self.unit, self.capacity = stage, unit, capacity
+        self.max_waiting, self.default_retry_after = max_waiting, retry_after_s
+        self.clock = clock
+        self.used = 0
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._released: deque[tuple[float, int]] = deque()
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return sum(1 for w in self._heap if not w.future.done())
+
+    @property
+    def waiting_amount(self) -> int:
+        return sum(w.amount for w in self._heap if not w.future.done())
+
+    def drain_rate(self) -> float | None:
+        """Units released per second over the recent window (``None`` before anything was released)."""
+        now = self.clock()
+        while self._released and self._released[0][0] < now - DRAIN_WINDOW_S:
+            self._released.popleft()
+        if not self._released:
+            return None
+        span = max(now - self._released[0][0], 1.0)
+        return sum(a for _, a in self._released) / span
+
+    def expected_wait_s(self, amount: int) -> float:
+        """Seconds until ``amount`` more would fit behind what is in flight and queued (0 if it fits now)."""
+        excess = self.used + self.waiting_amount + amount - self.capacity
+        if excess <= 0:
+            return 0.0
+        rate = self.drain_rate()
+        return self.default_retry_after if rate is None else excess / rate
+
+    def retry_after_s(self, amount: int) -> float:
+        return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(self.expected_wait_s(amount))))
+
+    # ---- admit / release ------------------------------------------------------------------------------------
+    async def acquire(self, amount: int, deadline: float, rank_: float) -> Grant:
+        """Admit ``amount`` (clamped to the budget) before ``deadline`` (this gate's clock), or raise."""
+        amount = max(0, min(int(amount), self.capacity))
+        start = self.clock()
+        if not self.waiting and self.used + amount <= self.capacity:
+            self.used += amount
+            return Grant(amount, 0.0)
+        if self.waiting >= self.max_waiting:
+            raise Overloaded(
+                f"the {self.stage} stage is at capacity ({self.capacity} {self.unit} in flight, {self.waiting} "
+                "waiting); retry later",
+                retry_after_s=self.retry_after_s(amount),
+            )
+        left = deadline - start
+        expected = self.expected_wait_s(amount)
+        if expected >= left:
+            raise Overloaded(
+                f"the {self.stage} stage would take about {expected:.1f}s to make room for this request "
+                f"({amount} {self.unit}); its deadline is in {max(left, 0):.1f}s",
+                retry_after_s=self.retry_after_s(amount),
+            )
+        waiter = _Waiter(rank_, next(self._seq), amount, asyncio.get_running_loop().create_future())
+        heapq.heappush(self._heap, waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout=left)
+        except BaseException as exc:  # deadline, or the caller went away
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release(amount)  # granted in the same instant it gave up: give it straight back
+            else:
+                waiter.future.cancel()  # leaves the queue (skipped by _grant)
+                self._grant()  # it may have been holding smaller requests behind it
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded(f"deadline exceeded waiting for room in the {self.stage} stage") from None
+            raise
+        return Grant(amount, self.clock() - start)
+
+    def release(self, amount: int) -> None:
+        if amount <= 0:
+            return
+        self.used -= amount
+        if self.used < 0:
+            raise RuntimeError(f"the {self.stage} budget released more {self.unit} than it admitted")
+        self._released.append((self.clock(), amount))
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._heap:
+            head = self._heap[0]
+            if head.future.done():  # gave up while waiting
+                heapq.heappop(self._heap)
+                continue
+            if self.used + head.amount > self.capacity:
+                return
+            heapq.heappop(self._heap)
+            self.used += head.amount
+            head.future.set_result(None)

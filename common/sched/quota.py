@@ -1,0 +1,141 @@
+"""Per-tenant quotas at the ingress: concurrency caps and token buckets on each budget, charged as costs appear.
+
+Each ingress replica holds one :class:`TenantQuotas` and enforces ``share`` of every tenant's quota (``share`` =
+1 / the ingress's ``max_replicas``): no shared state and no extra hop per request, at the price of accuracy — with
+Serve spreading requests evenly a tenant gets its quota; with fewer ingress replicas running than ``max_replicas``,
+or an uneven spread, it gets less, never more. (A small quota actor shared by all replicas is the exact alternative;
+it would cost a round trip per request and a single point of failure.)
+
+Lifecycle of one request's :class:`Ticket`:
+
+``admit(tenant, vector)`` at the ingress, once its text tokens are known → refused with 429
+``tenant_quota_exceeded`` + Retry-After if the tenant is at a concurrency cap (requests; requests with media) or any
+of its buckets is in debt → otherwise the known costs are taken from the buckets at once (one request, the text
+tokens) → :meth:`charge` takes the rest when it becomes known (pixels, patches, visual tokens: the media stage's
+figures, which reach the ingress with the decode stream's start) — a bucket may go into debt by one request's cost,
+which then holds the tenant's next requests back until it refills → :meth:`release` gives the concurrency back on
+every exit path (idempotent).
+
+Only the tenant's own buckets and counts are consulted: one tenant at its quota never refuses another.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.errors import TenantQuotaExceeded
+from common.sched.resources import AdmissionConfig, Rate, ResourceVector, TenantQuota
+
+BUDGETS = ("requests", "prompt_tokens", "pixels", "patches")
+
+
+class _Bucket:
+    def __init__(self, rate: Rate, share: float, now: float) -> None:
+        self.per_s, self.burst = rate.per_s * share, max(rate.burst * share, 1.0)
+        self.level, self.at = self.burst, now
+
+    def refill(self, now: float) -> float:
+        self.level = min(self.burst, self.level + (now - self.at) * self.per_s)
+        self.at = now
+        return self.level
+
+    def wait_s(self, need: float) -> float:
+        """Seconds until the level reaches ``need``."""
+        return max(0.0, (need - self.level) / self.per_s)
+
+
+@dataclass
+class _Tenant:
+    quota: TenantQuota
+    buckets: dict[str, _Bucket]
+    in_flight: int = 0
+    media_in_flight: int = 0
+
+
+@dataclass
+class Ticket:
+    tenant: str
+    media: bool
+    charged: dict[str, float] = field(default_factory=dict)
+    released: bool = False
+
+
+class TenantQuotas:
+    def __init__(
+        self,
+        cfg: AdmissionConfig,
+        share: float = 1.0,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 < share <= 1:
+            raise ValueError("share must be in (0, 1]")
+        self.cfg, self.share, self.retry_after_s, self.clock = cfg, share, retry_after_s, clock
+        self._tenants: dict[str, _Tenant] = {}
+
+    def _tenant(self, name: str) -> _Tenant:
+        state = self._tenants.get(name)
+        if state is None:
+            quota, now = self.cfg.quota(name), self.clock()
+            buckets = {b: _Bucket(getattr(quota, b), self.share, now) for b in BUDGETS if getattr(quota, b)}
+            state = self._tenants[name] = _Tenant(quota, buckets)
+        return state
+
+    def _cap(self, limit: int | None) -> int | None:
+        return None if limit is None else max(1, math.floor(limit * self.share))
+
+    def admit(self, tenant: str, rv: ResourceVector) -> Ticket:
+        state, now = self._tenant(tenant), self.clock()
+        media = rv.media_items > 0
+        for count, limit, what in (
+            (state.in_flight, self._cap(state.quota.max_in_flight), "requests"),
+            (state.media_in_flight if media else 0, self._cap(state.quota.max_media_in_flight), "requests with media"),
+        ):
+            if limit is not None and count >= limit:
+                raise TenantQuotaExceeded(
+                    f"tenant {tenant!r} has {count} {what} in flight; its quota here is {limit}",
+                    retry_after_s=self.retry_after_s,
+                )
+        now_costs = {"requests": 1.0, "prompt_tokens": float(rv.prompt_tokens)}
+        for name, bucket in state.buckets.items():
+            if name in ("pixels", "patches") and not media:
+                continue  # a text request spends none of these: another budget's debt must not hold it back
+            bucket.refill(now)
+            need = min(now_costs.get(name, 0.0), bucket.burst) or 1e-9  # in debt (≤ 0) → wait until it is not
+            if bucket.level < need:
+                wait = bucket.wait_s(need)
+                raise TenantQuotaExceeded(
+                    f"tenant {tenant!r} is over its {name} rate ({bucket.per_s:g}/s here); retry in {wait:.1f}s",
+                    retry_after_s=min(60.0, max(1.0, math.ceil(wait - 1e-6))),
+                )
+        ticket = Ticket(tenant, media)
+        self.charge(ticket, **now_costs)
+        state.in_flight += 1
+        state.media_in_flight += media
+        return ticket
+
+    def charge(self, ticket: Ticket, **costs: float) -> None:
+        """Take costs that became known after admission (may put a bucket into debt)."""
+        state, now = self._tenant(ticket.tenant), self.clock()
+        for name, amount in costs.items():
+            if amount <= 0:
+                continue
+            ticket.charged[name] = ticket.charged.get(name, 0.0) + amount
+            bucket = state.buckets.get(name)
+            if bucket is not None:
+                bucket.refill(now)
+                bucket.level -= amount
+
+    def release(self, ticket: Ticket) -> None:
+        if ticket.released:
+            return
+        ticket.released = True
+        state = self._tenant(ticket.tenant)
+        state.in_flight -= 1
+        state.media_in_flight -= ticket.media
+
+    def in_flight(self) -> dict[str, int]:
+        return {name: s.in_flight for name, s in self._tenants.items()}
