@@ -12,7 +12,10 @@ Figures:
 * ``decode_speedup_32_vs_sequential``, ``decode_roofline_fraction_b32`` — from :mod:`loadtest.bench_decode`.
 * ``encoder_cache_hot_cold_ttft_ratio`` — p50 TTFT with one repeated image / with unique images (Prism).
 * ``text_ttft_p95_flood_vs_idle`` — p95 TTFT of text-only probes while large images flood / idle (Prism; the
-  monolith's figure beside it).
+  monolith's figure beside it). One tenant floods and probes: quotas cannot help, the stage budgets and the
+  prefill lane must.
+* ``tenant_ttft_p95_flood_vs_idle`` — the same with two tenants: ``alpha`` (at most 2 requests with media in
+  flight) floods, ``beta`` probes; Prism only.
 * ``goodput_ratio_vs_naive`` — goodput (requests meeting the TTFT and ITL SLOs per second) under the same mixed
   open-loop load; Prism / naive.
 """
@@ -53,11 +56,15 @@ TARGETS = {
     "decode_roofline_fraction_b32": (">=", 0.5),
     "encoder_cache_hot_cold_ttft_ratio": ("<=", 0.3),
     "text_ttft_p95_flood_vs_idle": ("<=", 1.5),
+    "tenant_ttft_p95_flood_vs_idle": ("<=", 3.0),
     "goodput_ratio_vs_naive": (">=", 3.0),
 }
 OWN_TARGETS = {"nixl_bw_fraction_of_memcpy", "decode_roofline_fraction_b32"}
 """Yardsticks of ours; the others are the targets issue 8 set."""
 SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
+KEY, ALPHA, BETA = "bench-key", "bench-alpha", "bench-beta"
+"""API keys of the Prism runs: tenant ``bench`` for the single-tenant figures, ``alpha`` / ``beta`` for the
+tenant figure (the monolith and the naive server ignore keys)."""
 
 
 def _port() -> int:
@@ -112,8 +119,10 @@ def _prism(config: dict[str, Any]):
         ray.shutdown()
 
 
-def _load(url: str, model: str, workload: Workload, rate: float, duration: float, seed: int) -> list[RequestRecord]:
-    spec = RunSpec(url=url, model=model, duration_s=duration, rate=rate, seed=seed, trace=True)
+def _load(
+    url: str, model: str, workload: Workload, rate: float, duration: float, seed: int, key: str = KEY
+) -> list[RequestRecord]:
+    spec = RunSpec(url=url, model=model, duration_s=duration, rate=rate, seed=seed, trace=True, api_key=key)
     records, _ = asyncio.run(run(spec, workload, progress=None))
     return records
 
@@ -126,14 +135,16 @@ def _medium(cache: str, seed: int) -> Workload:
     return Workload(mix={"image": 1}, sizes={"medium": 1}, cache=cache, outputs=OutputLengths("fixed:16"), seed=seed)
 
 
-def _flood(url: str, model: str, duration: float) -> tuple[float, float]:
+def _flood(url: str, model: str, duration: float, flood_key: str = KEY, probe_key: str = KEY) -> tuple[float, float]:
     """(idle p95, flood p95) TTFT of text-only probes; the flood is large images at a steady rate."""
     probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=11)
-    idle = _load(url, model, probe, 1.0, duration, seed=11)
+    idle = _load(url, model, probe, 1.0, duration, seed=11, key=probe_key)
 
     async def both():
-        probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=12)
-        flood_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.5, seed=13, trace=False)
+        probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=12, api_key=probe_key)
+        flood_spec = RunSpec(
+            url=url, model=model, duration_s=duration, rate=1.5, seed=13, trace=False, api_key=flood_key
+        )
         flood = Workload(mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"))
         probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=12)
         (records, _), _ = await asyncio.gather(run(probe_spec, probes, None), run(flood_spec, flood, None))
@@ -150,7 +161,9 @@ def _mixed(url: str, model: str, rate: float, duration: float) -> dict[str, Any]
         outputs=OutputLengths("uniform:8-32"),
         seed=21,
     )
-    spec = RunSpec(url=url, model=model, duration_s=duration, rate=rate, seed=21, trace=False, timeout_s=60)
+    spec = RunSpec(
+        url=url, model=model, duration_s=duration, rate=rate, seed=21, trace=False, timeout_s=60, api_key=KEY
+    )
     records, seconds = asyncio.run(run(spec, workload, progress=None))
     return summarize(records, seconds, SLO_MIXED)
 
@@ -192,6 +205,8 @@ def main(argv: list[str] | None = None) -> Path:
     config = {
         "model": {"model": model, "torch_threads": 1},
         "deployments": {s: {"num_cpus": 0.25} for s in ("media", "encode", "prefill", "decode")},
+        "server": {"api_keys": {KEY: "bench", ALPHA: "alpha", BETA: "beta"}},
+        "admission": {"tenants": {"alpha": {"max_media_in_flight": 2}}},
     }
     metrics: dict[str, Any] = {}
 
@@ -225,6 +240,8 @@ def main(argv: list[str] | None = None) -> Path:
         hot = _load(url, model, _medium("hot", 2), 0.5, d, seed=2)
         say("Prism: text probes idle / under a large-image flood")
         prism_idle, prism_flood = _flood(url, model, d)
+        say("Prism: tenant beta's text probes idle / under tenant alpha's large-image flood")
+        beta_idle, beta_flood = _flood(url, model, d, flood_key=ALPHA, probe_key=BETA)
         say("Prism: mixed load")
         prism_mixed = _mixed(url, model, 2.0, d * 1.5)
     with _subprocess_server("loadtest.servers.monolith", ["--config", _write_config(config)]) as url:
@@ -268,6 +285,11 @@ def main(argv: list[str] | None = None) -> Path:
             "monolith_idle_p95_s": mono_idle,
             "monolith_flood_p95_s": mono_flood,
         },
+    )
+    metrics["tenant_ttft_p95_flood_vs_idle"] = _metric(
+        "tenant_ttft_p95_flood_vs_idle",
+        beta_flood / beta_idle,
+        {"beta_idle_p95_s": beta_idle, "beta_flood_p95_s": beta_flood, "alpha_quota": {"max_media_in_flight": 2}},
     )
     prism_good, naive_good = prism_mixed["goodput_rps"], naive_mixed["goodput_rps"]
     metrics["goodput_ratio_vs_naive"] = _metric(

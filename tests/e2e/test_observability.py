@@ -28,6 +28,7 @@ TTFT_PATH = [
     "ingress",
     "media.queue",
     "media.fetch",
+    "media.admission",
     "media.decode",
     "media.process",
     "encode.transfer",
@@ -99,6 +100,8 @@ def test_traced_stream_decomposes_ttft_into_contiguous_stage_spans(client):
     s = _spans(trace)
     assert s["media.process"]["attrs"]["pixels"] == 120 * 90
     assert s["media.process"]["attrs"]["visual_tokens"] == trace["visual_tokens"] == 144
+    assert s["media.process"]["attrs"]["prompt_tokens"] == trace["prompt_tokens"]  # the media stage's count is exact
+    assert s["media.admission"]["attrs"]["pixels"] == 120 * 90 and not s["media.admission"]["attrs"]["waited"]
     assert s["media.fetch"]["attrs"]["bytes"] > 0 and s["media.decode"]["attrs"]["frames"] == 1
     assert s["prefill"]["attrs"]["prompt_tokens"] == trace["prompt_tokens"] == usage.prompt_tokens
     assert s["prefill"]["attrs"]["kv_blocks"] == math.ceil(usage.prompt_tokens / 16)
