@@ -97,12 +97,49 @@ class StageConfig(_Strict):
     """Requests a replica works on at once."""
     max_queued_requests: int = Field(default=64, ge=-1)
     """Requests waiting for a replica before callers get 429 (-1: unbounded)."""
+    cpu_nice: int = Field(default=0, ge=0, le=19)
+    """OS scheduling niceness the replica's threads are raised to (never lowered: Ray starts workers at 15). Where
+    stages share CPU cores (a CPU-only node; media replicas beside the LM engines' host threads), a higher value on
+    the throughput stages (media, encode) gives the latency path (ingress, prefill, decode) the cores first, so a
+    flood of large images cannot slow short requests through the CPU scheduler. 0 leaves the priority alone."""
 
     @model_validator(mode="after")
     def _range(self) -> StageConfig:
         if self.max_replicas < self.min_replicas:
             raise ValueError("max_replicas must be ≥ min_replicas")
         return self
+
+
+# Per-stage defaults (a config that sets only some fields of a stage keeps the others' stage defaults). The stage
+# budgets (`admission:`) bound the work inside a replica; `max_ongoing_requests` is set above what they admit plus
+# their wait queue, so requests waiting for room in one stage never block Serve's router for the calls behind them.
+
+
+class MediaStageConfig(StageConfig):
+    max_ongoing_requests: int = Field(default=128, ge=1)
+    """Requests a replica works on at once (the pixel budget bounds what decodes)."""
+    cpu_nice: int = Field(default=19, ge=0, le=19)
+    """OS niceness: media decoding yields the cores to the latency path (see :class:`StageConfig`)."""
+
+
+class EncodeStageConfig(StageConfig):
+    max_ongoing_requests: int = Field(default=128, ge=1)
+    """Requests a replica works on at once (the patch budget bounds what encodes)."""
+    cpu_nice: int = Field(default=18, ge=0, le=19)
+    """OS niceness: the encoder yields the cores to the latency path (see :class:`StageConfig`)."""
+
+
+class PrefillStageConfig(StageConfig):
+    max_ongoing_requests: int = Field(default=128, ge=1)
+    """Requests a replica works on at once (the token budget bounds what computes)."""
+    long_lane_nice: int = Field(default=18, ge=0, le=19)
+    """OS niceness of the thread that prefills prompts with media or over ``admission.lane_max_prompt_tokens``;
+    the low-latency lane's thread keeps the replica's own (see :class:`StageConfig`)."""
+
+
+class DecodeStageConfig(StageConfig):
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    """Sequences a replica streams at once."""
 
 
 def deployment_suffix(served_name: str) -> str:
@@ -113,10 +150,10 @@ def deployment_suffix(served_name: str) -> str:
 class ModelStages(_Strict):
     """The four stage deployments that serve one model."""
 
-    media: StageConfig = StageConfig()
-    encode: StageConfig = StageConfig()
-    prefill: StageConfig = StageConfig()
-    decode: StageConfig = StageConfig(max_ongoing_requests=64)
+    media: MediaStageConfig = MediaStageConfig()
+    encode: EncodeStageConfig = EncodeStageConfig()
+    prefill: PrefillStageConfig = PrefillStageConfig()
+    decode: DecodeStageConfig = DecodeStageConfig()
 
 
 class DeploymentsConfig(ModelStages):

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import yaml
 
-from loadtest.runner import RunSpec, run
+from loadtest.runner import RunSpec, plan, run
 from loadtest.stats import SLO, RequestRecord, summarize
 from loadtest.workload import OutputLengths, Workload
 
@@ -79,7 +79,8 @@ def _wait_ready(base: str, timeout: float = 180.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+            auth = {"Authorization": f"Bearer {KEY}"}  # (Prism's bench config has keys; the others ignore it)
+            if httpx.get(f"{base}/v1/models", headers=auth, timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -140,14 +141,18 @@ def _flood(url: str, model: str, duration: float, flood_key: str = KEY, probe_ke
     probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=11)
     idle = _load(url, model, probe, 1.0, duration, seed=11, key=probe_key)
 
+    probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=12, api_key=probe_key)
+    flood_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.5, seed=13, trace=False, api_key=flood_key)
+    flood = Workload(mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"))
+    probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=12)
+    # Both plans are built before either load starts: encoding the flood's large JPEGs (~1 s of CPU per request)
+    # inside the running loop stalled the probes' own sends and timings and took the cores from the server.
+    probe_plan, flood_plan = plan(probe_spec, probes), plan(flood_spec, flood)
+
     async def both():
-        probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=12, api_key=probe_key)
-        flood_spec = RunSpec(
-            url=url, model=model, duration_s=duration, rate=1.5, seed=13, trace=False, api_key=flood_key
+        (records, _), _ = await asyncio.gather(
+            run(probe_spec, probes, None, probe_plan), run(flood_spec, flood, None, flood_plan)
         )
-        flood = Workload(mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"))
-        probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=12)
-        (records, _), _ = await asyncio.gather(run(probe_spec, probes, None), run(flood_spec, flood, None))
         return records
 
     flooded = asyncio.run(both())

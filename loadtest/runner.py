@@ -1,7 +1,10 @@
 """Runs a workload against an endpoint: open loop (requests sent at precomputed arrival times, whatever the server
 does) or closed loop (N workers, each sending its next request when the previous one ends).
 
-Requests are built before the run starts (image encoding must not eat into the send schedule). Progress goes to
+Requests of an open loop are built before the run's clock starts (:func:`plan`; image encoding must not eat into the
+send schedule), and a caller running several loads at once builds every plan before starting any of them — building
+one inside a running event loop would stall the other load's sends and timings, and its CPU would compete with the
+server being measured. Progress goes to
 ``progress`` (stderr by default) once a second: elapsed, sent, finished, ok, non-200, in flight.
 """
 
@@ -39,10 +42,24 @@ class RunSpec:
     seed: int = 0
 
 
+def plan(spec: RunSpec, workload: Workload) -> list[tuple[float, str, dict[str, Any]]]:
+    """An open loop's requests: (send time, kind, body), bodies fully built."""
+    if spec.rate is None:
+        raise ValueError("an open loop needs a rate")
+    times = arrival_times(spec.process, spec.rate, spec.duration_s, spec.seed, spec.cv)
+    return [(t, *workload.next_request(spec.model)) for t in times]
+
+
 async def run(
-    spec: RunSpec, workload: Workload, progress: TextIO | None = sys.stderr
+    spec: RunSpec,
+    workload: Workload,
+    progress: TextIO | None = sys.stderr,
+    planned: list[tuple[float, str, dict[str, Any]]] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """(records, measured duration)."""
+    """(records, measured duration). An open loop sends ``planned`` (default: :func:`plan`, built before the clock
+    starts)."""
+    if not spec.concurrency and planned is None:
+        planned = plan(spec, workload)
     endpoint = spec.url.rstrip("/") + "/chat/completions"
     records: list[RequestRecord] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -60,7 +77,7 @@ async def run(
             if spec.concurrency:
                 await _closed(spec, workload, one, start)
             else:
-                await _open(spec, workload, one, start)
+                await _open(planned or [], one, start)
         finally:
             if reporter:
                 reporter.cancel()
@@ -70,11 +87,7 @@ async def run(
     return records, duration
 
 
-async def _open(spec: RunSpec, workload: Workload, one: Callable, start: float) -> None:
-    if spec.rate is None:
-        raise ValueError("an open loop needs a rate")
-    times = arrival_times(spec.process, spec.rate, spec.duration_s, spec.seed, spec.cv)
-    planned = [(t, *workload.next_request(spec.model)) for t in times]
+async def _open(planned: list[tuple[float, str, dict[str, Any]]], one: Callable, start: float) -> None:
     tasks = []
     for t, kind, body in planned:
         delay = t - (time.perf_counter() - start)

@@ -27,13 +27,15 @@ from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbedd
 from common.sched.encoder_batcher import EncoderBatcher
 from services.admission import StageAdmission
 from services.metrics import Metrics
-from services.runtime import AwaitedEngine
+from services.runtime import AwaitedEngine, nice_process, nice_thread
 
 
 class EncodeDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
+        self.nice = self.cfg.deployments.encode.cpu_nice
+        nice_process(self.nice)
         eng = self.cfg.engine
         self.cache = None
         if eng.encoder_cache_bytes:
@@ -90,6 +92,7 @@ class EncodeDeployment:
         return done
 
     def _step(self) -> tuple[list[str], dict[str, list[VisualEmbeddings]]]:
+        nice_thread(self.nice)  # (the step runs in a worker thread)
         return self.engine.expire(), self.engine.step()
 
     async def stats(self) -> dict[str, int]:

@@ -37,13 +37,15 @@ from common.sched.stop import Stop
 from common.stages.process import process_loaded
 from services.admission import StageAdmission
 from services.metrics import Metrics
-from services.runtime import set_threads
+from services.runtime import nice_process, nice_thread, set_threads
 
 
 class MediaDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
         self.cfg = PrismConfig.model_validate(config)
         set_threads(self.cfg.model.torch_threads)
+        self.nice = self.cfg.deployments.media.cpu_nice
+        nice_process(self.nice)
         self.frontend = load_frontend(self.cfg.model)
         self.stage = MediaStage(self.cfg.media)
         eng = self.cfg.engine
@@ -69,7 +71,7 @@ class MediaDeployment:
         try:
             start = time.time()
             try:
-                checked = await asyncio.to_thread(self.stage.fetch, refs, timings, stop)
+                checked = await asyncio.to_thread(self._fetch, refs, timings, stop)
             except asyncio.CancelledError:
                 stop.cancel()  # the thread ends at its next check instead of finishing the download for nobody
                 raise
@@ -85,6 +87,10 @@ class MediaDeployment:
             self.in_flight -= 1
             self._load()
 
+    def _fetch(self, refs: list[MediaRef], timings: LoadTimings, stop: Stop) -> list[CheckedMedia]:
+        nice_thread(self.nice)
+        return self.stage.fetch(refs, timings, stop)
+
     def _check_modalities(self, refs: list[MediaRef]) -> None:
         unsupported = {r.kind for r in refs} - set(self.frontend.adapter.modalities)
         if unsupported:
@@ -96,6 +102,7 @@ class MediaDeployment:
     def _decode(
         self, checked: list[CheckedMedia], ctx: RequestContext, timings: LoadTimings, timeline: Timeline, stop: Stop
     ) -> Traced[list[ProcessedMedia]]:
+        nice_thread(self.nice)
         loaded = self.stage.decode(checked, timings, stop)
         timeline.span("media.decode", timings.decode_s, frames=sum(len(m.frames) for m in loaded))
         stop.check("media processing")

@@ -8,6 +8,11 @@ and — once admitted against the replica's token budget (``admission.prefill_to
 a text prompt or a prefix-cache hit is not held behind a large image prompt's chunks; batch class behind
 interactive), and drops queued prompts whose deadline passed (504).
 
+Two lanes, each an engine with its own driver thread and budget: text-only prompts up to
+``admission.lane_max_prompt_tokens`` run on the low-latency lane, everything else on the long lane, whose thread
+runs at a lower OS priority (``long_lane_nice``). A short prompt therefore never waits for a large image prompt's
+chunk to finish, and gets the cores first when both compute (the trace's ``prefill.queue`` names the lane).
+
 The result is a :class:`PrefillOutput` (first token + KV blocks as numpy) that travels through the
 replica's KV transport publishes (:mod:`common.kv.transport`): with ``object_store`` the output itself travels in the
 response; with ``nixl`` a small descriptor does, the decode replica reads the KV straight from this replica's memory,
@@ -22,6 +27,7 @@ the engine's first chunk), ``prefill`` (the chunks; prompt tokens, prefix-cache 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from common.config import PrismConfig
@@ -36,35 +42,62 @@ from common.stages.merge import merge
 from common.stages.prompt import build_prompt
 from services.admission import StageAdmission
 from services.metrics import Metrics
-from services.runtime import AwaitedEngine
+from services.runtime import AwaitedEngine, nice_thread
+
+
+@dataclass
+class _Lane:
+    """One prefill engine with its own driver thread, budget and OS priority."""
+
+    name: str
+    engine: PrefillEngine
+    runner: AwaitedEngine
+    admission: StageAdmission
 
 
 class PrefillDeployment:
     def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
-        eng = self.cfg.engine
-        self.engine = PrefillEngine(
+        eng, adm = self.cfg.engine, self.cfg.admission
+        self.metrics = Metrics("prefill")
+        long_nice = self.cfg.deployments.prefill.long_lane_nice
+        self.long = self._lane("long", eng.prefix_cache_blocks, adm.prefill_token_budget, long_nice)
+        self.lanes = [self.long]
+        self.short: _Lane | None = None
+        if adm.lane_max_prompt_tokens:
+            quarter = max(1, adm.prefill_token_budget // 4)
+            self.short = self._lane("short", eng.prefix_cache_blocks // 4, quarter, 0)
+            self.lanes.append(self.short)
+        self.engine = self.long.engine  # (the lane with the configured prefix cache)
+        self.transport = transport or make_transport(self.cfg.server.transport)
+        self._releaser: asyncio.Task | None = None
+        self.metrics.keep_fresh(self._load)
+
+    def _lane(self, name: str, prefix_blocks: int, budget: int, nice: int) -> _Lane:
+        eng, adm = self.cfg.engine, self.cfg.admission
+        engine = PrefillEngine(
             self.lm,
             block_size=eng.kv_block_size,
             chunk_tokens=eng.prefill_chunk_tokens,
-            prefix_cache_blocks=eng.prefix_cache_blocks,
+            prefix_cache_blocks=prefix_blocks,
             shared_prefix_scope=eng.shared_cache_scope,
-            aging_tokens_per_s=self.cfg.admission.aging_tokens_per_s,
-            batch_delay_s=self.cfg.admission.batch_delay_s,
+            aging_tokens_per_s=adm.aging_tokens_per_s,
+            batch_delay_s=adm.batch_delay_s,
         )
-        self.transport = transport or make_transport(self.cfg.server.transport)
-        self._releaser: asyncio.Task | None = None
-        self.runner = AwaitedEngine(
-            lambda: (self.engine.expire(), self.engine.step(eng.prefill_chunk_tokens)),
-            self.engine.has_work,
-            _results,
-            self.engine.cancel,
-        )
-        self.metrics = Metrics("prefill")
-        adm = self.cfg.admission
-        self.admission = StageAdmission("prefill", "tokens", adm.prefill_token_budget, adm, self.metrics)
-        self.metrics.keep_fresh(self._load)
+
+        def step() -> tuple[list[str], list[PrefillResult]]:
+            nice_thread(nice)  # (each step runs in a worker thread: the long lane's yields the cores)
+            return engine.expire(), engine.step(eng.prefill_chunk_tokens)
+
+        runner = AwaitedEngine(step, engine.has_work, _results, engine.cancel)
+        return _Lane(name, engine, runner, StageAdmission("prefill", "tokens", budget, adm, self.metrics))
+
+    def _lane_for(self, merged: MergedInputs) -> _Lane:
+        short = self.short is not None and not merged.spans
+        if short and len(merged.token_ids) <= self.cfg.admission.lane_max_prompt_tokens:
+            return self.short  # type: ignore[return-value]
+        return self.long
 
     async def prefill(
         self,
@@ -83,13 +116,14 @@ class PrefillDeployment:
         ctx.check_deadline("prefill")
         merged = await asyncio.to_thread(self._merge, messages, visual)
         prep = timeline.mark("prefill.prompt", prompt_tokens=len(merged.token_ids))
-        tokens = len(merged.token_ids)
+        tokens, lane = len(merged.token_ids), self._lane_for(merged)
         try:
-            async with self.admission.held(ctx, tokens, tokens):
-                result: PrefillResult = await self.runner.run(ctx.key, lambda: self._submit(ctx, merged, sampling))
+            async with lane.admission.held(ctx, tokens, tokens):
+                submit = lambda: self._submit(lane, ctx, merged, sampling)  # noqa: E731
+                result: PrefillResult = await lane.runner.run(ctx.key, submit)
         finally:
             self._load()
-        self._trace(timeline, result, transfer.duration_s, prep.duration_s)
+        self._trace(timeline, lane, result, transfer.duration_s, prep.duration_s)
         handle = self.transport.publish(result.output, expires_at=ctx.deadline)
         if self.transport.held and (self._releaser is None or self._releaser.done()):
             self._releaser = asyncio.get_running_loop().create_task(self._release_loop())
@@ -99,9 +133,10 @@ class PrefillDeployment:
         prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens)
         return merge(self.lm, prompt, visual)
 
-    def _trace(self, timeline: Timeline, result: PrefillResult, transfer_s: float, prep_s: float) -> None:
-        stats, kv, bs = result.stats, result.output.kv, self.engine.block_size
-        queue = timeline.mark_until("prefill.queue", stats.started_at)
+    def _trace(self, timeline: Timeline, lane: _Lane, result: PrefillResult, transfer_s: float, prep_s: float) -> None:
+        stats, kv, engine = result.stats, result.output.kv, lane.engine
+        bs = engine.block_size
+        queue = timeline.mark_until("prefill.queue", stats.started_at, lane=lane.name)
         work = timeline.mark(
             "prefill",
             prompt_tokens=stats.prompt_tokens,
@@ -111,14 +146,15 @@ class PrefillDeployment:
             kv_bytes=kv.nbytes,
         )
         self.metrics.stage_time(transfer_s + queue.duration_s, prep_s + work.duration_s)
-        if self.engine.prefix is not None and self.engine.pool is not None:
+        if engine.prefix is not None and engine.pool is not None:
             hits = stats.cached_tokens // bs
             self.metrics.cache_lookups("prefix", hits, max(0, stats.prompt_tokens // bs - hits))
             block_bytes = kv.nbytes // max(1, kv.num_blocks)
-            self.metrics.cache_bytes("prefix", len(self.engine.prefix) * block_bytes)
+            cached = sum(len(x.engine.prefix) for x in self.lanes if x.engine.prefix is not None)
+            self.metrics.cache_bytes("prefix", cached * block_bytes)
 
-    def _submit(self, ctx: RequestContext, merged: MergedInputs, sampling: SamplingParams) -> None:
-        self.engine.submit(
+    def _submit(self, lane: _Lane, ctx: RequestContext, merged: MergedInputs, sampling: SamplingParams) -> None:
+        lane.engine.submit(
             ctx.key,
             merged,
             sampling,
@@ -130,11 +166,18 @@ class PrefillDeployment:
         self._load()
 
     async def stats(self) -> dict[str, int]:
-        """Work counter (prompt tokens computed) and what the budget holds."""
-        return {"computed_tokens": self.engine.computed_tokens, "admitted_tokens": self.admission.gate.used}
+        """Work counters (prompt tokens computed, per lane and in all) and what the budgets hold."""
+        out = {f"{x.name}_computed_tokens": x.engine.computed_tokens for x in self.lanes}
+        out["computed_tokens"] = sum(x.engine.computed_tokens for x in self.lanes)
+        out["admitted_tokens"] = sum(x.admission.gate.used for x in self.lanes)
+        return out
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(x.engine.queued_tokens for x in self.lanes)
 
     def _load(self) -> None:
-        self.metrics.load(len(self.runner.waiting), self.engine.queued_tokens)
+        self.metrics.load(sum(len(x.runner.waiting) for x in self.lanes), self.queued_tokens)
 
     async def _release_loop(self) -> None:
         """Free published hand-offs once read (or expired); stops when the transport holds nothing."""
@@ -144,7 +187,7 @@ class PrefillDeployment:
             await asyncio.sleep(0.02)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return {"queue_depth": float(self.engine.queued_tokens)}
+        return {"queue_depth": float(self.queued_tokens)}
 
 
 def _results(out: tuple[list[str], list[PrefillResult]]):

@@ -5,7 +5,8 @@ Lifecycle of one request, as queues:
 ``submit`` → prefix-cache lookup (chained block hashes; the hit is trimmed so recompute never starts inside a media
 span, and at least one token is always computed for the first-token logits) → **queued** with its cached KV loaded
 → each :meth:`step` spends a token budget across queued requests in FIFO order, one chunk per request at a time
-(chunk ends respect media spans, :mod:`common.engine.chunking`) → after its last chunk a request samples its first
+(chunk ends respect media spans, :mod:`common.engine.chunking`); a step ends as soon as a request finishes, so its
+result is never held behind lower-ranked chunks → after its last chunk a request samples its first
 token, exports its KV as :class:`KVBlocks`, inserts its new full blocks into the prefix cache, and leaves as a
 :class:`PrefillOutput`. :meth:`cancel` drops a queued request at any point; :meth:`expire` drops those whose
 deadline (given at submit, engine clock) passed.
@@ -194,6 +195,7 @@ class PrefillEngine:
             if end == n:
                 del self._queue[state.request_id]
                 finished.append(self._finish(state))
+                break  # hand it over now: the caller should not wait for lower-ranked chunks (batching is per chunk)
         return finished
 
     def run(self, request_id: str, merged: MergedInputs, sampling: SamplingParams, tenant: str = "default"):

@@ -172,6 +172,10 @@ class AdmissionConfig(BaseModel):
     """Shortest-first with aging: a request of N prompt tokens (patches in encode) ranks as if it arrived
     ``N / aging_tokens_per_s`` seconds later, so short prompts and cache hits pass large images, which still move
     once they have waited that long."""
+    lane_max_prompt_tokens: int = Field(default=512, ge=0)
+    """Text-only prompts up to this many tokens are prefilled on the prefill replica's low-latency lane: an engine
+    and a worker thread of their own (with ``prefill_token_budget`` / 4 and ``prefix_cache_blocks`` / 4), so they
+    never wait behind a large image prompt's chunks. 0: one engine for everything."""
     batch_delay_s: float = Field(default=10.0, ge=0)
     """Batch-class requests rank as if they arrived this many seconds later than interactive ones."""
     retry_after_s: float = Field(default=1.0, gt=0)

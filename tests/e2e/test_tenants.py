@@ -126,6 +126,8 @@ def test_image_flood_of_one_tenant_gets_429s_and_leaves_the_other_tenants_text_f
         time.sleep(0.2)
     assert stats("Decode")["kv_blocks_used"] == 0
     assert stats("Encode")["admitted_patches"] == 0 and stats("Prefill")["admitted_tokens"] == 0
+    prefill = stats("Prefill")  # beta's text ran on the low-latency lane, alpha's image prompts on the long one
+    assert prefill["short_computed_tokens"] > 0 and prefill["long_computed_tokens"] > 0
 
 
 def _words(n: int) -> str:
