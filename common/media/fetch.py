@@ -50,7 +50,6 @@ Resolver = Callable[[str, int], list[str]]
 """(host, port) → IP address strings. Injected in tests; :func:`system_resolver` otherwise."""
 
 _ACCEPTED_CONTENT_TYPES = (*RASTER_MIME, *VIDEO_MIME, "application/octet-stream", "binary/octet-stream")
-_CHUNK = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -265,7 +264,7 @@ class MediaFetcher:
         chunks: list[bytes] = []
         size = 0
         try:
-            for chunk in response.iter_raw(_CHUNK):
+            for chunk in response.iter_raw():  # each network read as it comes: every check runs per read
                 size += len(chunk)
                 if size > cap:
                     raise MediaTooLarge(f"media is over {cap} bytes; download stopped at the limit", param="url")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import socket
+import threading
+import time
 
 import pytest
 from PIL import Image
@@ -15,6 +17,7 @@ from common.media.config import MediaConfig, VideoPolicy
 from common.media.fetch import MediaFetcher
 from common.media.image import check_pillow_guard
 from common.media.loader import MediaRef, check_request, load_media
+from common.sched.stop import Stop
 from tests.mediakit import (
     MediaServer,
     Route,
@@ -257,3 +260,20 @@ def test_pixel_decoding_spy_sees_real_decodes(no_pixel_decoding):
     _load(data_url(png_bytes()))
     _load(data_url(gif_bytes(2), "image/gif"))
     assert len(no_pixel_decoding) >= 2
+
+
+def test_a_download_stops_at_the_request_deadline_or_when_its_caller_leaves():
+    """The media stage hands its fetches the request's Stop: the request's deadline bounds the download even when
+    the media timeouts are generous, and a cancelled request's download ends at its next chunk."""
+    with MediaServer() as server:
+        server.routes["/drip"] = Route(body=drip(b"x" * 10, 400, 0.05), headers={"Content-Type": "image/png"})
+        cfg = MediaConfig(allowed_private_networks=LOCAL, read_timeout_s=30, total_timeout_s=30)
+        start = time.monotonic()
+        err = _code(MediaFetcher(cfg).fetch, server.url("/drip"), stop=Stop(time.monotonic() + 0.5))
+        assert err.code == "deadline_exceeded" and err.http_status == 504
+        assert time.monotonic() - start < 3
+        stop = Stop(time.monotonic() + 30)
+        threading.Timer(0.3, stop.cancel).start()
+        start = time.monotonic()
+        err = _code(MediaFetcher(cfg).fetch, server.url("/drip"), stop=stop)
+        assert err.code == "cancelled" and time.monotonic() - start < 3
