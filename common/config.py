@@ -111,8 +111,9 @@ class StageConfig(_Strict):
 
 
 # Per-stage defaults (a config that sets only some fields of a stage keeps the others' stage defaults). The stage
-# budgets (`admission:`) bound the work inside a replica; `max_ongoing_requests` is set above what they admit plus
-# their wait queue, so requests waiting for room in one stage never block Serve's router for the calls behind them.
+# budgets (`admission:`) bound the work inside a replica; `max_ongoing_requests` is set well above Serve's default so
+# requests waiting for room in a budget (ranked there) rarely fill the replica and leave the calls behind them in
+# Serve's router queue, which is first come, first served.
 
 
 class MediaStageConfig(StageConfig):
@@ -156,10 +157,19 @@ class ModelStages(_Strict):
     decode: DecodeStageConfig = DecodeStageConfig()
 
 
+class IngressStageConfig(StageConfig):
+    num_cpus: float = Field(default=0.1, ge=0)
+    """CPUs reserved per replica."""
+    max_ongoing_requests: int = Field(default=512, ge=1)
+    """Requests a replica works on at once (keep it above ``server.max_in_flight_per_ingress``)."""
+    max_queued_requests: int = Field(default=128, ge=-1)
+    """Requests waiting for a replica before callers get Serve's own 429 (-1: unbounded)."""
+
+
 class DeploymentsConfig(ModelStages):
     """Every deployment of a one-model application: the ingress and the model's stages."""
 
-    ingress: StageConfig = StageConfig(num_cpus=0.1, max_ongoing_requests=512, max_queued_requests=128)
+    ingress: IngressStageConfig = IngressStageConfig()
 
 
 class ServedModel(ModelConfig):

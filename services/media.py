@@ -25,7 +25,7 @@ from typing import Any
 from common.cache.processor_cache import ProcessorCache
 from common.cache.tally import TalliedCache
 from common.config import PrismConfig
-from common.errors import InvalidRequestError
+from common.errors import InvalidRequestError, MediaTooLarge
 from common.media.loader import CheckedMedia, LoadTimings, MediaRef
 from common.media.stage import MediaStage
 from common.model.loader import load_frontend
@@ -77,6 +77,9 @@ class MediaDeployment:
                 raise
             timeline.mark("media.fetch", items=len(checked), bytes=timings.nbytes)
             pixels = sum(c.pixels for c in checked)
+            limit = self.cfg.admission.max_request_pixels
+            if pixels > limit:  # known from the headers: refused before any decode, not after
+                raise MediaTooLarge(f"request has {pixels} source pixels; the limit is {limit}", code="too_many_pixels")
             grant = await self.admission.admit(ctx, pixels, 0)  # media: first come, first served within a class
             timeline.mark("media.admission", pixels=pixels, waited=grant.waited_s > 0)
             work = lambda: self._decode(checked, ctx, timings, timeline, stop)  # noqa: E731

@@ -179,12 +179,14 @@ class PipelineClient:
                 REPLICA_LOST,
                 max_attempts=self.cfg.server.max_chain_attempts,
             )
+            trace.absorb(first.spans)
+            trace.prompt_tokens = len(first.prompt_token_ids)
+            self._charge_media(ticket, vector, first.spans)
         except BaseException:
             self.quotas.release(ticket)
+            if "chain" in locals():
+                _cancel(chain)
             raise
-        trace.absorb(first.spans)
-        trace.prompt_tokens = len(first.prompt_token_ids)
-        self._charge_media(ticket, vector, first.spans)
         return Call(
             ctx,
             self.frontend,

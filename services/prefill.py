@@ -27,6 +27,7 @@ the engine's first chunk), ``prefill`` (the chunks; prompt tokens, prefix-cache 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +91,9 @@ class PrefillDeployment:
             nice_thread(nice)  # (each step runs in a worker thread: the long lane's yields the cores)
             return engine.expire(), engine.step(eng.prefill_chunk_tokens)
 
-        runner = AwaitedEngine(step, engine.has_work, _results, engine.cancel)
+        # Each lane steps in a thread of its own: the long lane's lowered priority stays with its thread.
+        executor = ThreadPoolExecutor(1, thread_name_prefix=f"prism-prefill-{name}")
+        runner = AwaitedEngine(step, engine.has_work, _results, engine.cancel, executor)
         return _Lane(name, engine, runner, StageAdmission("prefill", "tokens", budget, adm, self.metrics))
 
     def _lane_for(self, merged: MergedInputs) -> _Lane:

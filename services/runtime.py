@@ -67,8 +67,12 @@ class EngineDriver:
         has_work: Callable[[], bool],
         deliver: Callable[[Any], None],
         fail: Callable[[BaseException], None] | None = None,
+        executor: Any = None,
     ) -> None:
+        """``executor``: where steps run (default: the loop's shared pool); a dedicated one keeps a step thread's OS
+        priority (:func:`nice_thread`) from leaking to other work of the replica."""
         self.lock = asyncio.Lock()
+        self._executor = executor
         self._step, self._has_work, self._deliver, self._fail = step, has_work, deliver, fail
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -86,7 +90,7 @@ class EngineDriver:
                 continue
             async with self.lock:
                 try:
-                    result = await asyncio.to_thread(self._step)
+                    result = await asyncio.get_running_loop().run_in_executor(self._executor, self._step)
                 except Exception as exc:
                     log.exception("engine step failed")
                     if self._fail is None:
@@ -112,10 +116,11 @@ class AwaitedEngine:
         has_work: Callable[[], bool],
         results: Callable[[Any], Iterable[tuple[str, Any]]],
         cancel: Callable[[str], object],
+        executor: Any = None,
     ) -> None:
         self._results, self._cancel = results, cancel
         self.waiting: dict[str, asyncio.Future] = {}
-        self.driver = EngineDriver(step, has_work, self._deliver, self._fail)
+        self.driver = EngineDriver(step, has_work, self._deliver, self._fail, executor)
 
     async def run(self, request_id: str, submit: Callable[[], Any]) -> Any:
         """``submit()`` queues the request (under the lock); a non-``None`` return is the result, at once."""

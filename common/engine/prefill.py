@@ -171,7 +171,8 @@ class PrefillEngine:
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens still to compute: the prefill stage's queue depth for autoscaling."""
-        return sum(len(s.merged.token_ids) - s.done for s in self._queue.values())
+        # (a copy: the stage reads this from its event loop while the engine's thread may be stepping)
+        return sum(len(s.merged.token_ids) - s.done for s in list(self._queue.values()))
 
     # ---- compute --------------------------------------------------------------------------------------------
     def step(self, token_budget: int) -> list[PrefillResult]:

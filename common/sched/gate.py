@@ -10,15 +10,15 @@ before it has been granted and its amount fits → ``release(amount)`` when its 
 Refused instead of waiting, with a typed error that names the budget:
 
 * the wait queue is full (``max_waiting``) → 429 ``server_overloaded`` with Retry-After;
-* the wait it can expect (what is ahead of it ÷ the budget's measured drain rate) ends past its deadline → 429 at
-  once rather than a 504 later;
+* the wait it can expect (what is in flight and ranked ahead of it ÷ the budget's measured drain rate) ends past its
+  deadline → 429 at once rather than a 504 later (a deadline already passed is a 504);
 * its deadline passes while it waits → 504 ``deadline_exceeded``; a waiter whose caller went away (cancelled) leaves
   the queue, and if it was granted in that instant its amount is given straight back.
 
 Retry-After is the time the budget needs to drain what is queued ahead plus this request, from the units released
 over the last ``DRAIN_WINDOW_S`` seconds (the configured value until anything was released). Strict rank order means
 a large item at the head holds smaller ones behind it until it fits: ranks age, so nothing starves. An amount larger
-than the whole budget is clamped to it: it runs alone once the stage is empty.
+than the whole budget is clamped to it: it runs alone once the stage is empty; an amount of 0 never waits.
 
 Single event loop only (a Serve replica's): no locks, grants happen in :meth:`release` and :meth:`acquire`.
 """
@@ -100,9 +100,11 @@ class BudgetGate:
         span = max(now - self._released[0][0], 1.0)
         return sum(a for _, a in self._released) / span
 
-    def expected_wait_s(self, amount: int) -> float:
-        """Seconds until ``amount`` more would fit behind what is in flight and queued (0 if it fits now)."""
-        excess = self.used + self.waiting_amount + amount - self.capacity
+    def expected_wait_s(self, amount: int, rank_: float | None = None) -> float:
+        """Seconds until ``amount`` more would fit behind what is in flight and what waits ahead of ``rank_`` (all
+        waiters when ``None``); 0 if it fits now."""
+        ahead = sum(w.amount for w in self._heap if not w.future.done() and (rank_ is None or w.rank <= rank_))
+        excess = self.used + ahead + amount - self.capacity
         if excess <= 0:
             return 0.0
         rate = self.drain_rate()
@@ -116,17 +118,19 @@ class BudgetGate:
         """Admit ``amount`` (clamped to the budget) before ``deadline`` (this gate's clock), or raise."""
         amount = max(0, min(int(amount), self.capacity))
         start = self.clock()
-        if not self.waiting and self.used + amount <= self.capacity:
-            self.used += amount
+        if amount == 0 or (not self.waiting and self.used + amount <= self.capacity):
+            self.used += amount  # (nothing to wait for: e.g. every item an encoder-cache hit)
             return Grant(amount, 0.0)
+        left = deadline - start
+        if left <= 0:
+            raise DeadlineExceeded(f"deadline exceeded before the {self.stage} stage could admit the request")
         if self.waiting >= self.max_waiting:
             raise Overloaded(
                 f"the {self.stage} stage is at capacity ({self.capacity} {self.unit} in flight, {self.waiting} "
                 "waiting); retry later",
                 retry_after_s=self.retry_after_s(amount),
             )
-        left = deadline - start
-        expected = self.expected_wait_s(amount)
+        expected = self.expected_wait_s(amount, rank_)
         if expected >= left:
             raise Overloaded(
                 f"the {self.stage} stage would take about {expected:.1f}s to make room for this request "
@@ -135,6 +139,7 @@ class BudgetGate:
             )
         waiter = _Waiter(rank_, next(self._seq), amount, asyncio.get_running_loop().create_future())
         heapq.heappush(self._heap, waiter)
+        self._grant()  # it may rank first and fit at once
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout=left)
         except BaseException as exc:  # deadline, or the caller went away

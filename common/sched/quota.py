@@ -3,7 +3,8 @@
 Each ingress replica holds one :class:`TenantQuotas` and enforces ``share`` of every tenant's quota (``share`` =
 1 / the ingress's ``max_replicas``): no shared state and no extra hop per request, at the price of accuracy — with
 Serve spreading requests evenly a tenant gets its quota; with fewer ingress replicas running than ``max_replicas``,
-or an uneven spread, it gets less, never more. (A small quota actor shared by all replicas is the exact alternative;
+or an uneven spread, it gets less. It can get more where a share rounds up: each replica allows at least one request
+in flight and a bucket of at least one unit. (A small quota actor shared by all replicas is the exact alternative;
 it would cost a round trip per request and a single point of failure.)
 
 Lifecycle of one request's :class:`Ticket`:
@@ -12,8 +13,9 @@ Lifecycle of one request's :class:`Ticket`:
 ``tenant_quota_exceeded`` + Retry-After if the tenant is at a concurrency cap (requests; requests with media) or any
 of its buckets is in debt → otherwise the known costs are taken from the buckets at once (one request, the text
 tokens) → :meth:`charge` takes the rest when it becomes known (pixels, patches, visual tokens: the media stage's
-figures, which reach the ingress with the decode stream's start) — a bucket may go into debt by one request's cost,
-which then holds the tenant's next requests back until it refills → :meth:`release` gives the concurrency back on
+figures, which reach the ingress with the decode stream's start) — a bucket may go into debt by the costs of the
+requests admitted before the first of them was charged (bound them with ``max_media_in_flight``), and the debt then
+holds the tenant's next requests back until it refills → :meth:`release` gives the concurrency back on
 every exit path (idempotent).
 
 Only the tenant's own buckets and counts are consulted: one tenant at its quota never refuses another.

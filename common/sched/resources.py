@@ -108,6 +108,8 @@ class ResourceVector:
 
 
 def _frames(m: ProcessedMedia) -> int:
+    """1 for an image; a video's temporal grid (Qwen2-VL: one per two sampled frames — the media stage counts every
+    sampled frame against ``max_request_pixels`` from the headers, before decoding)."""
     return m.grid_thw[0] if m.modality == "video" else 1
 
 
@@ -151,7 +153,8 @@ class AdmissionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_request_pixels: int = Field(default=100_000_000, ge=1)
-    """Source pixels of all media of one request (video: per sampled frame)."""
+    """Source pixels of all media of one request (a video: its frame size × every frame sampling will decode);
+    checked after the header checks, before anything is decoded."""
     max_request_patches: int = Field(default=65_536, ge=1)
     """Vision patches of one request (what the encoder pays for)."""
     max_request_visual_tokens: int = Field(default=16_384, ge=1)
@@ -163,19 +166,22 @@ class AdmissionConfig(BaseModel):
     encode_patch_budget: int = Field(default=32_768, ge=1)
     """Vision patches one encode replica holds queued or encoding."""
     prefill_token_budget: int = Field(default=16_384, ge=1)
-    """Prompt tokens one prefill replica holds queued or computing."""
+    """Prompt tokens one prefill replica's long lane holds queued or computing (its low-latency lane holds up to a
+    quarter of this again)."""
     max_waiting: int = Field(default=64, ge=0)
     """Requests that may wait for room in one stage replica's budget; more get 429 ``server_overloaded``. A request
     that would wait past its deadline (judged by the budget's drain rate) is refused at once. A request bigger than a
     whole budget is admitted alone, so nothing admissible waits forever."""
     aging_tokens_per_s: float = Field(default=2048, gt=0)
     """Shortest-first with aging: a request of N prompt tokens (patches in encode) ranks as if it arrived
-    ``N / aging_tokens_per_s`` seconds later, so short prompts and cache hits pass large images, which still move
-    once they have waited that long."""
+    ``N / aging_tokens_per_s`` seconds later, so short prompts and cache hits (in the prefill engine: tokens left after
+    the prefix hit; in encode: patches the encoder cache lacks) pass large images, which still move once they have
+    waited that long."""
     lane_max_prompt_tokens: int = Field(default=512, ge=0)
     """Text-only prompts up to this many tokens are prefilled on the prefill replica's low-latency lane: an engine
-    and a worker thread of their own (with ``prefill_token_budget`` / 4 and ``prefix_cache_blocks`` / 4), so they
-    never wait behind a large image prompt's chunks. 0: one engine for everything."""
+    and a worker thread of their own (with ``prefill_token_budget`` / 4 and a prefix cache of its own of
+    ``prefix_cache_blocks`` / 4, in addition to the long lane's), so they never wait behind a large image prompt's
+    chunks. 0: one engine for everything."""
     batch_delay_s: float = Field(default=10.0, ge=0)
     """Batch-class requests rank as if they arrived this many seconds later than interactive ones."""
     retry_after_s: float = Field(default=1.0, gt=0)

@@ -36,7 +36,7 @@ def test_admits_in_rank_order_and_releases_everything():
 
         tasks = [asyncio.create_task(wait(n, a, r)) for n, a, r in (("late-big", 50, 3.0), ("small", 10, 1.0))]
         await asyncio.sleep(0.01)
-        assert gate.waiting == 2  # "small" would fit beside the 80, but nobody jumps the queue that formed
+        assert gate.waiting == 1 and order == ["small"]  # it ranks ahead of the waiting big one and fits beside the 80
         gate.release(first.amount)
         await asyncio.gather(*tasks)
         return gate, order
@@ -99,3 +99,24 @@ def test_an_amount_over_the_budget_runs_alone_and_rank_orders_short_and_interact
     assert rank(10.0, 20, 100.0, False, 5.0) < rank(10.0, 2000, 100.0, False, 5.0)  # shortest first
     assert rank(10.0, 2000, 100.0, False, 5.0) < rank(40.0, 20, 100.0, False, 5.0)  # aging: 20 s later loses
     assert rank(12.0, 20, 100.0, False, 5.0) < rank(10.0, 20, 100.0, True, 5.0)  # batch behind interactive
+
+
+def test_nothing_to_admit_never_waits_and_a_first_ranked_waiter_that_fits_goes_at_once():
+    async def main():
+        gate = _gate(capacity=10, max_waiting=1)
+        held = await gate.acquire(8, deadline=10**9, rank_=0)
+        big = asyncio.create_task(gate.acquire(5, deadline=10**9, rank_=5))  # waits: 8 + 5 > 10
+        await asyncio.sleep(0.01)
+        free = await gate.acquire(0, deadline=10**9, rank_=9)  # an encoder-cache hit: nothing to wait for
+        assert free.amount == 0 and free.waited_s == 0
+        gate.max_waiting = 2
+        small = await asyncio.wait_for(gate.acquire(1, deadline=10**9, rank_=1), timeout=1)  # ranks first, fits
+        assert gate.used == 9 and not big.done()
+        with pytest.raises(DeadlineExceeded):
+            await gate.acquire(5, deadline=gate.clock() - 1, rank_=0)  # its deadline already passed: 504, not 429
+        for g in (held, small):
+            gate.release(g.amount)
+        gate.release((await big).amount)
+        return gate
+
+    assert asyncio.run(main()).used == 0
