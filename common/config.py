@@ -75,6 +75,11 @@ class EngineConfig(_Strict):
     shared_cache_scope: bool = False
     """Share processor/encoder/prefix caches across tenants (only for single-tenant deployments)."""
 
+    @property
+    def max_lease_blocks(self) -> int:
+        """KV blocks one request may lease in a decode pool (what :class:`common.kv.pool.KVPool` allows)."""
+        return max(1, int(self.kv_pool_blocks * self.max_lease_fraction))
+
 
 class StageConfig(_Strict):
     """Replicas, resources and queue bounds of one deployment."""

@@ -19,7 +19,6 @@ from typing import Any
 from common.cache.encoder_cache import EncoderCache
 from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
-from common.errors import DeadlineExceeded
 from common.media.stage import decode_options
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
@@ -43,7 +42,9 @@ class EncodeDeployment:
         batcher = EncoderBatcher(patch_budget=eng.encoder_patch_budget)
         self.engine = EncodeEngine(self.lm, batcher, self.cache, time.monotonic)
         self.options = decode_options(self.cfg.media)
-        self.runner = AwaitedEngine(self._step, self.engine.has_work, _results, self.engine.cancel)
+        self.runner = AwaitedEngine(
+            self._step, self.engine.has_work, dict.items, self.engine.cancel, self.engine.expire, "encode"
+        )
         self.metrics = Metrics("encode")
         adm = self.cfg.admission
         self.admission = StageAdmission("encode", "patches", adm.encode_patch_budget, adm, self.metrics)
@@ -91,9 +92,9 @@ class EncodeDeployment:
         self._load()
         return done
 
-    def _step(self) -> tuple[list[str], dict[str, list[VisualEmbeddings]]]:
+    def _step(self) -> dict[str, list[VisualEmbeddings]]:
         nice_thread(self.nice)  # (the step runs in a worker thread)
-        return self.engine.expire(), self.engine.step()
+        return self.engine.step()
 
     async def stats(self) -> dict[str, int]:
         """Work counters (batches and items through the vision tower) and what the budget holds."""
@@ -108,10 +109,3 @@ class EncodeDeployment:
             "queue_depth": float(self.engine.batcher.pending_patches),
             "pending_items": float(len(self.runner.waiting)),
         }
-
-
-def _results(out: tuple[list[str], dict[str, list[VisualEmbeddings]]]):
-    expired, done = out
-    for rid in expired:
-        yield rid, DeadlineExceeded("deadline exceeded while queued for the encoder")
-    yield from done.items()

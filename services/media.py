@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 from common.cache.processor_cache import ProcessorCache
 from common.cache.tally import TalliedCache
 from common.config import PrismConfig
-from common.errors import InvalidRequestError, MediaTooLarge
+from common.errors import InvalidRequestError
 from common.media.loader import CheckedMedia, LoadTimings, MediaRef
 from common.media.stage import MediaStage
 from common.model.loader import load_frontend
@@ -53,7 +54,6 @@ class MediaDeployment:
         if eng.processor_cache_bytes:
             self.cache = ProcessorCache(eng.processor_cache_bytes, eng.shared_cache_scope)
         self.in_flight = 0
-        self.max_lease_blocks = max(1, int(eng.kv_pool_blocks * eng.max_lease_fraction))
         self.metrics = Metrics("media")
         adm = self.cfg.admission
         self.admission = StageAdmission("media", "pixels", adm.media_pixel_budget, adm, self.metrics)
@@ -77,9 +77,7 @@ class MediaDeployment:
                 raise
             timeline.mark("media.fetch", items=len(checked), bytes=timings.nbytes)
             pixels = sum(c.pixels for c in checked)
-            limit = self.cfg.admission.max_request_pixels
-            if pixels > limit:  # known from the headers: refused before any decode, not after
-                raise MediaTooLarge(f"request has {pixels} source pixels; the limit is {limit}", code="too_many_pixels")
+            self._check(replace(self._ingress_vector(ctx, len(checked)), pixels=pixels))  # from the headers: no decode
             grant = await self.admission.admit(ctx, pixels, 0)  # media: first come, first served within a class
             timeline.mark("media.admission", pixels=pixels, waited=grant.waited_s > 0)
             work = lambda: self._decode(checked, ctx, timings, timeline, stop)  # noqa: E731
@@ -130,11 +128,17 @@ class MediaDeployment:
     def _check_vector(self, ctx: RequestContext, out: list[ProcessedMedia]) -> ResourceVector:
         """The request's vector completed by its processed media, checked against every per-request limit: the
         prompt and the KV lease are judged here, before the encoder queue, not after encode or prefill ran."""
-        eng = self.cfg.engine
-        base = ctx.vector or ResourceVector.at_ingress(len(out), len(out), 0, eng.kv_block_size)
-        vector = base.with_media(out, eng.kv_block_size)
-        check_limits(vector, self.cfg.admission, eng.max_prompt_tokens, self.max_lease_blocks)
+        vector = self._ingress_vector(ctx, len(out)).with_media(out, self.cfg.engine.kv_block_size)
+        self._check(vector)
         return vector
+
+    def _ingress_vector(self, ctx: RequestContext, items: int) -> ResourceVector:
+        """What the ingress knew (a bare lower bound when a caller sent no vector)."""
+        return ctx.vector or ResourceVector.at_ingress(items, items, 0, self.cfg.engine.kv_block_size)
+
+    def _check(self, vector: ResourceVector) -> None:
+        eng = self.cfg.engine
+        check_limits(vector, self.cfg.admission, eng.max_prompt_tokens, eng.max_lease_blocks)
 
     def _load(self) -> None:
         self.metrics.load(self.in_flight, self.in_flight)

@@ -109,8 +109,6 @@ class PipelineClient:
         self.frontend = frontend
         self.quotas = quotas or TenantQuotas(cfg.admission, retry_after_s=cfg.server.retry_after_s)
         self.metrics = metrics
-        eng = cfg.engine
-        self.max_lease_blocks = max(1, int(eng.kv_pool_blocks * eng.max_lease_fraction))
         self.media: DeploymentHandle = media
         self.encode: DeploymentHandle = encode
         self.prefill: DeploymentHandle = prefill
@@ -204,7 +202,8 @@ class PipelineClient:
         over a limit here is over it for certain), then the tenant's quota; each decision counted."""
         reason = "limit"
         try:
-            check_limits(vector, self.cfg.admission, self.cfg.engine.max_prompt_tokens, self.max_lease_blocks)
+            eng = self.cfg.engine
+            check_limits(vector, self.cfg.admission, eng.max_prompt_tokens, eng.max_lease_blocks)
             reason = "quota"
             ticket = self.quotas.admit(tenant, vector)
         except PrismError:

@@ -33,7 +33,6 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
-from common.errors import DeadlineExceeded
 from common.kv.transport import KVTransport, make_transport
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
@@ -70,7 +69,6 @@ class PrefillDeployment:
             quarter = max(1, adm.prefill_token_budget // 4)
             self.short = self._lane("short", eng.prefix_cache_blocks // 4, quarter, 0)
             self.lanes.append(self.short)
-        self.engine = self.long.engine  # (the lane with the configured prefix cache)
         self.transport = transport or make_transport(self.cfg.server.transport)
         self._releaser: asyncio.Task | None = None
         self.metrics.keep_fresh(self._load)
@@ -87,13 +85,18 @@ class PrefillDeployment:
             batch_delay_s=adm.batch_delay_s,
         )
 
-        def step() -> tuple[list[str], list[PrefillResult]]:
-            nice_thread(nice)  # (each step runs in a worker thread: the long lane's yields the cores)
-            return engine.expire(), engine.step(eng.prefill_chunk_tokens)
-
-        # Each lane steps in a thread of its own: the long lane's lowered priority stays with its thread.
-        executor = ThreadPoolExecutor(1, thread_name_prefix=f"prism-prefill-{name}")
-        runner = AwaitedEngine(step, engine.has_work, _results, engine.cancel, executor)
+        # Each lane steps in a thread of its own, niced once when it starts: the long lane's lowered priority stays
+        # with its thread and never reaches the low-latency lane's.
+        executor = ThreadPoolExecutor(1, f"prism-prefill-{name}", initializer=nice_thread, initargs=(nice,))
+        runner = AwaitedEngine(
+            lambda: engine.step(eng.prefill_chunk_tokens),
+            engine.has_work,
+            lambda results: ((r.request_id, r) for r in results),
+            engine.cancel,
+            engine.expire,
+            "prefill",
+            executor,
+        )
         return _Lane(name, engine, runner, StageAdmission("prefill", "tokens", budget, adm, self.metrics))
 
     def _lane_for(self, merged: MergedInputs) -> _Lane:
@@ -191,11 +194,3 @@ class PrefillDeployment:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queue_depth": float(self.queued_tokens)}
-
-
-def _results(out: tuple[list[str], list[PrefillResult]]):
-    expired, done = out
-    for rid in expired:
-        yield rid, DeadlineExceeded("deadline exceeded while queued for prefill")
-    for r in done:
-        yield r.request_id, r

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from common.errors import PrismError
+from common.errors import DeadlineExceeded, PrismError
 
 log = logging.getLogger("prism.stage")
 
@@ -105,7 +105,8 @@ class AwaitedEngine:
     """An engine whose callers each wait for one result per request id (the encode and prefill stages).
 
     :meth:`run` submits under the engine lock and awaits the request's future; each step's output is routed to the
-    futures by ``results(output) → (request_id, value) pairs`` (a value that is an exception fails that caller). A
+    futures by ``results(output) → (request_id, value) pairs``. With ``expire``, each step first drops the requests
+    whose deadline passed in the engine's queue (``expire() → their ids``) and fails their callers with a 504. A
     caller that goes away (cancelled) has its request dropped from the engine; a failing step drops every queued
     request and fails its caller with a 500.
     """
@@ -116,11 +117,17 @@ class AwaitedEngine:
         has_work: Callable[[], bool],
         results: Callable[[Any], Iterable[tuple[str, Any]]],
         cancel: Callable[[str], object],
+        expire: Callable[[], list[str]] | None = None,
+        stage: str = "engine",
         executor: Any = None,
     ) -> None:
-        self._results, self._cancel = results, cancel
+        self._results, self._cancel, self._stage = results, cancel, stage
         self.waiting: dict[str, asyncio.Future] = {}
-        self.driver = EngineDriver(step, has_work, self._deliver, self._fail, executor)
+
+        def expire_then_step() -> tuple[list[str], Any]:
+            return (expire() if expire is not None else []), step()
+
+        self.driver = EngineDriver(expire_then_step, has_work, self._deliver, self._fail, executor)
 
     async def run(self, request_id: str, submit: Callable[[], Any]) -> Any:
         """``submit()`` queues the request (under the lock); a non-``None`` return is the result, at once."""
@@ -143,14 +150,16 @@ class AwaitedEngine:
                 async with self.driver.lock:
                     self._cancel(request_id)
 
-    def _deliver(self, output: Any) -> None:
-        for rid, value in self._results(output):
+    def _deliver(self, output: tuple[list[str], Any]) -> None:
+        expired, done = output
+        for rid in expired:
             future = self.waiting.get(rid)
             if future is not None and not future.done():
-                if isinstance(value, BaseException):  # the engine dropped it (its deadline passed while queued)
-                    future.set_exception(value)
-                else:
-                    future.set_result(value)
+                future.set_exception(DeadlineExceeded(f"deadline exceeded while queued in the {self._stage} stage"))
+        for rid, value in self._results(done):
+            future = self.waiting.get(rid)
+            if future is not None and not future.done():
+                future.set_result(value)
 
     def _fail(self, exc: BaseException) -> None:
         for rid, future in list(self.waiting.items()):

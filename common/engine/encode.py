@@ -109,10 +109,10 @@ class EncodeEngine:
     ) -> int:
         """Patches of the items the encoder cache does not hold (what encoding this request would cost now)."""
         if self.cache is None:
-            return sum(_patches(m) for m in items)
+            return sum(m.patches for m in items)
         pkey = self.processor_key(processor_options)
         enc = self.lm.contract.encoder_key
-        return sum(_patches(m) for m in items if self.cache.key(tenant, m.media_digest, pkey, enc) not in self.cache)
+        return sum(m.patches for m in items if self.cache.key(tenant, m.media_digest, pkey, enc) not in self.cache)
 
     def cancel(self, request_id: str) -> bool:
         self.batcher.remove_request(request_id)
@@ -175,8 +175,3 @@ class EncodeEngine:
             grid_thw=item.grid_thw,
             encoder_revision=self.lm.contract.encoder_key,
         )
-
-
-def _patches(m: ProcessedMedia) -> int:
-    t, h, w = m.grid_thw
-    return t * h * w

@@ -40,6 +40,7 @@ from common.kv.prefix_hash import block_hashes
 from common.model.loader import LoadedModel
 from common.protocol.handoff import KVBlocks, MergedInputs, PrefillOutput
 from common.protocol.sampling import SamplingParams
+from common.sched.gate import rank
 from common.stages.sampler import sample_token
 
 
@@ -137,9 +138,7 @@ class PrefillEngine:
                 self._load_prefix(cache, blocks[:hit])
         stats = PrefillStats(prompt_tokens=n, cached_tokens=hit * bs)
         arrival = self.clock() if arrival is None else arrival
-        rank = arrival
-        if self.aging is not None:
-            rank += (n - hit * bs) / self.aging + (self.batch_delay_s if batch else 0.0)
+        order = arrival if self.aging is None else rank(arrival, n - hit * bs, self.aging, batch, self.batch_delay_s)
         self._queue[request_id] = _State(
             request_id,
             merged,
@@ -150,7 +149,7 @@ class PrefillEngine:
             rope_delta,
             hit * bs,
             stats,
-            rank,
+            order,
             deadline,
         )
 

@@ -91,6 +91,12 @@ class ProcessedMedia:
     source_size: tuple[int, int]
     """Original (width, height) before the processor resized it."""
 
+    @property
+    def patches(self) -> int:
+        """Vision patches the encoder computes for it (the patch grid before any spatial merge)."""
+        t, h, w = self.grid_thw
+        return t * h * w
+
 
 @dataclass(frozen=True)
 class VisualEmbeddings:

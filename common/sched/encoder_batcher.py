@@ -24,8 +24,7 @@ class EncodeItem:
 
     @property
     def patches(self) -> int:
-        t, h, w = self.media.grid_thw
-        return t * h * w
+        return self.media.patches
 
     @property
     def bucket(self) -> tuple[str, int]:

@@ -101,7 +101,7 @@ class ResourceVector:
             media_items=len(media),
             pixels=sum(m.source_size[0] * m.source_size[1] * _frames(m) for m in media),
             frames=sum(_frames(m) for m in media),
-            patches=sum(m.grid_thw[0] * m.grid_thw[1] * m.grid_thw[2] for m in media),
+            patches=sum(m.patches for m in media),
             visual_tokens=visual,
             kv_blocks=_blocks(self.text_tokens + visual + self.max_output_tokens, block_size),
         )
