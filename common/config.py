@@ -192,25 +192,26 @@ _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 def _check_tenants(keys: dict[str, str]) -> dict[str, str]:
-    for tenant in keys.values():
-        if not _TENANT.match(tenant):
-            raise ValueError(f"tenant name {tenant!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    for n, tenant in enumerate(keys.values(), 1):
+        if not _TENANT.match(tenant):  # never quoted: a map written the wrong way round has a key here
+            raise ValueError(f"the tenant name of entry {n} must be 1-64 letters, digits, '_', '.' or '-'")
     return keys
 
 
 class ServerConfig(_Strict):
     """HTTP/gRPC front door."""
 
-    host: str = "127.0.0.1"
-    """Address the HTTP proxy binds."""
-    port: int = Field(default=8000, ge=1, le=65535)
-    """HTTP port."""
     api_keys: dict[str, str] = Field(default_factory=dict)
-    """API key → tenant (letters, digits, ``_ . -``). Empty: no authentication, every request is tenant
-    ``default``."""
-    api_keys_file: str | None = None
-    """A JSON/YAML file mapping API key → tenant (e.g. a mounted Kubernetes Secret), read by each ingress replica at
-    start and merged with ``api_keys``; keys kept out of the Serve config itself."""
+    """API key → tenant (letters, digits, ``_ . -``). Neither this nor ``api_keys_file``: no authentication, every
+    request is tenant ``default``. (Where the proxies listen is the Serve config's ``http_options`` /
+    ``grpc_options``, not Prism's.)"""
+    api_keys_file: str | None = Field(default=None, min_length=1)
+    """A JSON/YAML file mapping API key → tenant (e.g. a mounted Kubernetes Secret), merged with ``api_keys``; keys
+    kept out of the Serve config itself. Set: authentication is on even while the file holds no key (everyone is
+    refused), and the file is re-read when it changes (key rotation without a restart, see :mod:`common.auth`)."""
+    api_keys_reload_s: float = Field(default=5.0, ge=0)
+    """How often, at most, an ingress replica checks ``api_keys_file`` for a change (a ``stat``; 0: on every
+    request). A rotated key takes effect, and a removed one stops working, within this long."""
     default_deadline_ms: int = Field(default=120_000, ge=1)
     """Budget of a request that sends no ``X-Prism-Deadline-Ms``."""
     max_deadline_ms: int = Field(default=600_000, ge=1)
@@ -244,15 +245,21 @@ class ServerConfig(_Strict):
     def _tenants(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_tenants(v)
 
-    def load_api_keys(self) -> dict[str, str]:
-        """``api_keys`` plus the keys in ``api_keys_file``; raises ``ValueError`` on a malformed file."""
-        keys = dict(self.api_keys)
-        if self.api_keys_file:
-            raw = yaml.safe_load(Path(self.api_keys_file).read_text(encoding="utf-8"))
-            if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
-                raise ValueError(f"{self.api_keys_file} must map API keys (strings) to tenant names")
-            keys.update(_check_tenants(raw))
-        return keys
+
+def read_keys_file(path: str) -> dict[str, str]:
+    """API key → tenant from a JSON/YAML file; ``OSError`` when it cannot be read, ``ValueError`` when malformed. An
+    empty file holds no keys."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:  # its message quotes the offending line, which may hold a key: say where only
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ValueError(f"{path} is not valid JSON/YAML{where}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise ValueError(f"{path} must map API keys (strings) to tenant names")
+    return _check_tenants(raw)
 
 
 class ObservabilityConfig(_Strict):
@@ -268,6 +275,11 @@ class ObservabilityConfig(_Strict):
     logs)."""
     allow_client_traces: bool = True
     """Honour ``X-Prism-Trace: 1`` (return the trace in the response). Off: the header is ignored."""
+    trace_cache_hits: bool = False
+    """Client traces carry cache outcomes (processor/encoder hits and misses, prefix-cached tokens, prefill chunks).
+    Off by default: a hit tells a caller that someone sharing its cache scope (its tenant, or every tenant with
+    ``engine.shared_cache_scope``) sent the same image or prompt prefix. The request log and the metrics keep them
+    either way; the local configs and the load generator turn it on."""
 
 
 class BatchConfig(_Strict):

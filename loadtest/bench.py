@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> Path:
         "deployments": {s: {"num_cpus": 0.25} for s in ("media", "encode", "prefill", "decode")},
         "server": {"api_keys": {KEY: "bench", ALPHA: "alpha", BETA: "beta"}},
         "admission": {"tenants": {"alpha": {"max_media_in_flight": 2}}},
+        "observability": {"trace_cache_hits": True},
     }
     metrics: dict[str, Any] = {}
 

@@ -2,7 +2,11 @@
 
 * ``python -m services.cli serve [--config ray_configs/local_cpu.yaml]`` — starts a local Ray head (Prometheus
   metrics export on port 8080), builds the configured model if needed, deploys the application with ``serve run``
-  and serves until interrupted; then stops the head it started. This is ``make serve``.
+  and serves until interrupted; then stops the head it started. This is ``make serve``. The head listens on
+  loopback only (GCS, raylet, object manager, workers and each Serve replica's gRPC server, client server,
+  metrics); the HTTP and gRPC proxies listen on the Serve config's ``http_options.host`` (127.0.0.1 in the local
+  configs; see :mod:`services.loopback`): that is why Ray's token authentication can stay off here
+  (``RAY_AUTH_MODE`` from the environment still wins).
 * ``python -m services.cli demo [--model NAME] [--images N] [--repeat K]`` — loads (building if needed) a model and
   runs requests through every stage in this process, printing the answer and per-stage timings (median of K runs);
   needs no Ray cluster (``make demo``).
@@ -79,6 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
     # The proxies bound request bodies before the ingress sees a byte (services/proxy_guard.py); they inherit this
     # environment from the head.
     env = {**os.environ, **ray_env(body_limit or PrismConfig().body_limit)}
+    env.update(loopback_env(raw))
+    # Safe with the local configs: Ray listens on loopback only, and so do the proxies (http_options.host 127.0.0.1)
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")
     bindir = Path(sys.executable).parent  # the ray/serve CLIs of this environment, whatever PATH says
     ray, serve = str(bindir / "ray"), str(bindir / "serve")
@@ -87,13 +93,18 @@ def _serve(args: argparse.Namespace) -> int:
         "start",
         "--head",
         f"--port={args.ray_port}",
+        "--node-ip-address=127.0.0.1",
         f"--metrics-export-port={args.metrics_port}",
         "--disable-usage-stats",
         "--include-dashboard=false",
     ]
     started = subprocess.run(start, env=env, check=False).returncode == 0
     if not started:
-        print("ray start failed (is a head already running?); deploying to the existing cluster", flush=True)
+        print(
+            "ray start failed (is a head already running?); deploying to the existing cluster — its listeners are "
+            "whatever that head was started with, not make serve's loopback-only ones",
+            flush=True,
+        )
     if started:
         env["RAY_ADDRESS"] = f"127.0.0.1:{args.ray_port}"  # the head we started, whatever else runs here
     try:
@@ -103,6 +114,21 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         if started:
             subprocess.run([ray, "stop"], env=env, check=False)
+
+
+def loopback_env(serve_config: dict) -> dict[str, str]:
+    """Environment of a ``ray start --head`` whose every listener is on loopback.
+
+    ``--node-ip-address=127.0.0.1`` alone is not enough: Ray swaps a loopback node address for the machine's
+    routable one (``services.resolve_ip_for_localhost``) and then listens on it — GCS on every interface. With
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes the node for a single-machine cluster (what it does on macOS and
+    Windows by default): its address stays 127.0.0.1 and every Ray server binds it. No other node can join, which
+    is what a local ``make serve`` wants. Each replica's inter-deployment gRPC server binds the node address too, and
+    Serve's gRPC proxy the HTTP proxy's host (:mod:`services.loopback`)."""
+    from services.loopback import ENV_GRPC_HOST, ENV_REPLICA_GRPC_HOST
+
+    host = (serve_config.get("http_options") or {}).get("host") or "127.0.0.1"  # Serve's own default host
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", ENV_REPLICA_GRPC_HOST: "127.0.0.1", ENV_GRPC_HOST: str(host)}
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -26,12 +26,14 @@ from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
 from common.protocol.sampling import SamplingParams
+from services.loopback import bind_replica
 from services.metrics import Metrics
 from services.runtime import EngineDriver
 
 
 class DecodeDeployment:
     def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         eng = self.cfg.engine

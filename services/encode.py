@@ -25,12 +25,14 @@ from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbeddings
 from common.sched.encoder_batcher import EncoderBatcher
 from services.admission import StageAdmission
+from services.loopback import bind_replica
 from services.metrics import Metrics
 from services.runtime import AwaitedEngine, nice_process, nice_thread
 
 
 class EncodeDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         self.nice = self.cfg.deployments.encode.cpu_nice

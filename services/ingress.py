@@ -25,6 +25,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from common.auth import KeyStore
 from common.config import PrismConfig
 from common.errors import InvalidRequestError, ModelNotFound, PrismError, RequestTooLarge
 from common.model.loader import load_frontend
@@ -32,10 +33,10 @@ from common.protocol.body import decode_json
 from common.sched.quota import TenantQuotas
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
-from services.auth import ApiKeys
 from services.grpc_errors import grpc_abort
 from services.http_body import read_json
 from services.lifecycle import InFlight, RequestLifecycle
+from services.loopback import bind_replica
 from services.observer import RequestObserver
 from services.openai_format import chunk, completion_body, error_body, error_response, sse, usage
 from services.pipeline_client import Call, PipelineClient
@@ -47,8 +48,9 @@ api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
 class IngressDeployment:
     def __init__(self, config: dict[str, Any], pipelines: list[list[DeploymentHandle]]) -> None:
         """``pipelines``: per served model, in the config's order, its media, encode, prefill and decode handles."""
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
         self.cfg = PrismConfig.model_validate(config)
-        self.keys = ApiKeys(self.cfg.server)
+        self.keys = KeyStore(self.cfg.server)
         server = self.cfg.server
         # Each ingress replica enforces its share of every tenant quota (see common.sched.quota on the accuracy).
         share = 1.0 / self.cfg.deployments.ingress.max_replicas
@@ -138,7 +140,7 @@ class IngressDeployment:
                     call.req.return_token_ids,
                 )
                 if life.traced:
-                    body["prism_trace"] = life.trace.summary()
+                    body["prism_trace"] = life.summary()
                 return JSONResponse(body)
         except Exception:  # closed by the lifecycle under its typed error
             if life.error is None:  # a cancellation Serve raised as an exception: the client is gone
@@ -169,7 +171,7 @@ class IngressDeployment:
                 if call.req.return_token_ids:
                     last["prompt_token_ids"] = call.prompt_ids
                 if life.traced:
-                    last["prism_trace"] = life.trace.summary()
+                    last["prism_trace"] = life.summary()
                 extra = {"token_ids": out_ids} if call.req.return_token_ids else {}
                 content = {"content": delta + detok.finish()}
                 yield chunk(rid, model, created, content, finish, top=nulls if with_usage else last, **extra)
@@ -276,7 +278,7 @@ def _grpc_header(grpc_context, name: str) -> str | None:
 def _grpc_trace(grpc_context, life: RequestLifecycle) -> None:
     """gRPC has no body to extend: the trace travels as the ``prism-trace`` trailing metadata (JSON)."""
     if life.traced:
-        grpc_context.set_trailing_metadata([("prism-trace", json.dumps(life.trace.summary(), separators=(",", ":")))])
+        grpc_context.set_trailing_metadata([("prism-trace", json.dumps(life.summary(), separators=(",", ":")))])
 
 
 # FastAPI's class-based view rewrite must happen at import time in every process (replicas re-import this module;

@@ -154,5 +154,8 @@ class RequestLifecycle:
         return self.error
 
     def summary(self) -> dict[str, Any] | None:
-        """The trace summary when the client asked for it."""
-        return self.trace.summary() if self.traced else None
+        """The trace summary when the client asked for it — without cache outcomes unless
+        ``observability.trace_cache_hits`` (a hit tells one caller what another sent within its cache scope)."""
+        if not self.traced:
+            return None
+        return self.trace.summary(cache_outcomes=self.observer.cfg.trace_cache_hits)

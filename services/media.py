@@ -37,12 +37,14 @@ from common.sched.resources import ResourceVector, check_limits
 from common.sched.stop import Stop
 from common.stages.process import process_loaded
 from services.admission import StageAdmission
+from services.loopback import bind_replica
 from services.metrics import Metrics
 from services.runtime import nice_process, nice_thread, set_threads
 
 
 class MediaDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
         self.cfg = PrismConfig.model_validate(config)
         set_threads(self.cfg.model.torch_threads)
         self.nice = self.cfg.deployments.media.cpu_nice

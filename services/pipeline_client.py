@@ -1,6 +1,6 @@
 """What the ingress does for one request to one served model, whatever the protocol (HTTP or gRPC).
 
-One client per served model: the ingress picks it by the request's ``model`` after :mod:`services.auth` has
+One client per served model: the ingress picks it by the request's ``model`` after :mod:`common.auth` has
 authenticated the request from its headers. :meth:`PipelineClient.begin` validates the OpenAI body and the pre-fetch
 media limits (400s that cost nothing downstream), fixes the absolute deadline, and chains the model's stages through
 Serve handles — media → encode → prefill → decode — passing each stage's *response* to the next, so pixels,

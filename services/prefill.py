@@ -41,6 +41,7 @@ from common.protocol.sampling import SamplingParams
 from common.stages.merge import merge
 from common.stages.prompt import build_prompt
 from services.admission import StageAdmission
+from services.loopback import bind_replica
 from services.metrics import Metrics
 from services.runtime import AwaitedEngine, nice_thread
 
@@ -57,6 +58,7 @@ class _Lane:
 
 class PrefillDeployment:
     def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         eng, adm = self.cfg.engine, self.cfg.admission

@@ -55,7 +55,11 @@ def ray_env(max_body_bytes: int) -> dict[str, str]:
 
 
 def middlewares() -> list[Middleware]:
-    """What Serve's proxy calls at start-up (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``)."""
+    """What Serve's proxy calls at start-up (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``); also where the gRPC
+    proxy's listening host is set, when ``make serve`` asks for one (:mod:`services.loopback`)."""
+    from services.loopback import bind_grpc_proxy
+
+    bind_grpc_proxy()
     raw = os.environ.get(ENV_MAX_BODY_BYTES, "").strip()
     if raw:
         limit = int(raw)

@@ -34,7 +34,7 @@ def make_serve(model_cache: str, work: Path):
     for model in app.get("models") or [app.setdefault("model", {})]:
         model["cache_dir"] = model_cache
     app["server"] = {"api_keys": {API_KEY: "tenant-a"}}
-    app["observability"] = {"request_log_path": str(work / "requests.jsonl")}
+    app["observability"] = {"request_log_path": str(work / "requests.jsonl"), "trace_cache_hits": True}
     cfg = work / "serve.yaml"
     cfg.write_text(yaml.safe_dump(config))
     log = work / "make-serve.log"
@@ -54,6 +54,8 @@ def make_serve(model_cache: str, work: Path):
             "log": log,
             "config": app,
             "up_s": time.monotonic() - started,
+            "pid": proc.pid,  # make's; it leads the session its children run in
+            "ray_port": ray_port,
         }
     finally:
         _stop(proc)
@@ -73,6 +75,22 @@ def _stop(proc: subprocess.Popen) -> None:
         subprocess.run([str(ROOT / ".venv" / "bin" / "ray"), "stop", "--force"], check=False)
 
 
+def serving_pids(session: int) -> list[int]:
+    """Every process of a ``make serve``: those of its session (make, the CLI, ``serve run``) and every Ray process
+    on this machine (``ray start`` daemons, workers titled ``ray::…``, Ray's Python helpers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            sid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError):
+            continue
+        ray = cmd.startswith("ray::") or "raylet" in cmd or "gcs_server" in cmd or "/site-packages/ray/" in cmd
+        if sid == session or ray:
+            found.append(int(pid))
+    return found
+
+
 def ray_processes() -> list[tuple[int, str, int]]:
     """``(pid, name, RSS in MB)`` of every Ray process on this machine: workers by their title without ``ray::``
     (``ServeReplica:prism:Ingress``, ``ProxyActor`` …), the raylet and GCS by their executable's path."""
@@ -85,5 +103,8 @@ def ray_processes() -> list[tuple[int, str, int]]:
             continue
         if title.startswith("ray::") or "raylet" in title or "gcs_server" in title:
             rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS")), 0)
-            found.append((int(pid), title.split(" ")[0].removeprefix("ray::"), rss // 1024))
+            name = title.split(" ")[0].removeprefix("ray::")
+            if name.startswith("ServeReplica:"):  # a worker busy in a method is titled `<actor>.<method>`
+                name = name.split(".", 1)[0]  # (deployment names hold no '.')
+            found.append((int(pid), name, rss // 1024))
     return found

@@ -19,6 +19,18 @@ from typing import Any
 
 from common.obs.trace import Span, Timeline
 
+CACHE_OUTCOME_ATTRS = frozenset(
+    {
+        "processor_cache_hits",
+        "processor_cache_misses",
+        "encoder_cache_hits",
+        "encoder_cache_misses",
+        "prefix_cached_tokens",
+        "chunks",  # prefill chunks count only the tokens computed: fewer on a prefix hit
+    }
+)
+"""Span attributes that tell a cache hit from a miss; left out of a summary without cache outcomes."""
+
 
 class RequestTrace:
     def __init__(self, request_id: str, protocol: str, clock: Callable[[], float] = time.time) -> None:
@@ -86,7 +98,9 @@ class RequestTrace:
                 total += value
         return total
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, cache_outcomes: bool = True) -> dict[str, Any]:
+        """The summary; ``cache_outcomes=False`` leaves out the ``cache`` section and every span attribute in
+        :data:`CACHE_OUTCOME_ATTRS` (what a client sees unless ``observability.trace_cache_hits``)."""
         ttft = self.ttft_s
         spans = self.timeline.spans
         itl = sorted(self.itl())
@@ -107,16 +121,14 @@ class RequestTrace:
                 "encoder": {k: self.attr_sum(f"encoder_cache_{k}") for k in ("hits", "misses")},
                 "prefix": {"cached_tokens": self.attr_sum("prefix_cached_tokens")},
             },
-            "spans": [
-                {
-                    "name": s.name,
-                    "start_ms": _ms(s.start - self.start),
-                    "duration_ms": _ms(s.duration_s),
-                    **({"attrs": s.attrs} if s.attrs else {}),
-                }
-                for s in spans
-            ],
+            "spans": [],
         }
+        if not cache_outcomes:
+            del out["cache"]
+        for s in spans:
+            attrs = s.attrs if cache_outcomes else {k: v for k, v in s.attrs.items() if k not in CACHE_OUTCOME_ATTRS}
+            span = {"name": s.name, "start_ms": _ms(s.start - self.start), "duration_ms": _ms(s.duration_s)}
+            out["spans"].append({**span, **({"attrs": attrs} if attrs else {})})
         return out
 
     def log_line(self) -> str:

@@ -115,3 +115,22 @@ def test_unknown_model_is_a_404_naming_the_served_ones(served):
     error = r.json()["error"]
     assert (r.status_code, error["code"], error["param"]) == (404, "model_not_found", "model")
     assert LLAVA in error["message"] and QWEN in error["message"]
+
+
+def test_make_serve_listens_on_loopback_only(served):
+    """Ray's token authentication is off under ``make serve``; what makes that safe is that no Ray server, proxy or
+    metrics endpoint it starts listens beyond loopback (the gRPC proxy included, which Serve binds to every interface
+    unless told otherwise)."""
+    import ipaddress
+
+    from tests.netutil import tcp_listeners
+    from tests.served import serving_pids
+
+    listeners = tcp_listeners(serving_pids(served["pid"]))
+    ports = {port for _, port, _ in listeners}
+    gcs = served["ray_port"]
+    http = int(served["base"].rsplit(":", 1)[1])
+    # the check saw the servers it is about (GCS, the HTTP and gRPC proxies, the metrics export) and more of Ray's
+    assert {gcs, http, served["grpc"], served["metrics"]} <= ports and len(ports) > 6, listeners
+    exposed = [(ip, port, pid) for ip, port, pid in listeners if not ipaddress.ip_address(ip).is_loopback]
+    assert exposed == [], exposed

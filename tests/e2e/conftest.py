@@ -37,7 +37,6 @@ def prism_server(model_cache, tmp_path_factory):
         "model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1},
         "engine": {"kv_pool_blocks": 256, "max_output_tokens": 256},
         "server": {
-            "port": port,
             "api_keys": {API_KEY: "tenant-a", OTHER_KEY: "tenant-b"},
             "retry_after_s": 2,
             "max_in_flight_per_ingress": 4,
@@ -49,7 +48,7 @@ def prism_server(model_cache, tmp_path_factory):
             "prefill": stage,
             "decode": stage,
         },
-        "observability": {"request_log_path": str(request_log)},
+        "observability": {"request_log_path": str(request_log), "trace_cache_hits": True},
     }
     from common.config import PrismConfig
     from services.proxy_guard import ray_env

@@ -6,14 +6,16 @@ import json
 
 import pytest
 
-from common.config import ServerConfig
+from common.auth import KeyStore
+from common.config import ServerConfig, read_keys_file
 
 
 def test_keys_file_is_merged_with_inline_keys(tmp_path):
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"sk-file": "tenant-b"}))
     server = ServerConfig(api_keys={"sk-inline": "tenant-a"}, api_keys_file=str(path))
-    assert server.load_api_keys() == {"sk-inline": "tenant-a", "sk-file": "tenant-b"}
+    store = KeyStore(server)
+    assert (store.tenant("sk-inline"), store.tenant("sk-file")) == ("tenant-a", "tenant-b")
     assert "sk-file" not in server.model_dump_json()  # the Serve config only names the file
 
 
@@ -22,7 +24,7 @@ def test_malformed_keys_file_is_refused(tmp_path, content):
     path = tmp_path / "keys.json"
     path.write_text(content)
     with pytest.raises(ValueError):
-        ServerConfig(api_keys_file=str(path)).load_api_keys()
+        read_keys_file(str(path))
 
 
 def test_several_models_validate_and_split_per_model():

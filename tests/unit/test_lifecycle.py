@@ -165,3 +165,22 @@ def test_a_failing_close_still_gives_the_place_back(parts):
 
     _run(go())
     assert places.count == 0
+
+
+@pytest.mark.parametrize("shown", [False, True])
+def test_client_traces_carry_cache_outcomes_only_when_configured(shown):
+    observer = RequestObserver(ObservabilityConfig(request_log=False, trace_cache_hits=shown))
+    places = InFlight(limit=1, retry_after_s=2, on_change=lambda _: None)
+
+    async def go():
+        life = RequestLifecycle(observer, places, "http", traced=True)
+        async with life:
+            life.trace.timeline.span("encode", 0.01, encoder_cache_hits=1, visual_tokens=144)
+        return life
+
+    life = _run(go())
+    summary = life.summary()
+    assert ("cache" in summary) == shown
+    (encode,) = [s for s in summary["spans"] if s["name"] == "encode"]
+    assert ("encoder_cache_hits" in encode["attrs"]) == shown and encode["attrs"]["visual_tokens"] == 144
+    assert RequestLifecycle(observer, places, "http", traced=False).summary() is None

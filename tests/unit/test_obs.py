@@ -88,6 +88,13 @@ def test_request_trace_summary_decomposes_ttft_and_times_tokens():
     assert s["itl_ms"] == {"mean": 5.0, "p50": 6.0, "p95": 6.0, "max": 6.0}
     line = json.loads(trace.log_line())
     assert line["event"] == "prism.request" and line["request_id"] == "chatcmpl-1"
+    assert line["cache"] == s["cache"]  # the operator's log keeps cache outcomes whatever clients are shown
+    # what a client sees without observability.trace_cache_hits: the same timings, no trace of a hit or a miss
+    blind = trace.summary(cache_outcomes=False)
+    assert "cache" not in blind and blind["ttft_ms"] == s["ttft_ms"]
+    assert [sp["name"] for sp in blind["spans"]] == names
+    text = json.dumps(blind)
+    assert "cache" not in text and "media.process" in text and '"visual_tokens": 144' in text
 
 
 def test_a_request_that_failed_early_has_no_token_figures():
