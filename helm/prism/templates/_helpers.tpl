@@ -32,14 +32,33 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* The API-key Secret's name, or "" when authentication is off. */}}
+{{/* The API-key Secret's name, or "" when authentication is off (only with auth.allowAnonymous). */}}
 {{- define "prism.authSecret" -}}
-{{- if .Values.auth.existingSecret -}}
-{{- .Values.auth.existingSecret -}}
-{{- else if .Values.auth.keys -}}
+{{- if not .Values.auth.allowAnonymous -}}
+{{- if .Values.auth.keys -}}
 {{- printf "%s-api-keys" (include "prism.fullname" .) -}}
+{{- else -}}
+{{- .Values.auth.existingSecret -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Values that render but would deploy something unsafe or meaningless: refused with the reason. */}}
+{{- define "prism.validate" -}}
+{{- $auth := .Values.auth -}}
+{{- if and (not $auth.allowAnonymous) (not $auth.keys) (not $auth.existingSecret) -}}
+{{- fail "auth: no API keys. Set auth.existingSecret to the Secret holding them (API key -> tenant under auth.secretKey), or auth.keys to let the chart create it; to serve without authentication, set auth.allowAnonymous=true." -}}
+{{- end -}}
+{{- if and $auth.allowAnonymous $auth.keys -}}
+{{- fail "auth: auth.allowAnonymous=true turns authentication off, but auth.keys holds keys: set one or the other." -}}
+{{- end -}}
+{{- if and .Values.rdma.enabled (ne .Values.transport "nixl") -}}
+{{- fail "rdma.enabled needs transport: nixl (the RDMA devices and IPC_LOCK serve only NIXL's transfers)." -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Writable directories under the read-only root filesystem. */}}
+{{- define "prism.cacheDir" -}}/var/cache/prism{{- end -}}
 
 {{- define "prism.authMountPath" -}}/etc/prism/auth{{- end -}}
 
@@ -83,6 +102,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $models := list -}}
 {{- range $entry := .Values.models -}}
 {{- $m := dict "model" (include "prism.entryRef" (dict "entry" $entry "root" $)) "dtype" (default "auto" $entry.dtype) -}}
+{{- if $entry.name -}}{{- $_ := set $m "cache_dir" (printf "%s/models" (include "prism.cacheDir" $)) -}}{{- end -}}
 {{- with $entry.servedName -}}{{- $_ := set $m "served_name" . -}}{{- end -}}
 {{- $_ := set $m "deployments" (omit (deepCopy $deployments) "ingress") -}}
 {{- $models = append $models $m -}}
@@ -90,7 +110,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $_ := set $cfg "models" $models -}}
 {{- $_ := set $cfg "deployments" (dict "ingress" $deployments.ingress) -}}
 {{- else -}}
-{{- $_ := set $cfg "model" (dict "model" (include "prism.modelRef" .) "dtype" .Values.model.dtype) -}}
+{{- $model := dict "model" (include "prism.modelRef" .) "dtype" .Values.model.dtype -}}
+{{- if eq .Values.model.source "builtin" -}}{{/* built on first start, into the writable cache volume */}}
+{{- $_ := set $model "cache_dir" (printf "%s/models" (include "prism.cacheDir" .)) -}}
+{{- end -}}
+{{- $_ := set $cfg "model" $model -}}
 {{- $_ := set $cfg "deployments" $deployments -}}
 {{- end -}}
 {{- toYaml $cfg -}}
@@ -148,18 +172,34 @@ applications:
 {{ include "prism.config" . | indent 8 }}
 {{- end -}}
 
+{{/* The hardened container security context; IPC_LOCK added back for NIXL over RDMA (argument: dict root, ipcLock). */}}
+{{- define "prism.containerSecurityContext" -}}
+{{- $ctx := deepCopy .root.Values.containerSecurityContext -}}
+{{- if .ipcLock -}}
+{{- $caps := deepCopy (default dict $ctx.capabilities) -}}
+{{- $_ := set $caps "add" (append (default list $caps.add) "IPC_LOCK" | uniq) -}}
+{{- $_ := set $ctx "capabilities" $caps -}}
+{{- end -}}
+{{- toYaml $ctx -}}
+{{- end -}}
+
 {{/*
-One Ray pod template. Arguments (dict): root, container (name), resources, nodeSelector, tolerations, affinity, env,
-ports (list of ContainerPort), rdma (bool).
+One Ray pod template. Arguments (dict): root, group, container (name), resources, nodeSelector, tolerations, affinity,
+env, ports (list of ContainerPort), rdma (bool: a stage whose NIXL agent may use RDMA), keys (bool: the pod may run
+the ingress, so it mounts the API keys).
 */}}
 {{- define "prism.podTemplate" -}}
 {{- $root := .root -}}
 {{- $v := $root.Values -}}
+{{- $rdma := and .rdma $v.rdma.enabled (eq $v.transport "nixl") -}}
+{{- $cache := include "prism.cacheDir" $root -}}
 metadata:
   labels:
     {{- include "prism.labels" $root | nindent 4 }}
     prism.io/group: {{ .group }}
 spec:
+  securityContext:
+    {{- toYaml $v.podSecurityContext | nindent 4 }}
   {{- with $v.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
@@ -169,24 +209,27 @@ spec:
       image: {{ include "prism.image" $root }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
       workingDir: /app
+      securityContext:
+        {{- include "prism.containerSecurityContext" (dict "root" $root "ipcLock" $rdma) | nindent 8 }}
       ports:
         - {name: metrics, containerPort: {{ $v.ports.metrics }}, protocol: TCP}
         {{- range .ports }}
         - {{ toJson . }}
         {{- end }}
-      {{- $env := concat (fromYamlArray (include "prism.proxyEnv" $root)) (default list $v.env) (default list .env) }}
-      {{- if and .rdma (eq $v.transport "nixl") }}
+      {{- /* the root filesystem is read-only: HOME (Prism's ~/.cache/prism: model contracts, models built from a
+      name) and the libraries' caches point into the writable cache volume */}}
+      {{- $writable := list (dict "name" "HOME" "value" $cache) (dict "name" "XDG_CACHE_HOME" "value" (printf "%s/.cache" $cache)) (dict "name" "HF_HOME" "value" (printf "%s/huggingface" $cache)) (dict "name" "TRITON_CACHE_DIR" "value" (printf "%s/triton" $cache)) (dict "name" "PYTHONDONTWRITEBYTECODE" "value" "1") }}
+      {{- $env := concat (fromYamlArray (include "prism.proxyEnv" $root)) $writable (default list $v.env) (default list .env) }}
+      {{- if $rdma }}{{/* UCX's RDMA transports only where the devices are; otherwise UCX picks its own (TCP) */}}
       {{- $env = append $env (dict "name" "UCX_TLS" "value" $v.rdma.ucx.tls) }}
       {{- if $v.rdma.ucx.netDevices }}
       {{- $env = append $env (dict "name" "UCX_NET_DEVICES" "value" $v.rdma.ucx.netDevices) }}
       {{- end }}
       {{- end }}
-      {{- with $env }}
       env:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
+        {{- toYaml $env | nindent 8 }}
       {{- $res := deepCopy (default dict .resources) }}
-      {{- if and .rdma $v.rdma.enabled }}
+      {{- if $rdma }}
       {{- $limits := default dict $res.limits }}
       {{- $_ := set $limits $v.rdma.resourceName $v.rdma.count }}
       {{- $_ := set $res "limits" $limits }}
@@ -196,26 +239,27 @@ spec:
       {{- end }}
       resources:
         {{- toYaml $res | nindent 8 }}
-      {{- if and .rdma $v.rdma.enabled }}
-      securityContext:
-        capabilities:
-          add: [IPC_LOCK]
-      {{- end }}
       lifecycle:
         preStop:
           exec:
             command: ["/bin/sh", "-c", "ray stop"]
       volumeMounts:
         - {name: shm, mountPath: /dev/shm}
+        - {name: tmp, mountPath: /tmp}
+        - {name: cache, mountPath: {{ $cache }}}
         {{- if ne $v.model.source "builtin" }}
         - {name: model, mountPath: {{ $v.model.mountPath | quote }}, readOnly: true}
         {{- end }}
-        {{- if include "prism.authSecret" $root }}
+        {{- if and .keys (include "prism.authSecret" $root) }}
         - {name: api-keys, mountPath: {{ include "prism.authMountPath" $root | quote }}, readOnly: true}
         {{- end }}
   volumes:
     - name: shm
       emptyDir: {medium: Memory, sizeLimit: {{ $v.shmSize | quote }}}
+    - name: tmp
+      emptyDir: {sizeLimit: {{ $v.writable.tmpSize | quote }}}
+    - name: cache
+      emptyDir: {sizeLimit: {{ $v.writable.cacheSize | quote }}}
     {{- if eq $v.model.source "pvc" }}
     - name: model
       persistentVolumeClaim: {claimName: {{ $v.model.claimName | quote }}, readOnly: true}
@@ -223,9 +267,11 @@ spec:
     - name: model
       hostPath: {path: {{ $v.model.hostPath | quote }}, type: Directory}
     {{- end }}
+    {{- if .keys }}
     {{- with include "prism.authSecret" $root }}
     - name: api-keys
       secret: {secretName: {{ . | quote }}}
+    {{- end }}
     {{- end }}
   {{- with .nodeSelector }}
   nodeSelector:
