@@ -76,17 +76,21 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def serving_pids(session: int) -> list[int]:
-    """Every process of a ``make serve``: those of its session (make, the CLI, ``serve run``) and every Ray process
-    on this machine (``ray start`` daemons, workers titled ``ray::…``, Ray's Python helpers)."""
+    """Every process of a ``make serve``: those of its session (make, the CLI, ``serve run``) and every process of
+    the Ray head it started — ``ray start`` daemons, workers, Ray's helpers, wherever they were reparented — which
+    all inherit ``ray start``'s environment, marked by ``PRISM_REPLICA_GRPC_HOST`` (another Ray on this machine,
+    started without it, is not this app's)."""
+    from services.loopback import ENV_REPLICA_GRPC_HOST
+
+    marker = f"{ENV_REPLICA_GRPC_HOST}=".encode()
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             sid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+            env = Path(f"/proc/{pid}/environ").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        ray = cmd.startswith("ray::") or "raylet" in cmd or "gcs_server" in cmd or "/site-packages/ray/" in cmd
-        if sid == session or ray:
+        if sid == session or any(v.startswith(marker) for v in env.split(b"\0")):
             found.append(int(pid))
     return found
 
