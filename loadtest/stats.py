@@ -107,6 +107,25 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
     }
 
 
+TIMEOUT_CODES = frozenset({"client_timeout", "deadline_exceeded"})
+"""Codes of a request that ran out of time (the client's own timeout, or the server's deadline: 504)."""
+
+
+def outcome_counts(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """What one side of a figure did: requests sent, ok, errors (every non-ok outcome, timeouts included) and
+    timeouts. A figure's percentiles use the ok requests only, so these say what they leave out."""
+    ok = sum(r.ok for r in records)
+    timeouts = sum((not r.ok) and r.code in TIMEOUT_CODES for r in records)
+    errors = len(records) - ok
+    return {
+        "requests": len(records),
+        "ok": ok,
+        "errors": errors,
+        "timeouts": timeouts,
+        "error_fraction": round(errors / len(records), 4) if records else None,
+    }
+
+
 def stage_breakdown(records: Sequence[RequestRecord]) -> dict[str, float]:
     """Mean milliseconds per Prism trace span (requests without a trace are left out)."""
     sums: dict[str, float] = {}

@@ -3,10 +3,10 @@
 A workload mixes request kinds by weight — ``text`` (no media), ``image`` (one image), ``multi_image`` (two to four)
 and ``video`` (a short PyAV clip; needs a video-capable model) — with images drawn from size buckets by weight
 (``small`` 224², ``medium`` 640×480, ``large`` 1920×1440, sent as JPEG data URLs). The cache regime decides whether
-media repeat: ``cold`` (every image unique), ``hot`` (one image per bucket, repeated) or ``partial`` (each image reused
-from the hot set with probability ``reuse``). Output lengths follow ``fixed:N``, ``uniform:A-B`` or ``exp:MEAN``
-(capped at 4×MEAN); requests ask for exactly that many tokens (``ignore_eos`` is not needed: the tiny models rarely
-stop early, and the records keep the real count).
+media repeat: ``cold`` (every image unique), ``hot`` (one image per bucket and seed, repeated) or ``partial`` (each
+image reused from the hot set with probability ``reuse``). Output lengths follow ``fixed:N``, ``uniform:A-B`` or
+``exp:MEAN`` (capped at 4×MEAN); requests ask for exactly that many tokens (``ignore_eos`` is not needed: the tiny
+models rarely stop early, and the records keep the real count).
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class Workload:
     def _image_part(self) -> dict[str, Any]:
         bucket = self._pick(self.sizes)
         hot = self.cache == "hot" or (self.cache == "partial" and self.rng.random() < self.reuse)
-        if hot:
-            seed = -1 - list(BUCKETS).index(bucket)  # one fixed image per bucket
+        if hot:  # one image per bucket for this workload's seed: another seed's run starts with cold caches
+            seed = -1 - list(BUCKETS).index(bucket) - len(BUCKETS) * self.seed
         else:
             self._unique += 1
             seed = self.seed * 1_000_003 + self._unique

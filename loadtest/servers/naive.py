@@ -1,8 +1,10 @@
 """The naive baseline: FastAPI + ``model.generate()`` per request, as a user would first write it.
 
-transformers' own processor and model classes, greedy ``generate`` with a ``TextIteratorStreamer`` in a thread per
-request (so several requests do run at once, each with its own full prefill and no batching across them), SSE chunks
-as the streamer yields text, a final usage chunk. Images come as data URLs. No caches, no admission control.
+transformers' own processor and model classes, greedy ``generate`` in a thread per request (so several requests do
+run at once, each with its own full prefill and no batching across them), one SSE chunk per generated token as
+``generate`` produces it (:class:`TokenStreamer`; transformers' ``TextIteratorStreamer`` would hold text back to word
+boundaries and make the baseline's inter-token latency look burstier than its model is), the usage chunk counting
+tokens, not chunks. Images come as data URLs. No caches, no admission control.
 ``python -m loadtest.servers.naive --model prism-small-llava --port 8102``.
 """
 
@@ -13,6 +15,7 @@ import asyncio
 import base64
 import io
 import json
+import queue
 import threading
 import time
 import uuid
@@ -24,7 +27,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from PIL import Image
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from transformers import AutoModelForImageTextToText, AutoProcessor, TextIteratorStreamer
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.generation.streamers import BaseStreamer
 
 from common.model.builder import resolve_model_dir
 
@@ -72,32 +76,58 @@ def build(model: str, cache_dir: str) -> FastAPI:
             messages.append({"role": msg["role"], "content": parts})
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
         inputs = processor(images=images or None, text=text, return_tensors="pt")
-        streamer = TextIteratorStreamer(processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer = TokenStreamer()
         kwargs = dict(**inputs, max_new_tokens=int(body.get("max_tokens", 16)), do_sample=False, streamer=streamer)
         threading.Thread(target=_generate, args=(lm, kwargs), daemon=True).start()
-        return StreamingResponse(
-            _sse(streamer, model, int(inputs["input_ids"].shape[1])), media_type="text/event-stream"
-        )
+        sse = _sse(streamer, processor.tokenizer, model, int(inputs["input_ids"].shape[1]))
+        return StreamingResponse(sse, media_type="text/event-stream")
 
     return app
 
 
+class TokenStreamer(BaseStreamer):
+    """Each token id ``generate`` produces, as it produces it (the prompt, which ``generate`` puts first, skipped);
+    ``None`` once generation ended (or failed)."""
+
+    def __init__(self) -> None:
+        self.ids: queue.Queue[int | None] = queue.Queue()
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.ids.put(int(token))
+
+    def end(self) -> None:
+        self.ids.put(None)
+
+
 def _generate(lm: Any, kwargs: dict[str, Any]) -> None:
-    with torch.inference_mode():
-        lm.generate(**kwargs)
+    try:
+        with torch.inference_mode():
+            lm.generate(**kwargs)
+    finally:
+        kwargs["streamer"].end()  # (generate ends it too; a second None is never read)
 
 
-async def _sse(streamer: TextIteratorStreamer, model: str, prompt_tokens: int) -> AsyncIterator[str]:
-    rid, created, chunks = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), 0
-    pieces = iter(streamer)
+async def _sse(streamer: TokenStreamer, tokenizer: Any, model: str, prompt_tokens: int) -> AsyncIterator[str]:
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    ids: list[int] = []
+    text = ""
     while True:
-        piece = await asyncio.to_thread(next, pieces, None)
-        if piece is None:
+        token = await asyncio.to_thread(streamer.ids.get)
+        if token is None:
             break
-        if piece:
-            chunks += 1
-            yield _event(rid, created, model, [{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": chunks, "total_tokens": prompt_tokens + chunks}
+        ids.append(token)
+        # the text of all tokens so far, less what was sent: one chunk per token (a token that only completes a
+        # multi-byte character later sends its text with that later token)
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        delta, text = (full[len(text) :], full) if not full.endswith("\ufffd") else ("", text)
+        yield _event(rid, created, model, [{"index": 0, "delta": {"content": delta}, "finish_reason": None}])
+    n = len(ids)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
     yield _event(rid, created, model, [], usage=usage)
     yield "data: [DONE]\n\n"
 
