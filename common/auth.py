@@ -52,15 +52,14 @@ class KeyStore:
         self._inline = _hashed(server.api_keys)
         self._lock = threading.Lock()  # lookups run on the event loop and in gRPC threads
         self.enabled = bool(server.api_keys) or self._path is not None
-        self._file: list[tuple[bytes, str]] = []
         self._seen: tuple[int, int, int] | None = None
         self._checked = clock()
+        self._entries = self._inline
         if self._path is not None:  # a missing or malformed file at start is a deployment error: no replica
             self._seen = self._identity()
-            self._file = _hashed(read_keys_file(self._path))
-            if not self._file and not self._inline:
+            self._entries = self._inline + _hashed(read_keys_file(self._path))
+            if not self._entries:
                 log.warning("%s holds no API key: every request is refused until one is added", self._path)
-        self._entries = self._inline + self._file
 
     def tenant(self, api_key: str | None) -> str:
         """The tenant ``api_key`` belongs to; :class:`AuthenticationError` (401) when it is missing or unknown."""
@@ -103,6 +102,5 @@ class KeyStore:
                 log.error("API keys file %s not reloaded, keeping the previous keys: %s", self._path, exc)
                 return
             self._seen = seen
-            self._file = _hashed(keys)
-            self._entries = self._inline + self._file
+            self._entries = self._inline + _hashed(keys)  # swapped whole: lookups never see half a reload
             log.info("API keys reloaded from %s: %d keys", self._path, len(self._entries))

@@ -168,8 +168,7 @@ class Flood:
 
     @property
     def ratio(self) -> float | None:
-        idle, flooded = _ttft(self.idle, "p95"), _ttft(self.probes, "p95")
-        return flooded / idle if idle and flooded is not None else None
+        return _ratio(_ttft(self.probes, "p95"), _ttft(self.idle, "p95"))
 
 
 def _flood(url: str, model: str, duration: float, flood_key: str = KEY, probe_key: str = KEY) -> Flood:

@@ -90,13 +90,14 @@ class Receiver:
 
 def figure(nbytes: int, times: list[tuple[float, float]], memcpy: float) -> dict[str, float]:
     """The figure of one payload size from ``(publish_s, receive_s)`` per repeat: best total, bandwidth, fraction."""
-    seconds = min(p + r for p, r in times)
+    publish_s, receive_s = min(times, key=sum)
+    seconds = publish_s + receive_s
     bps = nbytes / seconds
     return {
         "bytes": nbytes,
         "seconds": seconds,
-        "publish_s": min(times, key=sum)[0],
-        "receive_s": min(times, key=sum)[1],
+        "publish_s": publish_s,
+        "receive_s": receive_s,
         "repeats": len(times),
         "bytes_per_s": bps,
         "memcpy_bytes_per_s": memcpy,

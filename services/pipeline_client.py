@@ -159,6 +159,7 @@ class PipelineClient:
             rendered, len(refs), sampling.max_tokens, self.cfg.engine.kv_block_size, media_bytes=data_bytes
         )
         ticket = self._admit(tenant, priority, vector)
+        chain = None
         try:
             ignored = {"ignored_fields": req.ignored_fields} if req.ignored_fields else {}
             trace.sent(media_items=len(refs), max_tokens=sampling.max_tokens, priority=priority, **ignored)
@@ -182,7 +183,7 @@ class PipelineClient:
             self._charge_media(ticket, vector, first.spans)
         except BaseException:
             self.quotas.release(ticket)
-            if "chain" in locals():
+            if chain is not None:
                 _cancel(chain)
             raise
         return Call(
