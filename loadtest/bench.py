@@ -30,29 +30,21 @@ baselines' output goes to ``loadtest/results/logs/``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-import yaml
-
-from loadtest.runner import RunSpec, plan, run
-from loadtest.stats import SLO, RequestRecord, outcome_counts, summarize
-from loadtest.sweep import KEEP_UP, RAMP, capacity, keeps_up, knee, run_seconds, sweep_rates
+from loadtest import bench_loads as loads
+from loadtest import bench_servers as servers
+from loadtest.stats import RequestRecord, outcome_counts
+from loadtest.sweep import KEEP_UP, RAMP, capacity, knee, sweep_rates
 from loadtest.verdict import judge
-from loadtest.workload import OutputLengths, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
@@ -70,174 +62,6 @@ TARGETS = {
 }
 OWN_TARGETS = {"nixl_bw_fraction_of_memcpy", "decode_roofline_fraction_b32"}
 """Yardsticks of ours; the others are the targets issue 8 set."""
-SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
-KEY, ALPHA, BETA = "bench-key", "bench-alpha", "bench-beta"
-"""API keys of the Prism runs: tenant ``bench`` for the single-tenant figures, ``alpha`` / ``beta`` for the
-tenant figure (the monolith and the naive server ignore keys)."""
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(base: str, timeout: float = 180.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            auth = {"Authorization": f"Bearer {KEY}"}  # (Prism's bench config has keys; the others ignore it)
-            if httpx.get(f"{base}/v1/models", headers=auth, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{base} did not come up")
-
-
-LOGS = RESULTS / "logs"
-"""The baselines' stdout and stderr, one file per server per run (not committed)."""
-
-
-@contextmanager
-def _subprocess_server(module: str, args: list[str]):
-    port = _port()
-    cmd = [sys.executable, "-m", module, "--port", str(port), *args]
-    LOGS.mkdir(parents=True, exist_ok=True)
-    log_path = LOGS / f"{module.rsplit('.', 1)[-1]}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        try:
-            _wait_ready(f"http://127.0.0.1:{port}")
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}; its output: {log_path}") from None
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-
-
-@contextmanager
-def _prism(config: dict[str, Any]):
-    import ray
-    from ray import serve
-
-    from services.app import build_app
-
-    port = _port()
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"config": config}), name="prism", route_prefix="/")
-        _wait_ready(f"http://127.0.0.1:{port}")
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-def _load(
-    url: str, model: str, workload: Workload, rate: float, duration: float, seed: int, key: str = KEY
-) -> list[RequestRecord]:
-    spec = RunSpec(url=url, model=model, duration_s=duration, rate=rate, seed=seed, trace=True, api_key=key)
-    records, _ = asyncio.run(run(spec, workload, progress=None))
-    return records
-
-
-def _ttft(records: list[RequestRecord], p: str = "p50") -> float | None:
-    """TTFT percentile of the ok requests (``None`` when none succeeded; the figure's side counts say how many)."""
-    return summarize(records, 1.0, SLO())["ttft_s"][p]
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _medium(cache: str, seed: int) -> Workload:
-    return Workload(mix={"image": 1}, sizes={"medium": 1}, cache=cache, outputs=OutputLengths("fixed:16"), seed=seed)
-
-
-class Flood:
-    """The records of one flood figure: text probes idle, text probes under the flood, the flood itself."""
-
-    def __init__(self, idle: list[RequestRecord], probes: list[RequestRecord], flood: list[RequestRecord]) -> None:
-        self.idle, self.probes, self.flood = idle, probes, flood
-
-    @property
-    def ratio(self) -> float | None:
-        return _ratio(_ttft(self.probes, "p95"), _ttft(self.idle, "p95"))
-
-
-def _flood(url: str, model: str, duration: float, flood_key: str = KEY, probe_key: str = KEY) -> Flood:
-    """Text-only probes idle, then under a flood of large images at a steady rate (both loads planned first)."""
-    probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=11)
-    idle = _load(url, model, probe, 1.0, duration, seed=11, key=probe_key)
-
-    probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=12, api_key=probe_key)
-    flood_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.5, seed=13, trace=False, api_key=flood_key)
-    flood = Workload(mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"))
-    probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=12)
-    # Both plans are built before either load starts: encoding the flood's large JPEGs (~1 s of CPU per request)
-    # inside the running loop stalled the probes' own sends and timings and took the cores from the server.
-    probe_plan, flood_plan = plan(probe_spec, probes), plan(flood_spec, flood)
-
-    async def both():
-        (records, _), (flooding, _) = await asyncio.gather(
-            run(probe_spec, probes, None, probe_plan), run(flood_spec, flood, None, flood_plan)
-        )
-        return records, flooding
-
-    flooded, flooding = asyncio.run(both())
-    return Flood(idle, flooded, flooding)
-
-
-Run = tuple[dict[str, Any], list[RequestRecord]]
-
-
-def _mixed(url: str, model: str, rate: float, duration: float, seed: int = 21) -> Run:
-    """The mixed open-loop load at ``rate``; each ``seed`` draws its own images, so a run starts from cold caches
-    (within a run, ``partial`` repeats some of its own images, as users do)."""
-    workload = Workload(
-        mix={"text": 0.4, "image": 0.4, "multi_image": 0.2},
-        cache="partial",
-        outputs=OutputLengths("uniform:8-32"),
-        seed=seed,
-    )
-    spec = RunSpec(
-        url=url, model=model, duration_s=duration, rate=rate, seed=seed, trace=False, timeout_s=60, api_key=KEY
-    )
-    records, seconds = asyncio.run(run(spec, workload, progress=None))
-    return summarize(records, seconds, SLO_MIXED), records
-
-
-def _sweep(url: str, model: str, rates: list[float], duration: float) -> dict[float, Run]:
-    """The mixed load at each rate (ascending), fresh images per run (the seeds are the same for every server)."""
-    return {rate: _mixed(url, model, rate, run_seconds(rate, duration), seed=100 + i) for i, rate in enumerate(rates)}
-
-
-def _ramp(url: str, model: str, duration: float) -> list[tuple[float, float | None]]:
-    """(rate, SLO attainment) up the :data:`loadtest.sweep.RAMP` until the server stops keeping up."""
-    points = []
-    for i, rate in enumerate(RAMP):
-        summary, _ = _mixed(url, model, rate, run_seconds(rate, duration), seed=50 + i)
-        points.append((rate, summary["slo_attainment"]))
-        if not keeps_up(summary["slo_attainment"]):
-            break
-    return points
-
-
-def _sweep_row(rate: float, run_: Run) -> dict[str, Any]:
-    summary, records = run_
-    return {
-        "rate_rps": rate,
-        "goodput_rps": round(summary["goodput_rps"], 3),
-        "slo_attainment": summary["slo_attainment"],
-        "ttft_p95_s": summary["ttft_s"]["p95"],
-        **outcome_counts(records),
-    }
 
 
 def _transfers() -> dict[str, Any]:
@@ -258,10 +82,6 @@ def _transfers() -> dict[str, Any]:
         ),
         "nixl_bw_fraction_of_memcpy": _metric("nixl_bw_fraction_of_memcpy", nx["fraction_of_memcpy"], nx, note=note),
     }
-
-
-def _stages(records: list[RequestRecord]) -> dict[str, float]:
-    return {k: round(v, 2) for k, v in summarize(records, 1.0, SLO())["stage_ms_mean"].items()}
 
 
 def _metric(
@@ -295,7 +115,7 @@ def main(argv: list[str] | None = None) -> Path:
     config = {
         "model": {"model": model, "torch_threads": 1},
         "deployments": {s: {"num_cpus": 0.25} for s in ("media", "encode", "prefill", "decode")},
-        "server": {"api_keys": {KEY: "bench", ALPHA: "alpha", BETA: "beta"}},
+        "server": {"api_keys": {servers.KEY: "bench", servers.ALPHA: "alpha", servers.BETA: "beta"}},
         "admission": {"tenants": {"alpha": {"max_media_in_flight": 2}}},
         "observability": {"trace_cache_hits": True},
     }
@@ -328,51 +148,53 @@ def main(argv: list[str] | None = None) -> Path:
 
     say("transfers (object store, NIXL), in a Ray session of their own")
     metrics.update(_transfers())
-    with _subprocess_server("loadtest.servers.naive", ["--model", model]) as url:
+    with servers.subprocess_server("loadtest.servers.naive", ["--model", model]) as url:
         say("naive: its capacity (a ramp of mixed loads), then the sweep around it")
-        ramp = _ramp(url, model, d)
+        ramp = loads.ramp(url, model, d)
         base = capacity(ramp) or RAMP[0]
         rates = sweep_rates(base)
-        naive_sweep = _sweep(url, model, rates, d)
-    with _prism(config) as url:
+        naive_sweep = loads.sweep(url, model, rates, d)
+    with servers.prism_app(config) as url:
         say("Prism: light load, medium images (cold, then hot)")
-        _load(url, model, _medium("cold", 99), 1.0, 4.0, seed=99)  # warm-up: first-request costs out of the figures
-        cold = _load(url, model, _medium("cold", 1), 0.5, d, seed=1)
-        hot = _load(url, model, _medium("hot", 2), 0.5, d, seed=2)
+        loads.load(
+            url, model, loads.medium("cold", 99), 1.0, 4.0, seed=99
+        )  # warm-up: first-request costs out of the figures
+        cold = loads.load(url, model, loads.medium("cold", 1), 0.5, d, seed=1)
+        hot = loads.load(url, model, loads.medium("hot", 2), 0.5, d, seed=2)
         say("Prism: text probes idle / under a large-image flood")
-        prism_flood = _flood(url, model, d)
+        prism_flood = loads.flood(url, model, d)
         say("Prism: tenant beta's text probes idle / under tenant alpha's large-image flood")
-        beta = _flood(url, model, d, flood_key=ALPHA, probe_key=BETA)
+        beta = loads.flood(url, model, d, flood_key=servers.ALPHA, probe_key=servers.BETA)
         say(f"Prism: the goodput sweep at {rates} rps")
-        prism_sweep = _sweep(url, model, rates, d)
-    with _subprocess_server("loadtest.servers.monolith", ["--config", _write_config(config)]) as url:
+        prism_sweep = loads.sweep(url, model, rates, d)
+    with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
         say("monolith: light load, medium images; text probes idle / flood")
-        _load(url, model, _medium("cold", 99), 1.0, 4.0, seed=99)
-        mono_cold = _load(url, model, _medium("cold", 1), 0.5, d, seed=1)
-        mono_flood = _flood(url, model, d)
+        loads.load(url, model, loads.medium("cold", 99), 1.0, 4.0, seed=99)
+        mono_cold = loads.load(url, model, loads.medium("cold", 1), 0.5, d, seed=1)
+        mono_flood = loads.flood(url, model, d)
         say(f"monolith: the goodput sweep at {rates} rps")
-        mono_sweep = _sweep(url, model, rates, d)
+        mono_sweep = loads.sweep(url, model, rates, d)
 
     metrics["ttft_ratio_epd_vs_monolith"] = _metric(
         "ttft_ratio_epd_vs_monolith",
-        _ratio(_ttft(cold), _ttft(mono_cold)),
+        loads.ratio(loads.ttft(cold), loads.ttft(mono_cold)),
         {
-            "prism_ttft_p50_s": _ttft(cold),
-            "monolith_ttft_p50_s": _ttft(mono_cold),
+            "prism_ttft_p50_s": loads.ttft(cold),
+            "monolith_ttft_p50_s": loads.ttft(mono_cold),
             "requests": len(cold),
-            "prism_stage_ms_mean": _stages(cold),
-            "monolith_stage_ms_mean": _stages(mono_cold),
+            "prism_stage_ms_mean": loads.stages(cold),
+            "monolith_stage_ms_mean": loads.stages(mono_cold),
         },
         sides={"prism": cold, "monolith": mono_cold},
     )
     metrics["encoder_cache_hot_cold_ttft_ratio"] = _metric(
         "encoder_cache_hot_cold_ttft_ratio",
-        _ratio(_ttft(hot), _ttft(cold)),
+        loads.ratio(loads.ttft(hot), loads.ttft(cold)),
         {
-            "hot_ttft_p50_s": _ttft(hot),
-            "cold_ttft_p50_s": _ttft(cold),
-            "hot_stage_ms_mean": _stages(hot),
-            "cold_stage_ms_mean": _stages(cold),
+            "hot_ttft_p50_s": loads.ttft(hot),
+            "cold_ttft_p50_s": loads.ttft(cold),
+            "hot_stage_ms_mean": loads.stages(hot),
+            "cold_stage_ms_mean": loads.stages(cold),
         },
         note="hot repeats one image: the processor, encoder and prefix caches all hit",
         sides={"hot": hot, "cold": cold},
@@ -381,12 +203,12 @@ def main(argv: list[str] | None = None) -> Path:
         "text_ttft_p95_flood_vs_idle",
         prism_flood.ratio,
         {
-            "prism_idle_p95_s": _ttft(prism_flood.idle, "p95"),
-            "prism_flood_p95_s": _ttft(prism_flood.probes, "p95"),
+            "prism_idle_p95_s": loads.ttft(prism_flood.idle, "p95"),
+            "prism_flood_p95_s": loads.ttft(prism_flood.probes, "p95"),
             "prism_flood_load": outcome_counts(prism_flood.flood),  # its 429s are admission at work, not errors
             "monolith_ratio": mono_flood.ratio,
-            "monolith_idle_p95_s": _ttft(mono_flood.idle, "p95"),
-            "monolith_flood_p95_s": _ttft(mono_flood.probes, "p95"),
+            "monolith_idle_p95_s": loads.ttft(mono_flood.idle, "p95"),
+            "monolith_flood_p95_s": loads.ttft(mono_flood.probes, "p95"),
             "monolith_probes": outcome_counts(mono_flood.probes),
             "monolith_flood_load": outcome_counts(mono_flood.flood),
         },
@@ -396,8 +218,8 @@ def main(argv: list[str] | None = None) -> Path:
         "tenant_ttft_p95_flood_vs_idle",
         beta.ratio,
         {
-            "beta_idle_p95_s": _ttft(beta.idle, "p95"),
-            "beta_flood_p95_s": _ttft(beta.probes, "p95"),
+            "beta_idle_p95_s": loads.ttft(beta.idle, "p95"),
+            "beta_flood_p95_s": loads.ttft(beta.probes, "p95"),
             "alpha_flood_load": outcome_counts(beta.flood),
             "alpha_quota": {"max_media_in_flight": 2},
         },
@@ -411,7 +233,7 @@ def main(argv: list[str] | None = None) -> Path:
     prism_good, naive_good = prism_sweep[at][0]["goodput_rps"], naive_sweep[at][0]["goodput_rps"]
     metrics["goodput_ratio_vs_naive"] = _metric(
         "goodput_ratio_vs_naive",
-        _ratio(prism_good, naive_good),
+        loads.ratio(prism_good, naive_good),
         {
             "compared_at_rps": at,
             "naive_capacity_rps": capacity(naive_points),
@@ -419,7 +241,7 @@ def main(argv: list[str] | None = None) -> Path:
             "slo": prism_sweep[at][0]["slo"],
             "keep_up_slo_attainment": KEEP_UP,
             "sweep": {
-                name: [_sweep_row(r, runs[r]) for r in rates]
+                name: [loads.sweep_row(r, runs[r]) for r in rates]
                 for name, runs in (("prism", prism_sweep), ("monolith", mono_sweep), ("naive", naive_sweep))
             },
         },
@@ -443,13 +265,6 @@ def main(argv: list[str] | None = None) -> Path:
     say("done")
     print(args.out)
     return args.out
-
-
-def _write_config(config: dict[str, Any]) -> str:
-    f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
-    yaml.safe_dump(config, f)
-    f.close()
-    return f.name
 
 
 def table(summary: dict[str, Any]) -> str:

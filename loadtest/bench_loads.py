@@ -1,0 +1,120 @@
+"""The load runs behind ``make bench``'s figures: light loads, text probes under a flood, the mixed load and its
+rate sweep — each built before its clock starts (:func:`loadtest.runner.plan`) — and the figures read from them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from loadtest.bench_servers import KEY
+from loadtest.runner import RunSpec, plan, run
+from loadtest.stats import SLO, RequestRecord, outcome_counts, summarize
+from loadtest.sweep import RAMP, keeps_up, run_seconds
+from loadtest.workload import OutputLengths, Workload
+
+SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
+
+
+def load(
+    url: str, model: str, workload: Workload, rate: float, duration: float, seed: int, key: str = KEY
+) -> list[RequestRecord]:
+    spec = RunSpec(url=url, model=model, duration_s=duration, rate=rate, seed=seed, trace=True, api_key=key)
+    records, _ = asyncio.run(run(spec, workload, progress=None))
+    return records
+
+
+def ttft(records: list[RequestRecord], p: str = "p50") -> float | None:
+    """TTFT percentile of the ok requests (``None`` when none succeeded; the figure's side counts say how many)."""
+    return summarize(records, 1.0, SLO())["ttft_s"][p]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def medium(cache: str, seed: int) -> Workload:
+    return Workload(mix={"image": 1}, sizes={"medium": 1}, cache=cache, outputs=OutputLengths("fixed:16"), seed=seed)
+
+
+class Flood:
+    """The records of one flood figure: text probes idle, text probes under the flood, the flood itself."""
+
+    def __init__(self, idle: list[RequestRecord], probes: list[RequestRecord], flood: list[RequestRecord]) -> None:
+        self.idle, self.probes, self.flood = idle, probes, flood
+
+    @property
+    def ratio(self) -> float | None:
+        return ratio(ttft(self.probes, "p95"), ttft(self.idle, "p95"))
+
+
+def flood(url: str, model: str, duration: float, flood_key: str = KEY, probe_key: str = KEY) -> Flood:
+    """Text-only probes idle, then under a flood of large images at a steady rate (both loads planned first)."""
+    probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=11)
+    idle = load(url, model, probe, 1.0, duration, seed=11, key=probe_key)
+
+    probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=12, api_key=probe_key)
+    flood_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.5, seed=13, trace=False, api_key=flood_key)
+    images = Workload(mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"))
+    probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=12)
+    # Both plans are built before either load starts: encoding the flood's large JPEGs (~1 s of CPU per request)
+    # inside the running loop stalled the probes' own sends and timings and took the cores from the server.
+    probe_plan, flood_plan = plan(probe_spec, probes), plan(flood_spec, images)
+
+    async def both():
+        (records, _), (flooding, _) = await asyncio.gather(
+            run(probe_spec, probes, None, probe_plan), run(flood_spec, images, None, flood_plan)
+        )
+        return records, flooding
+
+    flooded, flooding = asyncio.run(both())
+    return Flood(idle, flooded, flooding)
+
+
+Run = tuple[dict[str, Any], list[RequestRecord]]
+
+
+def mixed(url: str, model: str, rate: float, duration: float, seed: int = 21) -> Run:
+    """The mixed open-loop load at ``rate``; each ``seed`` draws its own images, so a run starts from cold caches
+    (within a run, ``partial`` repeats some of its own images, as users do)."""
+    workload = Workload(
+        mix={"text": 0.4, "image": 0.4, "multi_image": 0.2},
+        cache="partial",
+        outputs=OutputLengths("uniform:8-32"),
+        seed=seed,
+    )
+    spec = RunSpec(
+        url=url, model=model, duration_s=duration, rate=rate, seed=seed, trace=False, timeout_s=60, api_key=KEY
+    )
+    records, seconds = asyncio.run(run(spec, workload, progress=None))
+    return summarize(records, seconds, SLO_MIXED), records
+
+
+def sweep(url: str, model: str, rates: list[float], duration: float) -> dict[float, Run]:
+    """The mixed load at each rate (ascending), fresh images per run (the seeds are the same for every server)."""
+    return {rate: mixed(url, model, rate, run_seconds(rate, duration), seed=100 + i) for i, rate in enumerate(rates)}
+
+
+def ramp(url: str, model: str, duration: float) -> list[tuple[float, float | None]]:
+    """(rate, SLO attainment) up the :data:`loadtest.sweep.RAMP` until the server stops keeping up."""
+    points = []
+    for i, rate in enumerate(RAMP):
+        summary, _ = mixed(url, model, rate, run_seconds(rate, duration), seed=50 + i)
+        points.append((rate, summary["slo_attainment"]))
+        if not keeps_up(summary["slo_attainment"]):
+            break
+    return points
+
+
+def sweep_row(rate: float, run_: Run) -> dict[str, Any]:
+    summary, records = run_
+    return {
+        "rate_rps": rate,
+        "goodput_rps": round(summary["goodput_rps"], 3),
+        "slo_attainment": summary["slo_attainment"],
+        "ttft_p95_s": summary["ttft_s"]["p95"],
+        **outcome_counts(records),
+    }
+
+
+def stages(records: list[RequestRecord]) -> dict[str, float]:
+    return {k: round(v, 2) for k, v in summarize(records, 1.0, SLO())["stage_ms_mean"].items()}

@@ -1,0 +1,92 @@
+"""The servers ``make bench`` measures, one at a time on 127.0.0.1: Prism on a Ray cluster of its own, and the
+baselines (the monolith, the naive server) as subprocesses whose output is kept under :data:`LOGS`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY, ALPHA, BETA = "bench-key", "bench-alpha", "bench-beta"
+"""API keys of the Prism runs: tenant ``bench`` for the single-tenant figures, ``alpha`` / ``beta`` for the
+tenant figure (the monolith and the naive server ignore keys)."""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, timeout: float = 180.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            auth = {"Authorization": f"Bearer {KEY}"}  # (Prism's bench config has keys; the others ignore it)
+            if httpx.get(f"{base}/v1/models", headers=auth, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base} did not come up")
+
+
+LOGS = ROOT / "loadtest" / "results" / "logs"
+"""The baselines' stdout and stderr, one file per server per run (not committed)."""
+
+
+@contextmanager
+def subprocess_server(module: str, args: list[str]):
+    port = free_port()
+    cmd = [sys.executable, "-m", module, "--port", str(port), *args]
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log_path = LOGS / f"{module.rsplit('.', 1)[-1]}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_ready(f"http://127.0.0.1:{port}")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; its output: {log_path}") from None
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+@contextmanager
+def prism_app(config: dict[str, Any]):
+    import ray
+    from ray import serve
+
+    from services.app import build_app
+
+    port = free_port()
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"config": config}), name="prism", route_prefix="/")
+        wait_ready(f"http://127.0.0.1:{port}")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def write_config(config: dict[str, Any]) -> str:
+    f = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+    yaml.safe_dump(config, f)
+    f.close()
+    return f.name
