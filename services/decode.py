@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from common.config import PrismConfig
@@ -44,7 +45,11 @@ class DecodeDeployment:
         self.queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self.cancelled = 0
         self.fetches = 0
-        self.driver = EngineDriver(self.engine.step, self._has_work, self._deliver)
+        # Steps run in a thread of their own, never in the loop's shared pool, where the transport's fetches (and, in
+        # the monolith baseline, the media stage's fetch and decode) would queue behind them.
+        self.driver = EngineDriver(
+            self.engine.step, self._has_work, self._deliver, executor=ThreadPoolExecutor(1, "prism-decode")
+        )
         self.transport = transport or make_transport(self.cfg.server.transport)
         self.metrics = Metrics("decode")
         self.metrics.keep_fresh(self._load)

@@ -14,6 +14,7 @@ batch), ``encode`` (the batch that finished it; encoder-cache hits/misses and vi
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from common.cache.encoder_cache import EncoderCache
@@ -44,8 +45,17 @@ class EncodeDeployment:
         batcher = EncoderBatcher(patch_budget=eng.encoder_patch_budget)
         self.engine = EncodeEngine(self.lm, batcher, self.cache, time.monotonic)
         self.options = decode_options(self.cfg.media)
+        # The vision tower steps in a thread of its own (niced once, when it starts), never in the loop's shared pool:
+        # media work in the same process (the monolith baseline) must not wait behind a batch, nor a batch behind it.
+        executor = ThreadPoolExecutor(1, "prism-encode", initializer=nice_thread, initargs=(self.nice,))
         self.runner = AwaitedEngine(
-            self._step, self.engine.has_work, dict.items, self.engine.cancel, self.engine.expire, "encode"
+            self.engine.step,
+            self.engine.has_work,
+            dict.items,
+            self.engine.cancel,
+            self.engine.expire,
+            "encode",
+            executor,
         )
         self.metrics = Metrics("encode")
         adm = self.cfg.admission
@@ -93,10 +103,6 @@ class EncodeDeployment:
         )
         self._load()
         return done
-
-    def _step(self) -> dict[str, list[VisualEmbeddings]]:
-        nice_thread(self.nice)  # (the step runs in a worker thread)
-        return self.engine.step()
 
     async def stats(self) -> dict[str, int]:
         """Work counters (batches and items through the vision tower) and what the budget holds."""

@@ -5,12 +5,15 @@ a typed 500 that frees everything and leaves the next request unaffected."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import threading
 
 import httpx
 import pytest
 
 from common.kv.transport.fake import FakeTransport
 from loadtest.servers.monolith import build
+from tests.mediakit import png_bytes
 
 BODY = {
     "model": "prism-tiny-llava",
@@ -73,3 +76,29 @@ def test_handoff_fault_is_a_typed_500_and_frees_everything(apps, fault):
     assert decode.pool.used_blocks == 0 and not decode.engine.num_running
     ok = asyncio.run(_ask(fake_app))
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 12
+
+
+def test_engines_step_on_threads_of_their_own(model_cache, monkeypatch):
+    """As in Prism, where each stage is a process: every engine steps in its own thread, never in the loop's shared
+    pool, where media fetch/decode (and the hand-off's fetches) run — the monolith baseline must not queue its image
+    work behind engine steps (or the reverse) and call it the price of having no stages."""
+    from common.engine.decode import DecodeEngine
+    from common.engine.encode import EncodeEngine
+    from common.engine.prefill import PrefillEngine
+
+    seen: dict[str, set[str]] = {"encode": set(), "prefill": set(), "decode": set()}
+    for stage, cls in (("encode", EncodeEngine), ("prefill", PrefillEngine), ("decode", DecodeEngine)):
+
+        def recording(self, *args, _step=cls.step, _stage=stage):
+            seen[_stage].add(threading.current_thread().name)
+            return _step(self, *args)
+
+        monkeypatch.setattr(cls, "step", recording)
+    app = build(_config(model_cache))
+    image = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is this?"}]
+    answer = asyncio.run(_ask(app, {**BODY, "messages": [{"role": "user", "content": content}]}))
+    assert answer.status_code == 200, answer.text
+    assert all(seen.values()), seen
+    assert seen["encode"] == {"prism-encode_0"} and seen["decode"] == {"prism-decode_0"}
+    assert all(name.startswith("prism-prefill-") for name in seen["prefill"]), seen
