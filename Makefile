@@ -42,8 +42,10 @@ format: venv
 	$(VENV)/bin/ruff format .
 
 # Benchmarks (not tests): ratios measured side by side in one run, written to loadtest/results/.
+# make bench BENCH_FLAGS=--quick: every figure once on short loads (minutes), to loadtest/results/quick/.
+BENCH_FLAGS ?=
 bench: venv
-	$(PY) -m loadtest.bench --model prism-small-llava
+	$(PY) -m loadtest.bench --model prism-small-llava $(BENCH_FLAGS)
 
 # Offline video batch on a local Ray (or RAY_ADDRESS): make batch INPUT=manifest.parquet OUTPUT=out/ [CONFIG=x.yaml]
 # CONFIG is passed only when given (serve's default config is not a batch config: the job defaults to a video model).

@@ -2,7 +2,10 @@
 
 Everything runs on this machine, one server at a time (so they never share the cores), with the same model
 (``prism-small-llava`` unless ``--model``), the same workloads and seeds. Writes ``loadtest/results/summary.json``
-(each figure with the raw numbers it came from and its target) and the README table, and prints the path last.
+(each figure with the raw numbers it came from and its target), the plots (:mod:`loadtest.bench_plots`) and the
+README table, and prints the path last. Each figure's target and number of runs are declared in
+:mod:`loadtest.figures`: short figures run three times or more (median, spread beside it), interleaved, each run with
+images of its own. ``--quick`` runs each figure once on shorter loads and writes to ``loadtest/results/quick/``.
 
 Figures:
 
@@ -10,7 +13,8 @@ Figures:
 * ``handoff_bw_fraction_of_memcpy`` — a KV payload through the object store between two processes, from publish to
   the receiver's own buffers, / one warm memcpy; the lower of 64 MB and 256 MB (:mod:`loadtest.bench_transfer`; two
   copies: at most 0.5).
-* ``nixl_bw_fraction_of_memcpy`` — the same over NIXL (UCX, DRAM to DRAM).
+* ``nixl_bw_fraction_of_memcpy`` — the same over NIXL (UCX, DRAM to DRAM); beside it, what one READ between
+  pre-registered buffers reaches with each UCX transport (:mod:`loadtest.bench_ucx`).
 * ``decode_speedup_32_vs_sequential``, ``decode_roofline_fraction_b32`` — from :mod:`loadtest.bench_decode`.
 * ``encoder_cache_hot_cold_ttft_ratio`` — p50 TTFT with one repeated image / with unique images (Prism).
 * ``text_ttft_p95_flood_vs_idle`` — p95 TTFT of text-only probes while large images flood / idle (Prism; the
@@ -41,77 +45,100 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import bench_loads as loads
+from loadtest import bench_plots, bench_ucx, figures
 from loadtest import bench_servers as servers
+from loadtest.figures import record
 from loadtest.stats import RequestRecord, outcome_counts
-from loadtest.sweep import KEEP_UP, RAMP, capacity, knee, sweep_rates
-from loadtest.verdict import judge
+from loadtest.sweep import KEEP_UP, MIN_REQUESTS, RAMP, capacity, knee, sweep_rates
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
 README = ROOT / "README.md"
-TARGETS = {
-    "ttft_ratio_epd_vs_monolith": ("<=", 1.10),
-    "handoff_bw_fraction_of_memcpy": (">=", 0.4),
-    "nixl_bw_fraction_of_memcpy": (">=", 0.25),
-    "decode_speedup_32_vs_sequential": (">=", 10.0),
-    "decode_roofline_fraction_b32": (">=", 0.5),
-    "encoder_cache_hot_cold_ttft_ratio": ("<=", 0.3),
-    "text_ttft_p95_flood_vs_idle": ("<=", 1.5),
-    "tenant_ttft_p95_flood_vs_idle": ("<=", 3.0),
-    "goodput_ratio_vs_naive": (">=", 3.0),
-}
-OWN_TARGETS = {"nixl_bw_fraction_of_memcpy", "decode_roofline_fraction_b32"}
-"""Yardsticks of ours; the others are the targets issue 8 set."""
+QUICK = RESULTS / "quick"
+"""Where ``--quick`` writes (not committed; the README is left alone)."""
 
 
-def _transfers() -> dict[str, Any]:
+class Settings:
+    """What a full run and a ``--quick`` one differ in (the figures' runs: :func:`loadtest.figures.runs`)."""
+
+    def __init__(self, quick: bool, duration: float | None) -> None:
+        self.quick = quick
+        self.duration = duration if duration is not None else (8.0 if quick else 20.0)
+        self.min_requests = 8 if quick else MIN_REQUESTS
+        self.decode_tokens = 16 if quick else 32
+        self.ucx_transports = {"default": None} if quick else bench_ucx.TRANSPORTS
+
+    def runs(self, name: str) -> int:
+        return figures.runs(name, self.quick)
+
+
+def _transfers(st: Settings) -> dict[str, Any]:
     import ray
 
     from loadtest import bench_transfer
 
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:  # its own session: the NIXL agents' UCX threads must not linger beside the servers measured later
-        store = bench_transfer.transport_figures("object_store")
-        nx = bench_transfer.transport_figures("nixl")
+        store = bench_transfer.transport_figures("object_store", st.runs("handoff_bw_fraction_of_memcpy"))
+        nx = bench_transfer.transport_figures("nixl", st.runs("nixl_bw_fraction_of_memcpy"))
+        size = bench_transfer.SIZES[-1]
+        nx["ucx_read"] = bench_ucx.figures(size, nx["sizes"][str(size)]["memcpy_bytes_per_s"], 5, st.ucx_transports)
     finally:
         ray.shutdown()
     note = "publish + fetch + copy into the receiver's pre-touched buffers; two copies: at most 0.5 (two_copy_floor)"
+    nixl_note = note + "; ucx_read: one READ between pre-registered buffers, UCX's own ceiling (loadtest/bench_ucx.py)"
     return {
-        "handoff_bw_fraction_of_memcpy": _metric(
-            "handoff_bw_fraction_of_memcpy", store["fraction_of_memcpy"], store, note=note
-        ),
-        "nixl_bw_fraction_of_memcpy": _metric("nixl_bw_fraction_of_memcpy", nx["fraction_of_memcpy"], nx, note=note),
+        "handoff_bw_fraction_of_memcpy": record("handoff_bw_fraction_of_memcpy", store["fractions"], store, note=note),
+        "nixl_bw_fraction_of_memcpy": record("nixl_bw_fraction_of_memcpy", nx["fractions"], nx, note=nixl_note),
     }
 
 
-def _metric(
-    name: str,
-    value: float | None,
-    raw: dict[str, Any],
-    note: str = "",
-    sides: dict[str, list[RequestRecord]] | None = None,
-    goodput: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """One figure: its value, target and status (:func:`loadtest.verdict.judge`), with each side's outcome counts."""
-    op, target = TARGETS[name]
-    counts = {side: outcome_counts(records) for side, records in (sides or {}).items()}
-    status, reason = judge(value, op, target, counts, goodput)
-    out: dict[str, Any] = {"value": value, "target": f"{op} {target:g}", "met": status == "met", "status": status}
-    if reason:
-        out["invalid_reason"] = reason
-    if counts:
-        out["sides"] = counts
-    return {**out, "raw": raw, **({"note": note} if note else {})}
+def _decode(model: str, st: Settings) -> dict[str, Any]:
+    from loadtest import bench_decode
+
+    out = RESULTS / "decode.json" if not st.quick else QUICK / "decode.json"
+    runs = st.runs("decode_speedup_32_vs_sequential")
+    dec = bench_decode.main(
+        ["--model", model, "--out", str(out), "--repeats", str(runs), "--tokens", str(st.decode_tokens)]
+    )
+    median_run = {
+        "timed": "end to end on both sides: from the prefill output handed over (KV import included)",
+        "engine_b32_e2e_tokens_per_s": dec["engine"]["32"]["e2e_tokens_per_s"],
+        "sequential_e2e_tokens_per_s": dec["sequential"]["e2e_tokens_per_s"],
+        "speedup_after_kv_import": dec["decode_speedup_32_vs_sequential_steps"],
+        "engine_b32_tokens_per_s": dec["engine"]["32"]["tokens_per_s"],
+        "sequential_tokens_per_s": dec["sequential"]["tokens_per_s"],
+        "of_the_run": "the median one",
+    }
+    roofline = {
+        "achieved_bytes_per_s": dec["engine"]["32"]["bytes_per_s"],
+        "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"],
+    }
+    return {
+        "decode_speedup_32_vs_sequential": record(
+            "decode_speedup_32_vs_sequential", dec["decode_speedup_32_vs_sequential_runs"], median_run
+        ),
+        "decode_roofline_fraction_b32": record(
+            "decode_roofline_fraction_b32", dec["decode_roofline_fraction_b32_runs"], roofline
+        ),
+    }
+
+
+def _flatten(runs: list[list[RequestRecord]]) -> list[RequestRecord]:
+    return [r for run in runs for r in run]
 
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="prism-small-llava")
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds per load run")
-    parser.add_argument("--out", type=Path, default=RESULTS / "summary.json")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per load run (20; --quick: 8)")
+    parser.add_argument("--quick", action="store_true", help="every figure once, short loads; README left alone")
+    parser.add_argument("--out", type=Path, default=None, help="summary.json (default: loadtest/results/[quick/])")
     args = parser.parse_args(argv)
+    st = Settings(args.quick, args.duration)
+    out = args.out or (QUICK if st.quick else RESULTS) / "summary.json"
     started = time.time()
-    model, d = args.model, args.duration
+    model, d = args.model, st.duration
     config = {
         "model": {"model": model, "torch_threads": 1},
         "deployments": {s: {"num_cpus": 0.25} for s in ("media", "encode", "prefill", "decode")},
@@ -125,105 +152,117 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"[bench {time.time() - started:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
     say("decode engine")
-    from loadtest import bench_decode
+    metrics.update(_decode(model, st))
+    say("transfers (object store, NIXL, UCX's own READ), in a Ray session of their own")
+    metrics.update(_transfers(st))
 
-    dec = bench_decode.main(["--model", model, "--out", str(RESULTS / "decode.json")])
-    metrics["decode_speedup_32_vs_sequential"] = _metric(
-        "decode_speedup_32_vs_sequential",
-        dec["decode_speedup_32_vs_sequential"],
-        {
-            "timed": "end to end on both sides: from the prefill output handed over (KV import included)",
-            "engine_b32_e2e_tokens_per_s": dec["engine"]["32"]["e2e_tokens_per_s"],
-            "sequential_e2e_tokens_per_s": dec["sequential"]["e2e_tokens_per_s"],
-            "speedup_after_kv_import": dec["decode_speedup_32_vs_sequential_steps"],
-            "engine_b32_tokens_per_s": dec["engine"]["32"]["tokens_per_s"],
-            "sequential_tokens_per_s": dec["sequential"]["tokens_per_s"],
-        },
-    )
-    metrics["decode_roofline_fraction_b32"] = _metric(
-        "decode_roofline_fraction_b32",
-        dec["decode_roofline_fraction_b32"],
-        {"achieved_bytes_per_s": dec["engine"]["32"]["bytes_per_s"], "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"]},
-    )
-
-    say("transfers (object store, NIXL), in a Ray session of their own")
-    metrics.update(_transfers())
+    n_cold = max(st.runs("ttft_ratio_epd_vs_monolith"), st.runs("encoder_cache_hot_cold_ttft_ratio"))
+    n_hot, n_flood = st.runs("encoder_cache_hot_cold_ttft_ratio"), st.runs("text_ttft_p95_flood_vs_idle")
+    n_tenant = st.runs("tenant_ttft_p95_flood_vs_idle")
     with servers.subprocess_server("loadtest.servers.naive", ["--model", model]) as url:
         say("naive: its capacity (a ramp of mixed loads), then the sweep around it")
-        ramp = loads.ramp(url, model, d)
+        ramp = loads.ramp(url, model, d, st.min_requests)
         base = capacity(ramp) or RAMP[0]
         rates = sweep_rates(base)
-        naive_sweep = loads.sweep(url, model, rates, d)
+        naive_sweep = loads.sweep(url, model, rates, d, st.min_requests)
+    cold, hot, floods, betas = [], [], [], []
     with servers.prism_app(config) as url:
-        say("Prism: light load, medium images (cold, then hot)")
-        loads.load(
-            url, model, loads.medium("cold", 99), 1.0, 4.0, seed=99
-        )  # warm-up: first-request costs out of the figures
-        cold = loads.load(url, model, loads.medium("cold", 1), 0.5, d, seed=1)
-        hot = loads.load(url, model, loads.medium("hot", 2), 0.5, d, seed=2)
-        say("Prism: text probes idle / under a large-image flood")
-        prism_flood = loads.flood(url, model, d)
-        say("Prism: tenant beta's text probes idle / under tenant alpha's large-image flood")
-        beta = loads.flood(url, model, d, flood_key=servers.ALPHA, probe_key=servers.BETA)
+        loads.load(url, model, loads.medium("cold", 99), 1.0, 4.0, seed=99)  # warm-up: first-request costs out
+        # The runs of each figure are interleaved (run i of every figure, then run i + 1), each with seeds — and so
+        # images — of its own: a slow spell of the machine lands on one run of each, not on every run of one.
+        for i in range(max(n_cold, n_hot, n_flood, n_tenant)):
+            say(f"Prism, run {i + 1}: light load of medium images (cold, then hot); text probes idle / under a flood")
+            if i < n_cold:
+                cold.append(loads.load(url, model, loads.medium("cold", 1 + 100 * i), 0.5, d, seed=1 + 100 * i))
+            if i < n_hot:
+                hot.append(loads.load(url, model, loads.medium("hot", 2 + 100 * i), 0.5, d, seed=2 + 100 * i))
+            if i < n_flood:
+                floods.append(loads.flood(url, model, d, seed=11 + 100 * i))
+            if i < n_tenant:
+                say(f"Prism, run {i + 1}: tenant beta's text probes idle / under tenant alpha's large-image flood")
+                betas.append(
+                    loads.flood(url, model, d, flood_key=servers.ALPHA, probe_key=servers.BETA, seed=31 + 100 * i)
+                )
         say(f"Prism: the goodput sweep at {rates} rps")
-        prism_sweep = loads.sweep(url, model, rates, d)
+        prism_sweep = loads.sweep(url, model, rates, d, st.min_requests)
+    mono_cold, mono_floods = [], []
     with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
-        say("monolith: light load, medium images; text probes idle / flood")
         loads.load(url, model, loads.medium("cold", 99), 1.0, 4.0, seed=99)
-        mono_cold = loads.load(url, model, loads.medium("cold", 1), 0.5, d, seed=1)
-        mono_flood = loads.flood(url, model, d)
+        for i in range(max(st.runs("ttft_ratio_epd_vs_monolith"), n_flood)):
+            say(f"monolith, run {i + 1}: light load, medium images; text probes idle / flood")
+            mono_cold.append(loads.load(url, model, loads.medium("cold", 1 + 100 * i), 0.5, d, seed=1 + 100 * i))
+            mono_floods.append(loads.flood(url, model, d, seed=11 + 100 * i))
         say(f"monolith: the goodput sweep at {rates} rps")
-        mono_sweep = loads.sweep(url, model, rates, d)
+        mono_sweep = loads.sweep(url, model, rates, d, st.min_requests)
 
-    metrics["ttft_ratio_epd_vs_monolith"] = _metric(
+    n_ttft = st.runs("ttft_ratio_epd_vs_monolith")
+    metrics["ttft_ratio_epd_vs_monolith"] = record(
         "ttft_ratio_epd_vs_monolith",
-        loads.ratio(loads.ttft(cold), loads.ttft(mono_cold)),
-        {
-            "prism_ttft_p50_s": loads.ttft(cold),
-            "monolith_ttft_p50_s": loads.ttft(mono_cold),
-            "requests": len(cold),
-            "prism_stage_ms_mean": loads.stages(cold),
-            "monolith_stage_ms_mean": loads.stages(mono_cold),
-        },
-        sides={"prism": cold, "monolith": mono_cold},
+        [loads.ratio(loads.ttft(p), loads.ttft(m)) for p, m in zip(cold[:n_ttft], mono_cold, strict=False)],
+        [
+            {
+                "prism_ttft_p50_s": loads.ttft(p),
+                "monolith_ttft_p50_s": loads.ttft(m),
+                "requests": len(p),
+                "prism_stage_ms_mean": loads.stages(p),
+                "monolith_stage_ms_mean": loads.stages(m),
+            }
+            for p, m in zip(cold[:n_ttft], mono_cold, strict=False)
+        ],
+        sides={"prism": _flatten(cold[:n_ttft]), "monolith": _flatten(mono_cold[:n_ttft])},
     )
-    metrics["encoder_cache_hot_cold_ttft_ratio"] = _metric(
+    metrics["encoder_cache_hot_cold_ttft_ratio"] = record(
         "encoder_cache_hot_cold_ttft_ratio",
-        loads.ratio(loads.ttft(hot), loads.ttft(cold)),
-        {
-            "hot_ttft_p50_s": loads.ttft(hot),
-            "cold_ttft_p50_s": loads.ttft(cold),
-            "hot_stage_ms_mean": loads.stages(hot),
-            "cold_stage_ms_mean": loads.stages(cold),
-        },
+        [loads.ratio(loads.ttft(h), loads.ttft(c)) for h, c in zip(hot, cold, strict=False)],
+        [
+            {
+                "hot_ttft_p50_s": loads.ttft(h),
+                "cold_ttft_p50_s": loads.ttft(c),
+                "hot_stage_ms_mean": loads.stages(h),
+                "cold_stage_ms_mean": loads.stages(c),
+            }
+            for h, c in zip(hot, cold, strict=False)
+        ],
         note="hot repeats one image: the processor, encoder and prefix caches all hit",
-        sides={"hot": hot, "cold": cold},
+        sides={"hot": _flatten(hot), "cold": _flatten(cold[:n_hot])},
     )
-    metrics["text_ttft_p95_flood_vs_idle"] = _metric(
+    metrics["text_ttft_p95_flood_vs_idle"] = record(
         "text_ttft_p95_flood_vs_idle",
-        prism_flood.ratio,
-        {
-            "prism_idle_p95_s": loads.ttft(prism_flood.idle, "p95"),
-            "prism_flood_p95_s": loads.ttft(prism_flood.probes, "p95"),
-            "prism_flood_load": outcome_counts(prism_flood.flood),  # its 429s are admission at work, not errors
-            "monolith_ratio": mono_flood.ratio,
-            "monolith_idle_p95_s": loads.ttft(mono_flood.idle, "p95"),
-            "monolith_flood_p95_s": loads.ttft(mono_flood.probes, "p95"),
-            "monolith_probes": outcome_counts(mono_flood.probes),
-            "monolith_flood_load": outcome_counts(mono_flood.flood),
+        [f.ratio for f in floods],
+        [
+            {
+                "prism_idle_p95_s": loads.ttft(f.idle, "p95"),
+                "prism_flood_p95_s": loads.ttft(f.probes, "p95"),
+                "prism_flood_load": outcome_counts(f.flood),  # its 429s are admission at work, not errors
+                "monolith_ratio": m.ratio,
+                "monolith_idle_p95_s": loads.ttft(m.idle, "p95"),
+                "monolith_flood_p95_s": loads.ttft(m.probes, "p95"),
+                "monolith_probes": outcome_counts(m.probes),
+                "monolith_flood_load": outcome_counts(m.flood),
+            }
+            for f, m in zip(floods, mono_floods, strict=False)
+        ],
+        sides={
+            "idle probes": _flatten([f.idle for f in floods]),
+            "flood probes": _flatten([f.probes for f in floods]),
         },
-        sides={"idle probes": prism_flood.idle, "flood probes": prism_flood.probes},
     )
-    metrics["tenant_ttft_p95_flood_vs_idle"] = _metric(
+    metrics["tenant_ttft_p95_flood_vs_idle"] = record(
         "tenant_ttft_p95_flood_vs_idle",
-        beta.ratio,
-        {
-            "beta_idle_p95_s": loads.ttft(beta.idle, "p95"),
-            "beta_flood_p95_s": loads.ttft(beta.probes, "p95"),
-            "alpha_flood_load": outcome_counts(beta.flood),
-            "alpha_quota": {"max_media_in_flight": 2},
+        [b.ratio for b in betas],
+        [
+            {
+                "beta_idle_p95_s": loads.ttft(b.idle, "p95"),
+                "beta_flood_p95_s": loads.ttft(b.probes, "p95"),
+                "alpha_flood_load": outcome_counts(b.flood),
+                "alpha_quota": {"max_media_in_flight": 2},
+            }
+            for b in betas
+        ],
+        sides={
+            "beta idle probes": _flatten([b.idle for b in betas]),
+            "beta flood probes": _flatten([b.probes for b in betas]),
         },
-        sides={"beta idle probes": beta.idle, "beta flood probes": beta.probes},
     )
     # The naive server's knee (the first swept rate it cannot carry; the top rate if it carries them all) is where
     # the goodputs are compared. Both sides must be healthy at the lowest rate (errors there mean a broken server,
@@ -231,19 +270,20 @@ def main(argv: list[str] | None = None) -> Path:
     naive_points = [(r, naive_sweep[r][0]["slo_attainment"]) for r in rates]
     at = knee(naive_points) or rates[-1]
     prism_good, naive_good = prism_sweep[at][0]["goodput_rps"], naive_sweep[at][0]["goodput_rps"]
-    metrics["goodput_ratio_vs_naive"] = _metric(
+    sweeps = {
+        name: [loads.sweep_row(r, runs[r]) for r in rates]
+        for name, runs in (("prism", prism_sweep), ("monolith", mono_sweep), ("naive", naive_sweep))
+    }
+    metrics["goodput_ratio_vs_naive"] = record(
         "goodput_ratio_vs_naive",
-        loads.ratio(prism_good, naive_good),
+        [loads.ratio(prism_good, naive_good)],
         {
             "compared_at_rps": at,
             "naive_capacity_rps": capacity(naive_points),
             "naive_ramp": [{"rate_rps": r, "slo_attainment": a} for r, a in ramp],
             "slo": prism_sweep[at][0]["slo"],
             "keep_up_slo_attainment": KEEP_UP,
-            "sweep": {
-                name: [loads.sweep_row(r, runs[r]) for r in rates]
-                for name, runs in (("prism", prism_sweep), ("monolith", mono_sweep), ("naive", naive_sweep))
-            },
+            "sweep": sweeps,
         },
         sides={
             "prism at the lowest rate": prism_sweep[rates[0]][1],
@@ -251,35 +291,71 @@ def main(argv: list[str] | None = None) -> Path:
         },
         goodput={"prism at the knee": prism_good, "naive at the knee": naive_good},
     )
+    plots_dir = out.parent
+    panels = {
+        "light load, medium images (p50 figures)": {
+            **{f"prism cold #{i + 1}": r for i, r in enumerate(cold)},
+            **{f"prism hot #{i + 1}": r for i, r in enumerate(hot)},
+            **{f"monolith cold #{i + 1}": r for i, r in enumerate(mono_cold)},
+        },
+        "text probes, one tenant (p95 figure)": {
+            **{f"prism idle #{i + 1}": f.idle for i, f in enumerate(floods)},
+            **{f"prism flood #{i + 1}": f.probes for i, f in enumerate(floods)},
+            **{f"monolith flood #{i + 1}": m.probes for i, m in enumerate(mono_floods)},
+        },
+        "tenant beta's text probes (p95 figure)": {
+            **{f"idle #{i + 1}": b.idle for i, b in enumerate(betas)},
+            **{f"alpha flooding #{i + 1}": b.probes for i, b in enumerate(betas)},
+        },
+        **{
+            f"goodput sweep: {name}": {f"{r:g} rps": runs[r][1] for r in rates}
+            for name, runs in (("prism", prism_sweep), ("monolith", mono_sweep), ("naive", naive_sweep))
+        },
+    }
+    plots = [
+        bench_plots.goodput_vs_rate(plots_dir / bench_plots.GOODPUT_PNG, sweeps, at),
+        bench_plots.ttft_cdfs(plots_dir / bench_plots.TTFT_PNG, panels),
+    ]
     summary = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "model": model,
+        "quick": st.quick,
         "duration_s_per_run": d,
+        "slo": {"goodput": prism_sweep[at][0]["slo"], "keep_up_slo_attainment": KEEP_UP},
         "wall_s": round(time.time() - started, 1),
-        "metrics": metrics,
+        "plots": [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in plots],
+        "metrics": {f.name: metrics[f.name] for f in figures.FIGURES},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    update_readme(summary)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    if not st.quick:
+        update_readme(summary)
     say("done")
-    print(args.out)
-    return args.out
+    print(out)
+    return out
 
 
 def table(summary: dict[str, Any]) -> str:
-    rows = ["| Figure | Value | Target | Met |", "|---|---|---|---|"]
+    rows = ["| Figure | Value | Runs (min–max) | Target | Met |", "|---|---|---|---|---|"]
     for name, m in summary["metrics"].items():
-        target = m["target"] + (" (ours)" if name in OWN_TARGETS else "")
+        fig = figures.BY_NAME.get(name)
+        target = m["target"] + (" (ours)" if fig is not None and fig.ours else "")
         value = "—" if m["value"] is None else f"{m['value']:.3g}"
+        runs = str(m.get("runs", 1))  # (summaries written before repeats say nothing: one run)
+        if "spread" in m:
+            runs += f" ({m['spread']['min']:.3g}–{m['spread']['max']:.3g})"
         status = m.get("status", "met" if m["met"] else "missed")  # (summaries written before the status field)
         met = {"met": "yes", "missed": "no"}.get(status, f"invalid: {m.get('invalid_reason', '')}")
-        rows.append(f"| `{name}` | {value} | {target} | {met} |")
+        rows.append(f"| `{name}` | {value} | {runs} | {target} | {met} |")
     head = (
         f"Measured {summary['date'][:10]} on {summary['machine']['cpus']} CPUs ({summary['machine']['platform']}), "
         f"model `{summary['model']}`, {summary['wall_s']:.0f} s wall; raw figures in `loadtest/results/summary.json`."
     )
-    return head + "\n\n" + "\n".join(rows)
+    plots = ", ".join(
+        f"[{Path(p).stem.removeprefix('bench_').replace('_', ' ')}]({p})" for p in summary.get("plots", [])
+    )
+    return head + "\n\n" + "\n".join(rows) + (f"\n\nPlots: {plots}." if plots else "")
 
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"

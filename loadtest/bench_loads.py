@@ -9,7 +9,7 @@ from typing import Any
 from loadtest.bench_servers import KEY
 from loadtest.runner import RunSpec, plan, run
 from loadtest.stats import SLO, RequestRecord, outcome_counts, summarize
-from loadtest.sweep import RAMP, keeps_up, run_seconds
+from loadtest.sweep import MIN_REQUESTS, RAMP, keeps_up, run_seconds
 from loadtest.workload import OutputLengths, Workload
 
 SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
@@ -47,15 +47,20 @@ class Flood:
         return ratio(ttft(self.probes, "p95"), ttft(self.idle, "p95"))
 
 
-def flood(url: str, model: str, duration: float, flood_key: str = KEY, probe_key: str = KEY) -> Flood:
-    """Text-only probes idle, then under a flood of large images at a steady rate (both loads planned first)."""
-    probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=11)
-    idle = load(url, model, probe, 1.0, duration, seed=11, key=probe_key)
+def flood(url: str, model: str, duration: float, flood_key: str = KEY, probe_key: str = KEY, seed: int = 11) -> Flood:
+    """Text-only probes idle, then under a flood of large images at a steady rate (both loads planned first).
+    ``seed``, ``seed + 1``, ``seed + 2``: the idle probes, the probes under the flood, the flood (its images too)."""
+    probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=seed)
+    idle = load(url, model, probe, 1.0, duration, seed=seed, key=probe_key)
 
-    probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=12, api_key=probe_key)
-    flood_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.5, seed=13, trace=False, api_key=flood_key)
-    images = Workload(mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"))
-    probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=12)
+    probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=seed + 1, api_key=probe_key)
+    flood_spec = RunSpec(
+        url=url, model=model, duration_s=duration, rate=1.5, seed=seed + 2, trace=False, api_key=flood_key
+    )
+    images = Workload(
+        mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"), seed=seed + 2
+    )
+    probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=seed + 1)
     # Both plans are built before either load starts: encoding the flood's large JPEGs (~1 s of CPU per request)
     # inside the running loop stalled the probes' own sends and timings and took the cores from the server.
     probe_plan, flood_plan = plan(probe_spec, probes), plan(flood_spec, images)
@@ -89,16 +94,21 @@ def mixed(url: str, model: str, rate: float, duration: float, seed: int = 21) ->
     return summarize(records, seconds, SLO_MIXED), records
 
 
-def sweep(url: str, model: str, rates: list[float], duration: float) -> dict[float, Run]:
+def sweep(
+    url: str, model: str, rates: list[float], duration: float, min_requests: int = MIN_REQUESTS
+) -> dict[float, Run]:
     """The mixed load at each rate (ascending), fresh images per run (the seeds are the same for every server)."""
-    return {rate: mixed(url, model, rate, run_seconds(rate, duration), seed=100 + i) for i, rate in enumerate(rates)}
+    return {
+        rate: mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=100 + i)
+        for i, rate in enumerate(rates)
+    }
 
 
-def ramp(url: str, model: str, duration: float) -> list[tuple[float, float | None]]:
+def ramp(url: str, model: str, duration: float, min_requests: int = MIN_REQUESTS) -> list[tuple[float, float | None]]:
     """(rate, SLO attainment) up the :data:`loadtest.sweep.RAMP` until the server stops keeping up."""
     points = []
     for i, rate in enumerate(RAMP):
-        summary, _ = mixed(url, model, rate, run_seconds(rate, duration), seed=50 + i)
+        summary, _ = mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=50 + i)
         points.append((rate, summary["slo_attainment"]))
         if not keeps_up(summary["slo_attainment"]):
             break

@@ -52,9 +52,7 @@ def _cdf(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
             "E2E": [r.e2e_s for r in ok if r.e2e_s is not None],
         }
         for ax, (name, values) in zip(axes, series.items(), strict=True):
-            xs = sorted(values)
-            if xs:
-                ax.plot([x * 1000 for x in xs], [(i + 1) / len(xs) for i in range(len(xs))], label=run["label"])
+            plot_cdf(ax, values, run["label"])
             ax.set_title(f"{name} CDF")
             ax.set_xlabel("ms")
             ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of gaps")
@@ -62,7 +60,15 @@ def _cdf(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    return _save(fig, path)
+    return save(fig, path)
+
+
+def plot_cdf(ax: Any, seconds: Sequence[float], label: str) -> None:
+    """The empirical CDF of ``seconds`` on ``ax``, in milliseconds (nothing drawn for no values)."""
+    xs = sorted(seconds)
+    if xs:  # (markers on short runs: a run of one or two requests is otherwise an invisible dot or a bare segment)
+        marker = "." if len(xs) < 30 else None
+        ax.plot([x * 1000 for x in xs], [(i + 1) / len(xs) for i in range(len(xs))], label=label, marker=marker)
 
 
 def _ttft_vs_load(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
@@ -76,7 +82,7 @@ def _ttft_vs_load(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
     ax.set_title("TTFT vs load")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _stages(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
@@ -93,10 +99,10 @@ def _stages(path: Path, runs: Sequence[dict[str, Any]]) -> Path:
     ax.set_title("Per-stage breakdown (Prism traces)" if names else "Per-stage breakdown (no traces returned)")
     if names:
         ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

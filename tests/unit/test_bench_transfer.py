@@ -46,10 +46,12 @@ def test_the_figure_is_publish_plus_receive_against_one_memcpy_with_the_two_copy
     assert fig["two_copy_floor"] == 0.5
 
 
-def test_best_of_the_repeats_and_a_short_delivery_is_an_error():
-    times = [(0.2, 0.9), (0.1, 0.5), (0.3, 0.3)]
+def test_the_median_repeat_with_every_repeats_fraction_and_a_short_delivery_is_an_error():
+    times = [(0.2, 0.9), (0.1, 0.5), (0.3, 0.3), (0.05, 0.35), (0.4, 0.4)]  # totals 1.1, 0.6, 0.6, 0.4, 0.8
     fig = bt.figure(1000, times, memcpy=10_000.0)
-    assert fig["seconds"] == pytest.approx(0.6) and (fig["publish_s"], fig["receive_s"]) == (0.1, 0.5)
+    assert fig["seconds"] == pytest.approx(0.6) and fig["repeats"] == 5  # not the best (0.4)
+    assert fig["fractions"] == pytest.approx([1000 / t / 10_000.0 for t in (1.1, 0.6, 0.6, 0.4, 0.8)])
+    assert bt.figure(1000, times[:4], memcpy=1.0)["seconds"] == pytest.approx(0.6)  # even count: the faster middle
 
     def short(handle):
         return 0.1, 1  # a receiver that got one byte

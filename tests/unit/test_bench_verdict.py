@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from loadtest.bench import _metric, table
+from loadtest.bench import table
+from loadtest.figures import record
 from loadtest.stats import RequestRecord, outcome_counts
 from loadtest.verdict import judge
 
@@ -27,7 +28,7 @@ def test_outcome_counts_say_what_the_percentiles_leave_out():
 def test_a_baseline_that_fails_everything_is_invalid_even_when_the_ratio_looks_like_a_win():
     sides = {"prism": outcome_counts(_records(50)), "naive": outcome_counts(_records(0, failed=50))}
     assert judge(10.0, ">=", 3.0, sides) == ("invalid", "naive: 50 of 50 requests failed (more than 1%)")
-    m = _metric("goodput_ratio_vs_naive", 10.0, {"x": 1}, sides={"prism": _records(50), "naive": _records(0, 50)})
+    m = record("goodput_ratio_vs_naive", [10.0], {"x": 1}, sides={"prism": _records(50), "naive": _records(0, 50)})
     assert m["status"] == "invalid" and m["met"] is False and m["sides"]["naive"]["errors"] == 50
 
 
@@ -58,7 +59,7 @@ def test_valid_figures_are_met_or_missed_against_their_target(value, op, target,
 
 
 def test_the_table_says_invalid_and_why_and_reads_summaries_written_before_the_status_field():
-    bad = _metric("goodput_ratio_vs_naive", None, {"x": 1}, sides={"prism": _records(5), "naive": _records(0, 5)})
+    bad = record("goodput_ratio_vs_naive", [None], {"x": 1}, sides={"prism": _records(5), "naive": _records(0, 5)})
     summary = {
         "date": "2026-12-01T00:00:00+00:00",
         "machine": {"cpus": 2, "platform": "p"},
@@ -70,5 +71,5 @@ def test_the_table_says_invalid_and_why_and_reads_summaries_written_before_the_s
         },
     }
     text = table(summary)
-    assert "| `goodput_ratio_vs_naive` | — | >= 3 | invalid: naive: 5 of 5 requests failed (more than 1%) |" in text
-    assert "| `ttft_ratio_epd_vs_monolith` | 1.2 | <= 1.1 | no |" in text
+    assert "| `goodput_ratio_vs_naive` | — | 1 | >= 3 | invalid: naive: 5 of 5 requests failed (more than 1%) |" in text
+    assert "| `ttft_ratio_epd_vs_monolith` | 1.2 | 1 | <= 1.1 | no |" in text

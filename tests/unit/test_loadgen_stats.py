@@ -103,9 +103,10 @@ def test_cli_help_and_bad_arguments(capsys):
 
 
 def test_bench_table_goes_between_the_readme_markers(tmp_path):
-    from loadtest.bench import END, START, TARGETS, _metric, table, update_readme
+    from loadtest.bench import END, START, table, update_readme
+    from loadtest.figures import FIGURES, record
 
-    metrics = {name: _metric(name, 1.0, {"x": 1}) for name in TARGETS}
+    metrics = {f.name: record(f.name, [1.0], {"x": 1}) for f in FIGURES}
     summary = {
         "date": "2026-11-30T00:00:00+00:00",
         "machine": {"cpus": 2, "platform": "p"},
@@ -118,7 +119,7 @@ def test_bench_table_goes_between_the_readme_markers(tmp_path):
     update_readme(summary, readme)
     text = readme.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "STALE-TABLE" not in text
-    assert table(summary) in text and text.count("| `") == len(TARGETS)
+    assert table(summary) in text and text.count("| `") == len(FIGURES)
     assert metrics["ttft_ratio_epd_vs_monolith"]["met"] and not metrics["goodput_ratio_vs_naive"]["met"]
 
 

@@ -1,0 +1,96 @@
+"""What UCX's own transport reaches here, under NIXL: one READ between two processes, nothing else in the timing.
+
+The hand-off figure (:mod:`loadtest.bench_transfer`) times Prism's NIXL path as serving runs it: per hand-off the
+receiver loads the sender's metadata, allocates and registers destination arrays, READs, deregisters, and copies
+into its own buffers. This measures the ceiling under it — both buffers registered once, the peer known, each repeat
+only ``initialize_xfer`` + the READ + its completion — so the distance between the two is what Prism's path costs,
+not what UCX can do. Measured with UCX's default transport selection and with ``UCX_TLS`` pinned to shared memory
+(``sm``: SysV/POSIX segments; ``cma``: cross-memory attach) and to TCP (each with ``tcp`` beside it: NIXL's UCX
+backend does not start with shared memory alone here). Median of the repeats after one warm-up, as a fraction of
+the same run's memcpy. :class:`Peer` is a plain class (a unit test drives two in one process); :func:`figures` runs
+each side in a Ray actor of its own (``ray.init`` by the caller).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+TRANSPORTS = {"default": None, "shared memory (sm)": "sm,tcp", "cross-memory attach (cma)": "cma,tcp", "tcp": "tcp"}
+"""Label → ``UCX_TLS`` (``None``: UCX's own selection)."""
+
+
+class Peer:
+    """One NIXL agent with one registered buffer: the sender exposes it, the receiver READs into its own."""
+
+    def __init__(self, name: str) -> None:
+        from common.kv.transport.nixl import _agent
+
+        self.agent = _agent(name)
+        self.buffer: np.ndarray | None = None
+
+    def expose(self, nbytes: int) -> tuple[bytes, int]:
+        self.buffer = np.ones(nbytes, np.uint8)  # touched: written before it is registered
+        self.agent.register_memory([(self.buffer.ctypes.data, nbytes, 0, "")], "DRAM")
+        return self.agent.get_agent_metadata(), self.buffer.ctypes.data
+
+    def read(self, metadata: bytes, addr: int, nbytes: int, repeats: int) -> list[float]:
+        """Seconds of each READ of the peer's ``nbytes`` at ``addr`` (a warm-up first, not returned)."""
+        agent = self.agent
+        peer = agent.add_remote_agent(metadata)
+        peer = peer.decode() if isinstance(peer, bytes) else peer
+        self.buffer = np.zeros(nbytes, np.uint8)
+        agent.register_memory([(self.buffer.ctypes.data, nbytes, 0, "")], "DRAM")
+        local = agent.get_xfer_descs([(self.buffer.ctypes.data, nbytes, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            xfer = agent.initialize_xfer("READ", local, remote, peer, b"bench")
+            state = agent.transfer(xfer)
+            while state not in ("DONE", "ERR"):
+                state = agent.check_xfer_state(xfer)
+            agent.release_xfer_handle(xfer)
+            times.append(time.perf_counter() - start)
+            if state != "DONE":
+                raise RuntimeError("NIXL READ failed")
+        if not self.buffer[-1]:
+            raise RuntimeError("the READ did not land")
+        return times[1:]
+
+
+def summarize(nbytes: int, times: list[float], memcpy: float) -> dict[str, Any]:
+    seconds = statistics.median(times)
+    return {
+        "bytes": nbytes,
+        "repeats": len(times),
+        "median_s": seconds,
+        "bytes_per_s": nbytes / seconds,
+        "fraction_of_memcpy": nbytes / seconds / memcpy,
+        "fractions": [nbytes / t / memcpy for t in times],
+    }
+
+
+def figures(nbytes: int, memcpy: float, repeats: int = 5, transports: dict[str, str | None] = TRANSPORTS) -> dict:
+    """One READ figure per transport (an ``error`` entry where UCX would not start with it)."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(Peer)
+    out: dict[str, Any] = {}
+    for label, tls in transports.items():
+        env = {"env_vars": {"UCX_TLS": tls}} if tls else {}
+        sender = actor.options(runtime_env=env).remote(f"bench-ucx-s-{len(out)}")
+        receiver = actor.options(runtime_env=env).remote(f"bench-ucx-r-{len(out)}")
+        try:
+            metadata, addr = ray.get(sender.expose.remote(nbytes))
+            times = ray.get(receiver.read.remote(metadata, addr, nbytes, repeats), timeout=300)
+            out[label] = {"ucx_tls": tls or "unset", **summarize(nbytes, times, memcpy)}
+        except Exception as exc:  # a transport this machine cannot run is a finding, not a failed benchmark
+            out[label] = {"ucx_tls": tls or "unset", "error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
+        finally:
+            ray.kill(sender)
+            ray.kill(receiver)
+    return out

@@ -1,0 +1,89 @@
+"""The one place figures are declared, and how a figure's runs become its value: the median, the spread beside it,
+side counts summed over the runs, a run without a value making the whole figure invalid."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loadtest import figures
+from loadtest.bench import Settings, table
+from loadtest.stats import RequestRecord
+
+
+def _ok(n: int) -> list[RequestRecord]:
+    return [RequestRecord("text", 0.0, 200, ttft_s=0.1, e2e_s=0.2, output_tokens=4) for _ in range(n)]
+
+
+def _failed(n: int) -> list[RequestRecord]:
+    return [RequestRecord("text", 0.0, 500, code="internal_error") for _ in range(n)]
+
+
+def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
+    names = [f.name for f in figures.FIGURES]
+    assert len(names) == len(set(names)) == 9
+    assert all(f.op in ("<=", ">=") and f.target > 0 and f.runs >= 1 for f in figures.FIGURES)
+    short = ("ttft_ratio_epd_vs_monolith", "encoder_cache_hot_cold_ttft_ratio", "text_ttft_p95_flood_vs_idle")
+    assert all(figures.runs(n) >= 3 for n in (*short, "decode_speedup_32_vs_sequential"))
+    assert all(figures.runs(n, quick=True) == 1 for n in names)
+
+
+def test_the_value_is_the_median_of_the_runs_with_the_spread_beside_it():
+    m = figures.record("ttft_ratio_epd_vs_monolith", [1.3, 0.9, 1.0], [{"run": 1}, {"run": 2}, {"run": 3}])
+    assert m["value"] == 1.0 and m["status"] == "met" and m["runs"] == 3 and m["values"] == [1.3, 0.9, 1.0]
+    assert m["spread"]["min"] == 0.9 and m["spread"]["max"] == 1.3
+    assert m["spread"]["relative"] == pytest.approx(0.4)
+    assert m["raw"] == {"runs": [{"run": 1}, {"run": 2}, {"run": 3}]}
+    one = figures.record("goodput_ratio_vs_naive", [3.5], {"x": 1})
+    assert one["runs"] == 1 and "spread" not in one and one["raw"] == {"x": 1} and one["met"]
+
+
+def test_a_run_without_a_value_makes_the_figure_invalid_not_a_median_of_the_survivors():
+    m = figures.record("text_ttft_p95_flood_vs_idle", [1.2, None, 1.1], [{}, {}, {}])
+    assert m["status"] == "invalid" and m["value"] is None and not m["met"]
+    assert m["invalid_reason"] == "1 of 3 runs gave no finite value"
+    assert figures.record("text_ttft_p95_flood_vs_idle", [1.2, math.inf, 1.1], {})["status"] == "invalid"
+
+
+def test_side_counts_are_summed_over_the_runs_and_judged_once():
+    # 1 failure in 3 x 50 requests is under 1 %; the same failure in one run of 50 would be 2 %
+    sides = {"prism": _ok(50) + _ok(49) + _failed(1) + _ok(50)}
+    m = figures.record("ttft_ratio_epd_vs_monolith", [1.0, 1.0, 1.0], {}, sides=sides)
+    assert m["sides"]["prism"]["requests"] == 150 and m["sides"]["prism"]["errors"] == 1 and m["status"] == "met"
+    lone = figures.record("ttft_ratio_epd_vs_monolith", [1.0], {}, sides={"prism": _ok(49) + _failed(1)})
+    assert lone["status"] == "invalid"
+
+
+def test_raw_numbers_are_one_dict_or_one_per_run():
+    with pytest.raises(ValueError, match="one, or one per run"):
+        figures.record("ttft_ratio_epd_vs_monolith", [1.0, 1.0, 1.0], [{}, {}])
+    with pytest.raises(ValueError):
+        figures.record("ttft_ratio_epd_vs_monolith", [], {})
+
+
+def test_the_table_shows_runs_and_spread_marks_our_yardsticks_and_links_the_plots():
+    metrics = {
+        "decode_roofline_fraction_b32": figures.record("decode_roofline_fraction_b32", [0.3, 0.25, 0.28], {}),
+        "goodput_ratio_vs_naive": figures.record("goodput_ratio_vs_naive", [4.0], {}),
+    }
+    summary = {
+        "date": "2026-12-01T00:00:00+00:00",
+        "machine": {"cpus": 2, "platform": "p"},
+        "model": "m",
+        "wall_s": 1.0,
+        "plots": ["loadtest/results/bench_goodput_vs_rate.png"],
+        "metrics": metrics,
+    }
+    text = table(summary)
+    assert "| `decode_roofline_fraction_b32` | 0.28 | 3 (0.25–0.3) | >= 0.5 (ours) | no |" in text
+    assert "| `goodput_ratio_vs_naive` | 4 | 1 | >= 3 | yes |" in text
+    assert text.endswith("Plots: [goodput vs rate](loadtest/results/bench_goodput_vs_rate.png).")
+
+
+def test_quick_runs_every_figure_once_on_shorter_loads():
+    quick, full = Settings(quick=True, duration=None), Settings(quick=False, duration=None)
+    assert quick.duration < full.duration and quick.min_requests < full.min_requests
+    assert quick.runs("ttft_ratio_epd_vs_monolith") == 1 and full.runs("ttft_ratio_epd_vs_monolith") == 3
+    assert list(quick.ucx_transports) == ["default"] and "tcp" in full.ucx_transports
+    assert Settings(quick=True, duration=3.0).duration == 3.0

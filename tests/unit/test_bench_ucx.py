@@ -1,0 +1,20 @@
+"""UCX's own READ under NIXL, between two real agents (UCX on this CPU): the bytes land, and only the READ is timed."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest import bench_ucx
+
+
+def test_a_read_between_two_registered_buffers_lands_and_is_summarised():
+    pytest.importorskip("nixl")
+    sender, receiver = bench_ucx.Peer("bench-ucx-test-s"), bench_ucx.Peer("bench-ucx-test-r")
+    nbytes = 4 << 20
+    metadata, addr = sender.expose(nbytes)
+    times = receiver.read(metadata, addr, nbytes, repeats=3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert receiver.buffer is not None and receiver.buffer.all()  # every byte of the sender's ones arrived
+    fig = bench_ucx.summarize(nbytes, times, memcpy=10e9)
+    assert fig["repeats"] == 3 and fig["bytes_per_s"] == pytest.approx(nbytes / fig["median_s"])
+    assert fig["fraction_of_memcpy"] == pytest.approx(fig["bytes_per_s"] / 10e9) and len(fig["fractions"]) == 3
