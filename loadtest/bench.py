@@ -47,6 +47,7 @@ from typing import Any
 from loadtest import bench_loads as loads
 from loadtest import bench_plots, bench_ucx, figures
 from loadtest import bench_servers as servers
+from loadtest.bench_loads import seed_of
 from loadtest.figures import record
 from loadtest.stats import RequestRecord, outcome_counts
 from loadtest.sweep import KEEP_UP, MIN_REQUESTS, RAMP, capacity, knee, sweep_rates
@@ -82,7 +83,9 @@ def _transfers(st: Settings) -> dict[str, Any]:
         store = bench_transfer.transport_figures("object_store", st.runs("handoff_bw_fraction_of_memcpy"))
         nx = bench_transfer.transport_figures("nixl", st.runs("nixl_bw_fraction_of_memcpy"))
         size = bench_transfer.SIZES[-1]
-        nx["ucx_read"] = bench_ucx.figures(size, nx["sizes"][str(size)]["memcpy_bytes_per_s"], 5, st.ucx_transports)
+        memcpy = nx["sizes"][str(size)]["memcpy_bytes_per_s"]
+        repeats = st.runs("nixl_bw_fraction_of_memcpy")
+        nx["ucx_read"] = bench_ucx.figures(size, memcpy, repeats, st.ucx_transports)
     finally:
         ray.shutdown()
     note = "publish + fetch + copy into the receiver's pre-touched buffers; two copies: at most 0.5 (two_copy_floor)"
@@ -97,7 +100,7 @@ def _decode(model: str, st: Settings) -> dict[str, Any]:
     from loadtest import bench_decode
 
     out = RESULTS / "decode.json" if not st.quick else QUICK / "decode.json"
-    runs = st.runs("decode_speedup_32_vs_sequential")
+    runs = st.runs("decode_speedup_32_vs_sequential")  # (the roofline comes from the same runs: declared alike)
     dec = bench_decode.main(
         ["--model", model, "--out", str(out), "--repeats", str(runs), "--tokens", str(st.decode_tokens)]
     )
@@ -110,10 +113,10 @@ def _decode(model: str, st: Settings) -> dict[str, Any]:
         "sequential_tokens_per_s": dec["sequential"]["tokens_per_s"],
         "of_the_run": "the median one",
     }
-    roofline = {
-        "achieved_bytes_per_s": dec["engine"]["32"]["bytes_per_s"],
-        "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"],
-    }
+    roofline = [
+        {"achieved_bytes_per_s": achieved, "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"]}
+        for achieved in dec["engine_b32_bytes_per_s_runs"]
+    ]
     return {
         "decode_speedup_32_vs_sequential": record(
             "decode_speedup_32_vs_sequential", dec["decode_speedup_32_vs_sequential_runs"], median_run
@@ -156,49 +159,55 @@ def main(argv: list[str] | None = None) -> Path:
     say("transfers (object store, NIXL, UCX's own READ), in a Ray session of their own")
     metrics.update(_transfers(st))
 
-    n_cold = max(st.runs("ttft_ratio_epd_vs_monolith"), st.runs("encoder_cache_hot_cold_ttft_ratio"))
-    n_hot, n_flood = st.runs("encoder_cache_hot_cold_ttft_ratio"), st.runs("text_ttft_p95_flood_vs_idle")
-    n_tenant = st.runs("tenant_ttft_p95_flood_vs_idle")
+    n_ttft, n_hot = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("encoder_cache_hot_cold_ttft_ratio")
+    n_flood, n_tenant = st.runs("text_ttft_p95_flood_vs_idle"), st.runs("tenant_ttft_p95_flood_vs_idle")
+    n_cold = max(n_ttft, n_hot)
     with servers.subprocess_server("loadtest.servers.naive", ["--model", model]) as url:
         say("naive: its capacity (a ramp of mixed loads), then the sweep around it")
         ramp = loads.ramp(url, model, d, st.min_requests)
         base = capacity(ramp) or RAMP[0]
         rates = sweep_rates(base)
         naive_sweep = loads.sweep(url, model, rates, d, st.min_requests)
+    warm_up = loads.medium("cold", seed_of("warm_up"))  # first-request costs out of the figures
     cold, hot, floods, betas = [], [], [], []
     with servers.prism_app(config) as url:
-        loads.load(url, model, loads.medium("cold", 99), 1.0, 4.0, seed=99)  # warm-up: first-request costs out
-        # The runs of each figure are interleaved (run i of every figure, then run i + 1), each with seeds — and so
-        # images — of its own: a slow spell of the machine lands on one run of each, not on every run of one.
-        for i in range(max(n_cold, n_hot, n_flood, n_tenant)):
+        loads.load(url, model, warm_up, 1.0, 4.0, seed=seed_of("warm_up"))
+        # Prism's runs of different figures are interleaved (run i of each, then run i + 1), each with seeds — and so
+        # images — of its own (bench_loads.SEEDS): a slow spell lands on one run of several figures rather than on
+        # every run of one, and a cold cache stays cold. (The monolith runs after Prism, one server at a time: a
+        # ratio's run i pairs the two servers' i-th runs, not two runs at the same moment.)
+        for i in range(max(n_cold, n_flood, n_tenant)):
             say(f"Prism, run {i + 1}: light load of medium images (cold, then hot); text probes idle / under a flood")
             if i < n_cold:
-                cold.append(loads.load(url, model, loads.medium("cold", 1 + 100 * i), 0.5, d, seed=1 + 100 * i))
+                s = seed_of("cold", i)
+                cold.append(loads.load(url, model, loads.medium("cold", s), 0.5, d, seed=s))
             if i < n_hot:
-                hot.append(loads.load(url, model, loads.medium("hot", 2 + 100 * i), 0.5, d, seed=2 + 100 * i))
+                s = seed_of("hot", i)
+                hot.append(loads.load(url, model, loads.medium("hot", s), 0.5, d, seed=s))
             if i < n_flood:
-                floods.append(loads.flood(url, model, d, seed=11 + 100 * i))
+                floods.append(loads.flood(url, model, d, seed_of("flood", i)))
             if i < n_tenant:
                 say(f"Prism, run {i + 1}: tenant beta's text probes idle / under tenant alpha's large-image flood")
-                betas.append(
-                    loads.flood(url, model, d, flood_key=servers.ALPHA, probe_key=servers.BETA, seed=31 + 100 * i)
-                )
+                keys = {"flood_key": servers.ALPHA, "probe_key": servers.BETA}
+                betas.append(loads.flood(url, model, d, seed_of("tenant_flood", i), **keys))
         say(f"Prism: the goodput sweep at {rates} rps")
         prism_sweep = loads.sweep(url, model, rates, d, st.min_requests)
     mono_cold, mono_floods = [], []
     with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
-        loads.load(url, model, loads.medium("cold", 99), 1.0, 4.0, seed=99)
-        for i in range(max(st.runs("ttft_ratio_epd_vs_monolith"), n_flood)):
+        loads.load(url, model, warm_up, 1.0, 4.0, seed=seed_of("warm_up"))
+        for i in range(max(n_ttft, n_flood)):
             say(f"monolith, run {i + 1}: light load, medium images; text probes idle / flood")
-            mono_cold.append(loads.load(url, model, loads.medium("cold", 1 + 100 * i), 0.5, d, seed=1 + 100 * i))
-            mono_floods.append(loads.flood(url, model, d, seed=11 + 100 * i))
+            if i < n_ttft:
+                s = seed_of("cold", i)
+                mono_cold.append(loads.load(url, model, loads.medium("cold", s), 0.5, d, seed=s))
+            if i < n_flood:
+                mono_floods.append(loads.flood(url, model, d, seed_of("flood", i)))
         say(f"monolith: the goodput sweep at {rates} rps")
         mono_sweep = loads.sweep(url, model, rates, d, st.min_requests)
 
-    n_ttft = st.runs("ttft_ratio_epd_vs_monolith")
     metrics["ttft_ratio_epd_vs_monolith"] = record(
         "ttft_ratio_epd_vs_monolith",
-        [loads.ratio(loads.ttft(p), loads.ttft(m)) for p, m in zip(cold[:n_ttft], mono_cold, strict=False)],
+        [loads.ratio(loads.ttft(p), loads.ttft(m)) for p, m in zip(cold[:n_ttft], mono_cold, strict=True)],
         [
             {
                 "prism_ttft_p50_s": loads.ttft(p),
@@ -207,13 +216,13 @@ def main(argv: list[str] | None = None) -> Path:
                 "prism_stage_ms_mean": loads.stages(p),
                 "monolith_stage_ms_mean": loads.stages(m),
             }
-            for p, m in zip(cold[:n_ttft], mono_cold, strict=False)
+            for p, m in zip(cold[:n_ttft], mono_cold, strict=True)
         ],
         sides={"prism": _flatten(cold[:n_ttft]), "monolith": _flatten(mono_cold[:n_ttft])},
     )
     metrics["encoder_cache_hot_cold_ttft_ratio"] = record(
         "encoder_cache_hot_cold_ttft_ratio",
-        [loads.ratio(loads.ttft(h), loads.ttft(c)) for h, c in zip(hot, cold, strict=False)],
+        [loads.ratio(loads.ttft(h), loads.ttft(c)) for h, c in zip(hot, cold[:n_hot], strict=True)],
         [
             {
                 "hot_ttft_p50_s": loads.ttft(h),
@@ -221,7 +230,7 @@ def main(argv: list[str] | None = None) -> Path:
                 "hot_stage_ms_mean": loads.stages(h),
                 "cold_stage_ms_mean": loads.stages(c),
             }
-            for h, c in zip(hot, cold, strict=False)
+            for h, c in zip(hot, cold[:n_hot], strict=True)
         ],
         note="hot repeats one image: the processor, encoder and prefix caches all hit",
         sides={"hot": _flatten(hot), "cold": _flatten(cold[:n_hot])},
@@ -240,7 +249,7 @@ def main(argv: list[str] | None = None) -> Path:
                 "monolith_probes": outcome_counts(m.probes),
                 "monolith_flood_load": outcome_counts(m.flood),
             }
-            for f, m in zip(floods, mono_floods, strict=False)
+            for f, m in zip(floods, mono_floods, strict=True)
         ],
         sides={
             "idle probes": _flatten([f.idle for f in floods]),

@@ -46,6 +46,7 @@ from common.stages.encode import encode_media
 from common.stages.merge import merge
 from common.stages.process import process_images
 from common.stages.prompt import build_prompt
+from loadtest.figures import median_index
 
 DEFAULT_OUT = Path("loadtest/results/decode.json")
 
@@ -173,12 +174,6 @@ def bench_generate(lm: LoadedModel, requests, tokens: int) -> dict:
     return {"requests": len(requests), "tokens": produced, "seconds": total, "tokens_per_s": produced / total}
 
 
-def _median_index(values: list[float]) -> int:
-    """The index of the median value (the lower middle one of an even count)."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    return order[(len(order) - 1) // 2]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", default="prism-small-llava")
@@ -203,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     speedups = [e["e2e_tokens_per_s"] / q["e2e_tokens_per_s"] for q, e in runs]
     rooflines = [e["bytes_per_s"] / memcpy for _, e in runs]
-    seq, engine[32] = runs[_median_index(speedups)]
+    seq, engine[32] = runs[median_index(speedups)]
     for b, r in engine.items():
         print(
             f"engine@{b:<2}  {r['tokens_per_s']:8.1f} tok/s after import, {r['e2e_tokens_per_s']:8.1f} end to end  "
@@ -221,12 +216,13 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": args.dtype,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads()},
-        "decode_speedup_32_vs_sequential": statistics.median(speedups),
+        "decode_speedup_32_vs_sequential": speedups[median_index(speedups)],
         "decode_speedup_32_vs_sequential_runs": speedups,
         "decode_speedup_32_vs_sequential_steps": engine[32]["tokens_per_s"] / seq["tokens_per_s"],
         "decode_speedup_32_vs_generate": engine[32]["tokens_per_s"] / gen["tokens_per_s"],
-        "decode_roofline_fraction_b32": statistics.median(rooflines),
+        "decode_roofline_fraction_b32": rooflines[median_index(rooflines)],
         "decode_roofline_fraction_b32_runs": rooflines,
+        "engine_b32_bytes_per_s_runs": [e["bytes_per_s"] for _, e in runs],
         "memcpy_bytes_per_s": memcpy,
         "lm_weight_bytes": _lm_weight_bytes(lm),
         "sequential": seq,

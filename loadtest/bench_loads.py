@@ -14,6 +14,16 @@ from loadtest.workload import OutputLengths, Workload
 
 SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
 
+SEEDS = {"warm_up": 99, "cold": 1, "hot": 2, "flood": 11, "tenant_flood": 31, "ramp": 5_000, "sweep": 10_000}
+"""Base seed of each load; a flood takes its base and the next two, the ramp and the sweep one per rate. A workload's
+seed decides its images (:class:`loadtest.workload.Workload`), so loads that must start cold must never share one."""
+SEED_STRIDE = 1_000
+"""Run ``i`` of a repeated figure uses its base + ``i`` × this: every run gets images of its own."""
+
+
+def seed_of(load: str, run: int = 0) -> int:
+    return SEEDS[load] + run * SEED_STRIDE
+
 
 def load(
     url: str, model: str, workload: Workload, rate: float, duration: float, seed: int, key: str = KEY
@@ -47,20 +57,20 @@ class Flood:
         return ratio(ttft(self.probes, "p95"), ttft(self.idle, "p95"))
 
 
-def flood(url: str, model: str, duration: float, flood_key: str = KEY, probe_key: str = KEY, seed: int = 11) -> Flood:
+def flood(url: str, model: str, duration: float, base: int, flood_key: str = KEY, probe_key: str = KEY) -> Flood:
     """Text-only probes idle, then under a flood of large images at a steady rate (both loads planned first).
-    ``seed``, ``seed + 1``, ``seed + 2``: the idle probes, the probes under the flood, the flood (its images too)."""
-    probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=seed)
-    idle = load(url, model, probe, 1.0, duration, seed=seed, key=probe_key)
+    Seeds ``base``, ``base + 1``, ``base + 2``: the idle probes, the probes under the flood, the flood (its images)."""
+    probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=base)
+    idle = load(url, model, probe, 1.0, duration, seed=base, key=probe_key)
 
-    probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=seed + 1, api_key=probe_key)
+    probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=base + 1, api_key=probe_key)
     flood_spec = RunSpec(
-        url=url, model=model, duration_s=duration, rate=1.5, seed=seed + 2, trace=False, api_key=flood_key
+        url=url, model=model, duration_s=duration, rate=1.5, seed=base + 2, trace=False, api_key=flood_key
     )
     images = Workload(
-        mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"), seed=seed + 2
+        mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"), seed=base + 2
     )
-    probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=seed + 1)
+    probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=base + 1)
     # Both plans are built before either load starts: encoding the flood's large JPEGs (~1 s of CPU per request)
     # inside the running loop stalled the probes' own sends and timings and took the cores from the server.
     probe_plan, flood_plan = plan(probe_spec, probes), plan(flood_spec, images)
@@ -99,7 +109,7 @@ def sweep(
 ) -> dict[float, Run]:
     """The mixed load at each rate (ascending), fresh images per run (the seeds are the same for every server)."""
     return {
-        rate: mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=100 + i)
+        rate: mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=seed_of("sweep") + i)
         for i, rate in enumerate(rates)
     }
 
@@ -108,7 +118,7 @@ def ramp(url: str, model: str, duration: float, min_requests: int = MIN_REQUESTS
     """(rate, SLO attainment) up the :data:`loadtest.sweep.RAMP` until the server stops keeping up."""
     points = []
     for i, rate in enumerate(RAMP):
-        summary, _ = mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=50 + i)
+        summary, _ = mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=seed_of("ramp") + i)
         points.append((rate, summary["slo_attainment"]))
         if not keeps_up(summary["slo_attainment"]):
             break

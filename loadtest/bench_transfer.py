@@ -32,6 +32,7 @@ import numpy as np
 from common.kv.transport.base import KVTransport
 from common.protocol.handoff import KVBlocks, PrefillOutput
 from loadtest.bench_decode import memcpy_bytes_per_s
+from loadtest.figures import median_index
 
 SIZES = (64 << 20, 256 << 20)
 TWO_COPY_FLOOR = 0.5
@@ -92,8 +93,7 @@ class Receiver:
 def figure(nbytes: int, times: list[tuple[float, float]], memcpy: float) -> dict[str, Any]:
     """The figure of one payload size from ``(publish_s, receive_s)`` per repeat: the median repeat (by total time;
     the faster middle one of an even count), its bandwidth and fraction, and every repeat's fraction."""
-    ordered = sorted(times, key=sum)
-    publish_s, receive_s = ordered[(len(ordered) - 1) // 2]
+    publish_s, receive_s = times[median_index([sum(t) for t in times])]
     seconds = publish_s + receive_s
     bps = nbytes / seconds
     return {

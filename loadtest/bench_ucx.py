@@ -13,11 +13,12 @@ each side in a Ray actor of its own (``ray.init`` by the caller).
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import numpy as np
+
+from loadtest.figures import median_index
 
 TRANSPORTS = {"default": None, "shared memory (sm)": "sm,tcp", "cross-memory attach (cma)": "cma,tcp", "tcp": "tcp"}
 """Label → ``UCX_TLS`` (``None``: UCX's own selection)."""
@@ -63,7 +64,7 @@ class Peer:
 
 
 def summarize(nbytes: int, times: list[float], memcpy: float) -> dict[str, Any]:
-    seconds = statistics.median(times)
+    seconds = times[median_index(times)]
     return {
         "bytes": nbytes,
         "repeats": len(times),

@@ -7,8 +7,9 @@ median) travel with it into ``summary.json``. Every side's outcome counts are su
 judged once on the sums (:func:`loadtest.verdict.judge`); a run that gave no finite value makes the figure invalid —
 a median that quietly drops failed runs would be a best-of in disguise.
 
-``make bench --quick`` runs each figure once, on shorter loads, for iteration: its summary is written apart and the
-README is left alone.
+``make bench BENCH_FLAGS=--quick`` runs each figure once, on shorter loads, for iteration: its summary is written
+apart and the README is left alone. Run counts are odd, so a median is always one of the runs — the same run whichever
+module picks it (:func:`median_index`).
 
 A new figure: declare it in :data:`FIGURES`, then measure it in :mod:`loadtest.bench` and pass its per-run values to
 :func:`record`.
@@ -17,7 +18,6 @@ A new figure: declare it in :data:`FIGURES`, then measure it in :mod:`loadtest.b
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +35,10 @@ class Figure:
     """Runs in a full ``make bench`` (``--quick``: one)."""
     ours: bool = False
     """A yardstick of ours; the others are the targets the issues set."""
+
+    def __post_init__(self) -> None:
+        if self.runs < 1 or self.runs % 2 == 0:  # an odd count: the median is one of the runs, the same everywhere
+            raise ValueError(f"{self.name}: runs must be odd, not {self.runs}")
 
     @property
     def target_text(self) -> str:
@@ -60,11 +64,19 @@ def runs(name: str, quick: bool = False) -> int:
     return 1 if quick else BY_NAME[name].runs
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    """min, max and their distance relative to the median (0.1: the runs span 10 % of the value)."""
-    mid = statistics.median(values)
+def median_index(values: Sequence[float]) -> int:
+    """Index of the median of ``values`` (the lower middle one of an even count): where a figure's other numbers
+    must come from the same run as its median (:mod:`loadtest.bench_decode`, :mod:`loadtest.bench_transfer`)."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    return order[(len(order) - 1) // 2]
+
+
+def spread(values: Sequence[float]) -> dict[str, float | None]:
+    """min, max and their distance relative to the median (0.1: the runs span 10 % of the value; ``None`` when the
+    median is 0)."""
+    mid = values[median_index(values)]
     lo, hi = min(values), max(values)
-    return {"min": lo, "max": hi, "relative": (hi - lo) / abs(mid) if mid else math.inf}
+    return {"min": lo, "max": hi, "relative": (hi - lo) / abs(mid) if mid else None}
 
 
 def record(
@@ -83,7 +95,7 @@ def record(
     if not values or len(raws) not in (1, len(values)):
         raise ValueError(f"{name}: {len(values)} values, {len(raws)} raw dicts (one, or one per run)")
     finite = [v for v in values if v is not None and math.isfinite(v)]
-    value = statistics.median(finite) if len(finite) == len(values) else None
+    value = finite[median_index(finite)] if len(finite) == len(values) else None
     counts = {side: outcome_counts(records) for side, records in (sides or {}).items()}
     status, reason = judge(value, fig.op, fig.target, counts, goodput)
     if len(finite) < len(values) and reason in ("", "no finite value"):
