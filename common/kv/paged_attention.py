@@ -49,6 +49,17 @@ class PagedContext:
     """``[len(scattered), 1, 1, max_blocks * block_size]`` True where a slot holds one of the sequence's tokens."""
 
 
+def run_view(store: torch.Tensor, layer: int, start: int, n: int) -> torch.Tensor:
+    """``[1, heads, n, dim]`` view of the first ``n`` tokens of the run of blocks from ``start`` in ``layer`` of a
+    pool store (``[layers, blocks, block_size, heads, dim]``, contiguous): the same view as indexing, slicing,
+    transposing and unsqueezing it, made in one call — that chain cost ≈ 10 view ops per sequence and layer, about a
+    tenth of a batch-32 decode step on CPU."""
+    _, blocks, bs, heads, dim = store.shape
+    token = heads * dim
+    offset = store.storage_offset() + (layer * blocks + start) * bs * token
+    return store.as_strided((1, heads, n, dim), (token, dim, token, 1), offset)  # (the strides unsqueeze gives)
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ctx: PagedContext | None = kwargs.pop("prism_paged", None)
     if ctx is None:
@@ -66,13 +77,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         if start is None:
             continue
         n = ctx.lengths[i] + 1
-        span = slice(start, start + -(-n // bs))
-
-        def view(store: torch.Tensor, span=span, n=n) -> torch.Tensor:
-            return store[layer, span].view(-1, heads, dim)[:n].transpose(0, 1)[None]
-
         out[i : i + 1] = torch.nn.functional.scaled_dot_product_attention(
-            query[i : i + 1], view(pool.keys), view(pool.values), scale=scaling, enable_gqa=gqa
+            query[i : i + 1],
+            run_view(pool.keys, layer, start, n),
+            run_view(pool.values, layer, start, n),
+            scale=scaling,
+            enable_gqa=gqa,
         )
     if len(ctx.scattered):
         b, n_blocks = ctx.tables.shape
