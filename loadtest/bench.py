@@ -81,10 +81,10 @@ def _transfers(st: Settings) -> dict[str, Any]:
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:  # its own session: the NIXL agents' UCX threads must not linger beside the servers measured later
         store = bench_transfer.transport_figures("object_store", st.runs("handoff_bw_fraction_of_memcpy"))
-        nx = bench_transfer.transport_figures("nixl", st.runs("nixl_bw_fraction_of_memcpy"))
+        repeats = st.runs("nixl_bw_fraction_of_memcpy")
+        nx = bench_transfer.transport_figures("nixl", repeats)
         size = bench_transfer.SIZES[-1]
         memcpy = nx["sizes"][str(size)]["memcpy_bytes_per_s"]
-        repeats = st.runs("nixl_bw_fraction_of_memcpy")
         nx["ucx_read"] = bench_ucx.figures(size, memcpy, repeats, st.ucx_transports)
     finally:
         ray.shutdown()

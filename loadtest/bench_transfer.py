@@ -32,7 +32,7 @@ import numpy as np
 from common.kv.transport.base import KVTransport
 from common.protocol.handoff import KVBlocks, PrefillOutput
 from loadtest.bench_decode import memcpy_bytes_per_s
-from loadtest.figures import median_index
+from loadtest.figures import bandwidth, median_index
 
 SIZES = (64 << 20, 256 << 20)
 TWO_COPY_FLOOR = 0.5
@@ -92,20 +92,14 @@ class Receiver:
 
 def figure(nbytes: int, times: list[tuple[float, float]], memcpy: float) -> dict[str, Any]:
     """The figure of one payload size from ``(publish_s, receive_s)`` per repeat: the median repeat (by total time;
-    the faster middle one of an even count), its bandwidth and fraction, and every repeat's fraction."""
-    publish_s, receive_s = times[median_index([sum(t) for t in times])]
-    seconds = publish_s + receive_s
-    bps = nbytes / seconds
+    the faster middle one of an even count) with its two parts, its bandwidth and fraction, and every repeat's
+    fraction (:func:`loadtest.figures.bandwidth`)."""
+    totals = [sum(t) for t in times]
+    publish_s, receive_s = times[median_index(totals)]
     return {
-        "bytes": nbytes,
-        "seconds": seconds,
+        **bandwidth(nbytes, totals, memcpy),
         "publish_s": publish_s,
         "receive_s": receive_s,
-        "repeats": len(times),
-        "bytes_per_s": bps,
-        "memcpy_bytes_per_s": memcpy,
-        "fraction_of_memcpy": bps / memcpy,
-        "fractions": [nbytes / sum(t) / memcpy for t in times],
         "two_copy_floor": TWO_COPY_FLOOR,
     }
 

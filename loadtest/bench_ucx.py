@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.figures import median_index
+from loadtest.figures import bandwidth
 
 TRANSPORTS = {"default": None, "shared memory (sm)": "sm,tcp", "cross-memory attach (cma)": "cma,tcp", "tcp": "tcp"}
 """Label → ``UCX_TLS`` (``None``: UCX's own selection)."""
@@ -28,9 +28,9 @@ class Peer:
     """One NIXL agent with one registered buffer: the sender exposes it, the receiver READs into its own."""
 
     def __init__(self, name: str) -> None:
-        from common.kv.transport.nixl import _agent
+        from common.kv.transport.nixl import new_agent
 
-        self.agent = _agent(name)
+        self.agent = new_agent(name)
         self.buffer: np.ndarray | None = None
 
     def expose(self, nbytes: int) -> tuple[bytes, int]:
@@ -63,18 +63,6 @@ class Peer:
         return times[1:]
 
 
-def summarize(nbytes: int, times: list[float], memcpy: float) -> dict[str, Any]:
-    seconds = times[median_index(times)]
-    return {
-        "bytes": nbytes,
-        "repeats": len(times),
-        "median_s": seconds,
-        "bytes_per_s": nbytes / seconds,
-        "fraction_of_memcpy": nbytes / seconds / memcpy,
-        "fractions": [nbytes / t / memcpy for t in times],
-    }
-
-
 def figures(nbytes: int, memcpy: float, repeats: int = 5, transports: dict[str, str | None] = TRANSPORTS) -> dict:
     """One READ figure per transport (an ``error`` entry where UCX would not start with it)."""
     import ray
@@ -88,7 +76,7 @@ def figures(nbytes: int, memcpy: float, repeats: int = 5, transports: dict[str, 
         try:
             metadata, addr = ray.get(sender.expose.remote(nbytes))
             times = ray.get(receiver.read.remote(metadata, addr, nbytes, repeats), timeout=300)
-            out[label] = {"ucx_tls": tls or "unset", **summarize(nbytes, times, memcpy)}
+            out[label] = {"ucx_tls": tls or "unset", **bandwidth(nbytes, times, memcpy)}
         except Exception as exc:  # a transport this machine cannot run is a finding, not a failed benchmark
             out[label] = {"ucx_tls": tls or "unset", "error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
         finally:

@@ -71,6 +71,21 @@ def median_index(values: Sequence[float]) -> int:
     return order[(len(order) - 1) // 2]
 
 
+def bandwidth(nbytes: int, seconds: Sequence[float], memcpy: float) -> dict[str, Any]:
+    """A transfer of ``nbytes`` timed ``seconds`` per repeat: the median repeat's time and bandwidth, as a fraction of
+    ``memcpy`` (bytes/s measured in the same run), and every repeat's fraction."""
+    median = seconds[median_index(seconds)]
+    return {
+        "bytes": nbytes,
+        "seconds": median,
+        "repeats": len(seconds),
+        "bytes_per_s": nbytes / median,
+        "memcpy_bytes_per_s": memcpy,
+        "fraction_of_memcpy": nbytes / median / memcpy,
+        "fractions": [nbytes / t / memcpy for t in seconds],
+    }
+
+
 def spread(values: Sequence[float]) -> dict[str, float | None]:
     """min, max and their distance relative to the median (0.1: the runs span 10 % of the value; ``None`` when the
     median is 0)."""

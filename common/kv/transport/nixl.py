@@ -56,7 +56,7 @@ class RemotePrefillOutput:
     model_revision: str
 
 
-def _agent(name: str) -> Any:
+def new_agent(name: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config  # imported lazily: only replicas using NIXL pay for it
 
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
@@ -76,7 +76,7 @@ class NixlTransport(KVTransport):
     def agent(self) -> Any:
         with self._lock:
             if self._agent is None:
-                self._agent = _agent(self.agent_name)
+                self._agent = new_agent(self.agent_name)
             return self._agent
 
     # ---- sender ---------------------------------------------------------------------------------------------
