@@ -63,7 +63,7 @@ class EngineConfig(_Strict):
     max_batch: int = Field(default=32, ge=1)
     """Sequences decoded per step."""
     prefill_chunk_tokens: int = Field(default=512, ge=1)
-    """Prompt tokens computed per prefill step (media spans are kept whole)."""
+    """Prompt tokens computed per prefill step (a media span is kept whole where the model family asks for it)."""
     prefix_cache_blocks: int = Field(default=1024, ge=0)
     """KV blocks the prefill stage keeps for its prefix cache (0 disables it)."""
     encoder_cache_bytes: int = Field(default=256 << 20, ge=0)
@@ -313,6 +313,21 @@ class BatchConfig(_Strict):
     """Seconds between progress lines (one is also written with every part)."""
 
 
+class RoutingConfig(_Strict):
+    """Cache-affinity routing of the encode and prefill calls (:mod:`common.sched.affinity`,
+    :mod:`services.routing`)."""
+
+    affinity: bool = True
+    """Send a media item's encode call, and a prompt's prefill call, to the replica whose cache holds them (bounded
+    by load); off: Serve's default power-of-two-choices router."""
+    load_factor: float = Field(default=1.25, ge=1.0, le=10.0)
+    """The most a replica may carry, as a multiple of the stage's average (requests in flight, and a new key's
+    share of recent requests), before work meant for it goes to another replica."""
+    prefix_key_tokens: int = Field(default=32, ge=1)
+    """Text tokens of a text-only prompt's start that its prefill routing key covers (a prompt with media is keyed
+    through its first media item)."""
+
+
 class PrismConfig(_Strict):
     """Top-level configuration (the ``args.config`` of the Serve application).
 
@@ -329,6 +344,7 @@ class PrismConfig(_Strict):
     deployments: DeploymentsConfig = DeploymentsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
     batch: BatchConfig = BatchConfig()
+    routing: RoutingConfig = RoutingConfig()
 
     @model_validator(mode="after")
     def _one_or_several(self) -> PrismConfig:

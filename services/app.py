@@ -3,9 +3,10 @@
 ``build_app(args)`` is the ``import_path`` target of every Serve config (``services.app:build_app``); ``args.config``
 is a :class:`PrismConfig` as a dict. Each served model gets its own four stage deployments (``Media``, ``Encode``,
 ``Prefill``, ``Decode``; suffixed ``-<served name>`` when the config lists several ``models``) and one ingress
-routes to them by the request's ``model``. Each stage gets its own replicas, resources, queue bound and — when its
-``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth. The
-ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
+routes to them by the request's ``model``; with ``routing.affinity`` the encode and prefill deployments get the
+cache-affinity request router (:mod:`services.routing`). Each stage gets its own replicas, resources, queue bound
+and — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue
+depth. The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
 """
 
 from __future__ import annotations
@@ -14,15 +15,27 @@ import secrets
 from typing import Any
 
 from ray import serve
-from ray.serve.config import BackpressureConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 
-from common.config import PrismConfig, StageConfig, deployment_suffix
+from common.config import PrismConfig, RoutingConfig, StageConfig, deployment_suffix
 from services.decode import DecodeDeployment
 from services.encode import EncodeDeployment
 from services.ingress import IngressApp
 from services.media import MediaDeployment
 from services.prefill import PrefillDeployment
+from services.routing import AffinityRouter
+
+
+def _router(stage: str, routing: RoutingConfig) -> dict[str, Any]:
+    """The cache-affinity router for a stage the ingress calls by key (encode: media, prefill: prompt prefix)."""
+    key = {"Encode": "media", "Prefill": "prefix"}.get(stage)
+    if key is None or not routing.affinity:
+        return {}
+    kwargs = {"stage": stage.lower(), "key": key, "load_factor": routing.load_factor}
+    return {
+        "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter, request_router_kwargs=kwargs)
+    }
 
 
 def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any]:
@@ -66,7 +79,9 @@ def build_app(args: dict[str, Any]) -> Application:
         d = sub.deployments
         pipelines.append(
             [
-                serve.deployment(**_options(f"{name}{suffix}", stage, retry))(cls).bind(raw)
+                serve.deployment(**_options(f"{name}{suffix}", stage, retry), **_router(name, sub.routing))(cls).bind(
+                    raw
+                )
                 for name, stage, cls in (
                     ("Media", d.media, MediaDeployment),
                     ("Encode", d.encode, EncodeDeployment),

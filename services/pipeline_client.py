@@ -21,8 +21,8 @@ to every stage, and the client keeps every stage response of the attempt: a fail
 cancels the whole chain (media, encode, prefill, decode), not only the decode stream.
 
 Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (the context's
-``sent_at``), the stages' spans arrive with the stream's start event and first token, and every token is stamped as
-it arrives here.
+``sent_at``), the stages' spans arrive with the stream's start event and first token (with where the encode and
+prefill routers sent the calls, by the :class:`RouteKeys` made here), and every token is stamped as it arrives here.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from common.cache.scope import cache_scope
 from common.config import PrismConfig
 from common.errors import (
     DeadlineExceeded,
@@ -51,9 +52,11 @@ from common.protocol.body import ascii_int
 from common.protocol.handoff import DecodeEvent, Priority, RequestContext, StreamAbort, StreamStart, StreamToken
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
+from common.sched.affinity import RouteKeys, media_key, prefix_key
 from common.sched.quota import TenantQuotas, Ticket
 from common.sched.resources import ResourceVector, check_limits
 from common.stages.prompt import render_chat
+from services import route_log
 from services.lifecycle import REPLICA_LOST
 from services.retry import with_retries
 
@@ -153,7 +156,7 @@ class PipelineClient:
             )
         refs = req.media_refs()
         check_request(refs, self.cfg.media)
-        rendered = await asyncio.to_thread(self._count_text_tokens, req)
+        rendered, route = await asyncio.to_thread(self._tokens_and_route, req, tenant)
         data_bytes = sum(len(r.url) * 3 // 4 for r in refs if r.url[:5].lower() == "data:")
         vector = ResourceVector.at_ingress(
             rendered, len(refs), sampling.max_tokens, self.cfg.engine.kv_block_size, media_bytes=data_bytes
@@ -169,7 +172,14 @@ class PipelineClient:
                 n = next(attempts)  # a re-issued chain's stages count their queue from its own issue time
                 sent_at = trace.timeline.last if n == 1 else time.time()
                 return RequestContext(
-                    trace.request_id, tenant, deadline, sent_at, attempt=n, priority=priority, vector=vector
+                    trace.request_id,
+                    tenant,
+                    deadline,
+                    sent_at,
+                    attempt=n,
+                    priority=priority,
+                    vector=vector,
+                    route=route,
                 )
 
             chain, ctx, first = await with_retries(
@@ -179,6 +189,10 @@ class PipelineClient:
                 max_attempts=self.cfg.server.max_chain_attempts,
             )
             trace.absorb(first.spans)
+            for stage in ("encode", "prefill"):
+                decision = route_log.take(stage, ctx.key)
+                if decision is not None:
+                    trace.route(stage, **decision)
             trace.prompt_tokens = len(first.prompt_token_ids)
             self._charge_media(ticket, vector, first.spans)
         except BaseException:
@@ -218,10 +232,18 @@ class PipelineClient:
             tags = {"stage": "ingress", "tenant": tenant, "class": priority, "result": result, "reason": reason}
             self.metrics.inc("prism_admission_total", **tags)
 
-    def _count_text_tokens(self, req: ChatCompletionRequest) -> int:
+    def _tokens_and_route(self, req: ChatCompletionRequest, tenant: str) -> tuple[int, RouteKeys | None]:
         """Tokens of the prompt rendered with one placeholder per media item (each expands to its visual tokens in
-        the media stage's count)."""
-        return len(self.frontend.tokenizer(render_chat(self.frontend, req.template_messages()))["input_ids"])
+        the media stage's count), and the request's cache-affinity keys (:mod:`common.sched.affinity`)."""
+        ids = self.frontend.tokenizer(render_chat(self.frontend, req.template_messages()))["input_ids"]
+        routing = self.cfg.routing
+        if not routing.affinity:
+            return len(ids), None
+        scope = cache_scope(tenant, self.cfg.engine.shared_cache_scope)
+        media = [media_key(scope, ref.url) for ref in req.media_refs()]
+        placeholders = frozenset(self.frontend.placeholder_id(m) for m in self.frontend.adapter.modalities)
+        prefix = prefix_key(scope, ids, placeholders, media, routing.prefix_key_tokens)
+        return len(ids), RouteKeys(media=media[0] if media else None, prefix=prefix)
 
     def _charge_media(self, ticket: Ticket, vector: ResourceVector, spans: tuple[Span, ...]) -> None:
         """Charge the tenant what the media stage measured (pixels, patches, visual tokens beyond the lower bound)."""

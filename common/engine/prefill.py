@@ -2,14 +2,15 @@
 
 Lifecycle of one request, as queues:
 
-``submit`` → prefix-cache lookup (chained block hashes; the hit is trimmed so recompute never starts inside a media
-span, and at least one token is always computed for the first-token logits) → **queued** with its cached KV loaded
-→ each :meth:`step` spends a token budget across queued requests in FIFO order, one chunk per request at a time
-(chunk ends respect media spans, :mod:`common.engine.chunking`); a step ends as soon as a request finishes, so its
-result is never held behind lower-ranked chunks → after its last chunk a request samples its first
-token, exports its KV as :class:`KVBlocks`, inserts its new full blocks into the prefix cache, and leaves as a
-:class:`PrefillOutput`. :meth:`cancel` drops a queued request at any point; :meth:`expire` drops those whose
-deadline (given at submit, engine clock) passed.
+``submit`` → prefix-cache lookup (chained block hashes; at least one token is always computed for the first-token
+logits; for a family that may not split a media span the hit is trimmed so recompute never starts inside one —
+LLaVA and Qwen2-VL may, so the same image asked a new question reuses its KV up to the image's last full block)
+→ **queued** with its cached KV loaded → each :meth:`step` spends a token budget across queued requests in FIFO
+order, one chunk per request at a time (chunk ends respect media spans where the family asks for it,
+:mod:`common.engine.chunking`); a step ends as soon as a request finishes, so its result is never held behind
+lower-ranked chunks → after its last chunk a request samples its first token, exports its KV as :class:`KVBlocks`,
+inserts its new full blocks into the prefix cache, and leaves as a :class:`PrefillOutput`. :meth:`cancel` drops a
+queued request at any point; :meth:`expire` drops those whose deadline (given at submit, engine clock) passed.
 
 Rank (the low-latency lane): a request's virtual arrival is its arrival plus the tokens it still has to compute
 ÷ ``aging_tokens_per_s`` (plus ``batch_delay_s`` for batch traffic). Short prompts and prefix-cache hits (few tokens

@@ -117,6 +117,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "class",
     ),
     _g("prism_tenant_in_flight", "Requests of a tenant in flight in an ingress replica.", "tenant"),
+    _c(
+        "prism_route_affinity_total",
+        "Cache-affinity routing decisions of an ingress replica, by the stage called (encode: media key; prefill: "
+        "prompt-prefix key) and outcome (owner / new / moved / spilled / none; see common.sched.affinity).",
+        "stage",
+        "outcome",
+    ),
     # ---- caches -------------------------------------------------------------------------------------------------
     _c(
         "prism_cache_lookups_total",

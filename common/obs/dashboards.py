@@ -249,6 +249,18 @@ def requests_dashboard() -> dict[str, Any]:
         unit="bytes",
         width=12,
     )
+    lay.panel(
+        "Affinity routing by stage and outcome",
+        [
+            (
+                f"sum by (stage, outcome) (rate({m('prism_route_affinity_total')}{{{APP}}}[{RATE}]))",
+                "{{stage}} {{outcome}}",
+            )
+        ],
+        unit="reqps",
+        desc="owner: to the replica that holds the key; new: a key placed; spilled: its replica was over the load "
+        "bound; moved: its replica left. A high spilled share means hot keys — or too few replicas.",
+    )
     lay.row("Tokens and hand-offs")
     lay.panel(
         "Mean tokens per request",

@@ -4,6 +4,7 @@ Lifecycle: created when the request arrives (``start``); :meth:`sent` closes the
 chain is issued; :meth:`absorb` appends the spans that came back with the decode stream (media → encode → prefill →
 decode hand-off); :meth:`token` stamps every token as the ingress receives it — the first one closes the
 ``first_token`` span (decode replica → ingress), so the spans before it add up to the time to first token;
+:meth:`route` records where the cache-affinity routers sent the encode and prefill calls;
 :meth:`finish` closes the ``decode`` span and fixes the outcome. :meth:`summary` is what ``X-Prism-Trace: 1`` returns
 as ``prism_trace`` and what the request log writes as one JSON line: ids, shapes, cache outcomes, timings — never
 content (spans carry only counts, shapes and keyed media hashes; the prompt and URLs never enter this object).
@@ -45,6 +46,8 @@ class RequestTrace:
         self.end: float | None = None
         self.status = 0
         self.code = ""
+        self.routes: dict[str, dict[str, str]] = {}
+        """Stage → its cache-affinity routing decision (``outcome``, ``replica``), where the stage was routed by key."""
 
     # ---- recording ------------------------------------------------------------------------------------------
     def sent(self, **attrs: Any) -> None:
@@ -55,6 +58,9 @@ class RequestTrace:
         for span in spans:
             self.timeline.spans.append(span)
             self.timeline.last = max(self.timeline.last, span.end)
+
+    def route(self, stage: str, outcome: str, replica: str) -> None:
+        self.routes[stage] = {"outcome": outcome, "replica": replica}
 
     def token(self) -> float | None:
         """Stamp one received token; returns the gap since the previous one (``None`` for the first)."""
@@ -120,6 +126,7 @@ class RequestTrace:
                 "processor": {k: self.attr_sum(f"processor_cache_{k}") for k in ("hits", "misses")},
                 "encoder": {k: self.attr_sum(f"encoder_cache_{k}") for k in ("hits", "misses")},
                 "prefix": {"cached_tokens": self.attr_sum("prefix_cached_tokens")},
+                "routing": self.routes,  # (where a call went tells where a cache holds something, like a hit)
             },
             "spans": [],
         }

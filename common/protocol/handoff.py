@@ -28,6 +28,7 @@ import numpy as np
 
 from common.errors import DeadlineExceeded
 from common.obs.trace import Span
+from common.sched.affinity import RouteKeys
 from common.sched.resources import ResourceVector
 
 Modality = Literal["image", "video"]
@@ -52,6 +53,8 @@ class RequestContext:
     vector: ResourceVector | None = None
     """The request's resources as the ingress knew them (text tokens, media items, ``max_tokens``); the media stage
     completes it from the processed media."""
+    route: RouteKeys | None = None
+    """The cache-affinity keys the encode and prefill routers send this request by (:mod:`common.sched.affinity`)."""
 
     @property
     def batch(self) -> bool:

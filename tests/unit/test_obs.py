@@ -63,6 +63,7 @@ def test_request_trace_summary_decomposes_ttft_and_times_tokens():
     upstream.span("encode", 0.010, encoder_cache_misses=1, visual_tokens=144)
     upstream.span("prefill", 0.020, prompt_tokens=170, prefix_cached_tokens=32)
     trace.absorb(upstream.spans)
+    trace.route("prefill", "owner", "r1")
     trace.prompt_tokens = 170
     clock.advance(0.070)
     assert trace.token() is None
@@ -79,6 +80,7 @@ def test_request_trace_summary_decomposes_ttft_and_times_tokens():
         "processor": {"hits": 1, "misses": 0},
         "encoder": {"hits": 0, "misses": 1},
         "prefix": {"cached_tokens": 32},
+        "routing": {"prefill": {"outcome": "owner", "replica": "r1"}},
     }
     names = [sp["name"] for sp in s["spans"]]
     assert names == ["ingress", "media.process", "encode", "prefill", "first_token", "decode"]
@@ -95,6 +97,7 @@ def test_request_trace_summary_decomposes_ttft_and_times_tokens():
     assert [sp["name"] for sp in blind["spans"]] == names
     text = json.dumps(blind)
     assert "cache" not in text and "media.process" in text and '"visual_tokens": 144' in text
+    assert "routing" not in text and "owner" not in text  # where a call went tells where a cache holds it
 
 
 def test_a_request_that_failed_early_has_no_token_figures():

@@ -1,4 +1,5 @@
-"""Chunked prefill keeps media spans whole and equals unchunked; the prefix cache hits only on identical media."""
+"""Chunked prefill equals unchunked (spans kept whole where a family asks for it); the prefix cache hits only on
+identical media, and may end inside an image for the families whose LM is causal over it."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def _merged(lm, images, text="and compare them"):
     media = process_images(lm, images)
     prompt = build_prompt(lm, [{"role": "user", "content": content}], media, 4096)
     return merge(lm, prompt, encode_media(lm, media))
+
+
+def _image_then(lm, image, question):
+    """The image first, the question right after it: a new question differs from the first token after the image."""
+    media = process_images(lm, [image])
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    return merge(lm, build_prompt(lm, [{"role": "user", "content": content}], media, 4096), encode_media(lm, media))
 
 
 def _tokens(lm, pre):
@@ -83,6 +91,50 @@ def test_prefix_hit_equals_recompute_and_skips_compute(tiny_model):
     assert _tokens(lm, hot.output) == _tokens(lm, cold.output)
     assert engine.prefix.stats.hit_blocks == hot.stats.cached_tokens // 16
     assert cold.stats.started_at is not None and hot.stats.started_at >= cold.stats.started_at
+
+
+def test_same_image_new_question_reuses_the_image_and_equals_recompute(tiny_model):
+    """The multi-question pattern: the image (≥ 8 blocks of visual tokens) before the question, a new question → the
+    hit ends inside the image span, at its last full block, and the answer is the uncached engine's."""
+    lm = tiny_model
+    assert lm.adapter.allows_span_split
+    image = synthetic_image(336, 336, seed=5)
+    first = _image_then(lm, image, "what colour is the sky in it")
+    second = _image_then(lm, image, "how many people are standing there")
+    span = second.spans[0]
+    bs = 16 if span.prompt_token_length >= 8 * 16 else 8  # (the tiny Qwen2-VL caps an image at 64 visual tokens)
+    assert span.prompt_token_length >= 8 * bs
+    engine = PrefillEngine(lm, bs, chunk_tokens=64, prefix_cache_blocks=256)
+    engine.run("a", first, SAMPLING)
+    hot = engine.run("b", second, SAMPLING)
+    differ = int(np.argmax(first.token_ids[: len(second.token_ids)] != second.token_ids[: len(first.token_ids)]))
+    assert differ >= span.end, "the prompts share the whole image"
+    assert hot.stats.cached_tokens == differ // bs * bs, "the hit reaches the last full block before the question"
+    cached_visual = min(hot.stats.cached_tokens, span.end) - span.prompt_token_start
+    if hot.stats.cached_tokens < span.end:  # (LLaVA here: the hit ends inside the image)
+        trimmed = usable_prefix_blocks(hot.stats.cached_tokens // bs, bs, second.spans, allow_split=False)
+        assert trimmed * bs <= span.prompt_token_start, "what a family that keeps spans whole would have reused"
+    assert cached_visual >= 0.8 * span.prompt_token_length
+    assert hot.stats.computed_tokens == len(second.token_ids) - hot.stats.cached_tokens
+    cold = PrefillEngine(lm, bs, chunk_tokens=64).run("c", second, SAMPLING)
+    np.testing.assert_allclose(hot.output.kv.keys, cold.output.kv.keys, atol=1e-5)
+    np.testing.assert_allclose(hot.output.kv.values, cold.output.kv.values, atol=1e-5)
+    assert hot.output.first_token_id == cold.output.first_token_id
+    assert _tokens(lm, hot.output) == _tokens(lm, cold.output)
+
+
+def test_a_family_that_keeps_spans_whole_still_trims_the_hit(tiny_llava, monkeypatch):
+    """The adapter decides: without ``allows_span_split`` the hit ends at the image's start, as before."""
+    lm = tiny_llava
+    monkeypatch.setattr(type(lm.adapter), "allows_span_split", False)
+    image = synthetic_image(336, 336, seed=5)
+    first = _image_then(lm, image, "what colour is the sky in it")
+    second = _image_then(lm, image, "how many people are standing there")
+    engine = PrefillEngine(lm, 16, chunk_tokens=64, prefix_cache_blocks=128)
+    engine.run("a", first, SAMPLING)
+    hot = engine.run("b", second, SAMPLING)
+    assert hot.stats.cached_tokens <= second.spans[0].prompt_token_start
+    assert _tokens(lm, hot.output) == _tokens(lm, PrefillEngine(lm, 16).run("c", second, SAMPLING).output)
 
 
 def test_different_image_at_same_position_does_not_hit(tiny_model):

@@ -64,9 +64,12 @@ class FamilyAdapter(ABC):
     projector_prefixes: tuple[str, ...]
     """safetensors key prefixes of the projector/merger; checked before ``vision_prefixes``."""
     allows_span_split: bool = False
-    """Whether chunked prefill may cut one media item's placeholder span. Both families here could (their LM is
-    causal over precomputed embeddings), but Prism keeps spans whole unless a family opts in: families with
-    bidirectional attention inside an image (Gemma-3 style) must never be split."""
+    """Whether prefill may cut one media item's placeholder span: a chunk may end inside it, and a prefix-cache hit
+    may end inside it (the rest of the span is computed from its embeddings, which the prefill stage holds whole).
+    A family opts in when its language model attends over visual embeddings as ordinary causal positions (LLaVA,
+    Qwen2-VL — M-RoPE positions are computed for the whole prompt before any chunk); the default keeps spans whole,
+    which families with bidirectional attention inside an image (Gemma-3 style) need: their image tokens' KV
+    depends on the tokens after them in the same span."""
 
     # ---- tokens and prompts -------------------------------------------------------------------------------
     @abstractmethod

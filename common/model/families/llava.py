@@ -50,6 +50,7 @@ class LlavaAdapter(FamilyAdapter):
     # forms are the in-memory module paths, accepted in case a checkpoint was saved with them.
     vision_prefixes = ("model.vision_tower.", "vision_tower.")
     projector_prefixes = ("model.multi_modal_projector.", "multi_modal_projector.")
+    allows_span_split = True  # causal LM over the visual embeddings: a prefix hit or a chunk may end mid-image
 
     def placeholder_token(self, modality: Modality) -> str:
         if modality != "image":

@@ -59,6 +59,7 @@ class Qwen2VLAdapter(FamilyAdapter):
     # On-disk names first (``visual.``), then the in-memory module path form.
     vision_prefixes = ("visual.", "model.visual.")
     projector_prefixes = ("visual.merger.", "model.visual.merger.")
+    allows_span_split = True  # causal LM over the visual embeddings: a prefix hit or a chunk may end mid-image
 
     def placeholder_token(self, modality: Modality) -> str:
         return "<|image_pad|>" if modality == "image" else "<|video_pad|>"
