@@ -16,7 +16,9 @@ Figures:
 * ``nixl_bw_fraction_of_memcpy`` — the same over NIXL (UCX, DRAM to DRAM); beside it, what one READ between
   pre-registered buffers reaches with each UCX transport (:mod:`loadtest.bench_ucx`).
 * ``decode_speedup_32_vs_sequential``, ``decode_roofline_fraction_b32`` — from :mod:`loadtest.bench_decode`.
-* ``encoder_cache_hot_cold_ttft_ratio`` — p50 TTFT with one repeated image / with unique images (Prism).
+* ``encoder_cache_hot_cold_ttft_ratio``, ``encoder_hit_rate_2_replicas``, ``prefix_reuse_fraction`` — a few images
+  asked new questions again and again / unique images, on ``prism-small-qwen2vl`` with 2 encode and 2 prefill
+  replicas (Prism; :mod:`loadtest.bench_cache`).
 * ``text_ttft_p95_flood_vs_idle`` — p95 TTFT of text-only probes while large images flood / idle (Prism; the
   monolith's figure beside it). One tenant floods and probes: quotas cannot help, the stage budgets and the
   prefill lane must.
@@ -44,8 +46,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from loadtest import bench_cache, bench_plots, bench_ucx, figures
 from loadtest import bench_loads as loads
-from loadtest import bench_plots, bench_ucx, figures
 from loadtest import bench_servers as servers
 from loadtest.bench_loads import seed_of
 from loadtest.figures import record
@@ -134,6 +136,7 @@ def _flatten(runs: list[list[RequestRecord]]) -> list[RequestRecord]:
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="prism-small-llava")
+    parser.add_argument("--cache-model", default=bench_cache.MODEL, help="the cache-reach figures' model")
     parser.add_argument("--duration", type=float, default=None, help="seconds per load run (20; --quick: 8)")
     parser.add_argument("--quick", action="store_true", help="every figure once, short loads; README left alone")
     parser.add_argument("--out", type=Path, default=None, help="summary.json (default: loadtest/results/[quick/])")
@@ -161,7 +164,6 @@ def main(argv: list[str] | None = None) -> Path:
 
     n_ttft, n_hot = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("encoder_cache_hot_cold_ttft_ratio")
     n_flood, n_tenant = st.runs("text_ttft_p95_flood_vs_idle"), st.runs("tenant_ttft_p95_flood_vs_idle")
-    n_cold = max(n_ttft, n_hot)
     with servers.subprocess_server("loadtest.servers.naive", ["--model", model]) as url:
         say("naive: its capacity (a ramp of mixed loads), then the sweep around it")
         ramp = loads.ramp(url, model, d, st.min_requests)
@@ -169,21 +171,18 @@ def main(argv: list[str] | None = None) -> Path:
         rates = sweep_rates(base)
         naive_sweep = loads.sweep(url, model, rates, d, st.min_requests)
     warm_up = loads.medium("cold", seed_of("warm_up"))  # first-request costs out of the figures
-    cold, hot, floods, betas = [], [], [], []
+    cold, floods, betas = [], [], []
     with servers.prism_app(config) as url:
         loads.load(url, model, warm_up, 1.0, 4.0, seed=seed_of("warm_up"))
         # Prism's runs of different figures are interleaved (run i of each, then run i + 1), each with seeds — and so
         # images — of its own (bench_loads.SEEDS): a slow spell lands on one run of several figures rather than on
         # every run of one, and a cold cache stays cold. (The monolith runs after Prism, one server at a time: a
         # ratio's run i pairs the two servers' i-th runs, not two runs at the same moment.)
-        for i in range(max(n_cold, n_flood, n_tenant)):
-            say(f"Prism, run {i + 1}: light load of medium images (cold, then hot); text probes idle / under a flood")
-            if i < n_cold:
+        for i in range(max(n_ttft, n_flood, n_tenant)):
+            say(f"Prism, run {i + 1}: light load of medium images; text probes idle / under a flood")
+            if i < n_ttft:
                 s = seed_of("cold", i)
                 cold.append(loads.load(url, model, loads.medium("cold", s), 0.5, d, seed=s))
-            if i < n_hot:
-                s = seed_of("hot", i)
-                hot.append(loads.load(url, model, loads.medium("hot", s), 0.5, d, seed=s))
             if i < n_flood:
                 floods.append(loads.flood(url, model, d, seed_of("flood", i)))
             if i < n_tenant:
@@ -192,6 +191,10 @@ def main(argv: list[str] | None = None) -> Path:
                 betas.append(loads.flood(url, model, d, seed_of("tenant_flood", i), **keys))
         say(f"Prism: the goodput sweep at {rates} rps")
         prism_sweep = loads.sweep(url, model, rates, d, st.min_requests)
+    cache_model = args.cache_model
+    with servers.prism_app(bench_cache.app_config(config, cache_model)) as url:
+        loads.load(url, cache_model, warm_up, 1.0, 4.0, seed=seed_of("warm_up"))
+        cache_cold, cache_hot = bench_cache.measure(url, cache_model, n_hot, d, say)
     mono_cold, mono_floods = [], []
     with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
         loads.load(url, model, warm_up, 1.0, 4.0, seed=seed_of("warm_up"))
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     metrics["ttft_ratio_epd_vs_monolith"] = record(
         "ttft_ratio_epd_vs_monolith",
-        [loads.ratio(loads.ttft(p), loads.ttft(m)) for p, m in zip(cold[:n_ttft], mono_cold, strict=True)],
+        [loads.ratio(loads.ttft(p), loads.ttft(m)) for p, m in zip(cold, mono_cold, strict=True)],
         [
             {
                 "prism_ttft_p50_s": loads.ttft(p),
@@ -216,25 +219,11 @@ def main(argv: list[str] | None = None) -> Path:
                 "prism_stage_ms_mean": loads.stages(p),
                 "monolith_stage_ms_mean": loads.stages(m),
             }
-            for p, m in zip(cold[:n_ttft], mono_cold, strict=True)
+            for p, m in zip(cold, mono_cold, strict=True)
         ],
-        sides={"prism": _flatten(cold[:n_ttft]), "monolith": _flatten(mono_cold[:n_ttft])},
+        sides={"prism": _flatten(cold), "monolith": _flatten(mono_cold)},
     )
-    metrics["encoder_cache_hot_cold_ttft_ratio"] = record(
-        "encoder_cache_hot_cold_ttft_ratio",
-        [loads.ratio(loads.ttft(h), loads.ttft(c)) for h, c in zip(hot, cold[:n_hot], strict=True)],
-        [
-            {
-                "hot_ttft_p50_s": loads.ttft(h),
-                "cold_ttft_p50_s": loads.ttft(c),
-                "hot_stage_ms_mean": loads.stages(h),
-                "cold_stage_ms_mean": loads.stages(c),
-            }
-            for h, c in zip(hot, cold[:n_hot], strict=True)
-        ],
-        note="hot repeats one image: the processor, encoder and prefix caches all hit",
-        sides={"hot": _flatten(hot), "cold": _flatten(cold[:n_hot])},
-    )
+    metrics.update(bench_cache.figures(cache_model, cache_cold, cache_hot))
     metrics["text_ttft_p95_flood_vs_idle"] = record(
         "text_ttft_p95_flood_vs_idle",
         [f.ratio for f in floods],
@@ -304,8 +293,11 @@ def main(argv: list[str] | None = None) -> Path:
     panels = {
         "light load, medium images (p50 figures)": {
             **{f"prism cold #{i + 1}": r for i, r in enumerate(cold)},
-            **{f"prism hot #{i + 1}": r for i, r in enumerate(hot)},
             **{f"monolith cold #{i + 1}": r for i, r in enumerate(mono_cold)},
+        },
+        f"cache reach, {cache_model} (p50 figure)": {
+            **{f"cold #{i + 1}": r for i, r in enumerate(cache_cold)},
+            **{f"hot, new questions #{i + 1}": r for i, r in enumerate(cache_hot)},
         },
         "text probes, one tenant (p95 figure)": {
             **{f"prism idle #{i + 1}": f.idle for i, f in enumerate(floods)},
@@ -329,6 +321,7 @@ def main(argv: list[str] | None = None) -> Path:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "model": model,
+        "cache_model": cache_model,
         "quick": st.quick,
         "duration_s_per_run": d,
         "slo": {"goodput": prism_sweep[at][0]["slo"], "keep_up_slo_attainment": KEEP_UP},

@@ -14,7 +14,16 @@ from loadtest.workload import OutputLengths, Workload
 
 SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
 
-SEEDS = {"warm_up": 99, "cold": 1, "hot": 2, "flood": 11, "tenant_flood": 31, "ramp": 5_000, "sweep": 10_000}
+SEEDS = {
+    "warm_up": 99,
+    "cold": 1,
+    "flood": 11,
+    "tenant_flood": 31,
+    "cache_cold": 41,
+    "cache_hot": 51,
+    "ramp": 5_000,
+    "sweep": 10_000,
+}
 """Base seed of each load; a flood takes its base and the next two, the ramp and the sweep one per rate. A workload's
 seed decides its images (:class:`loadtest.workload.Workload`), so loads that must start cold must never share one."""
 SEED_STRIDE = 1_000

@@ -51,7 +51,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure("handoff_bw_fraction_of_memcpy", ">=", 0.4, runs=5),
     Figure("nixl_bw_fraction_of_memcpy", ">=", 0.25, runs=5, ours=True),
     Figure("ttft_ratio_epd_vs_monolith", "<=", 1.10, runs=3),
-    Figure("encoder_cache_hot_cold_ttft_ratio", "<=", 0.3, runs=3),
+    Figure("encoder_cache_hot_cold_ttft_ratio", "<=", 0.5, runs=3),
+    Figure("encoder_hit_rate_2_replicas", ">=", 0.9, runs=3, ours=True),
+    Figure("prefix_reuse_fraction", ">=", 0.8, runs=3, ours=True),
     Figure("text_ttft_p95_flood_vs_idle", "<=", 1.5, runs=3),
     Figure("tenant_ttft_p95_flood_vs_idle", "<=", 3.0, runs=3),
     # One sweep: each of its points is a run of >= 20 requests, and the sweep itself spans 4 rates x 3 servers.

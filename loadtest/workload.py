@@ -3,10 +3,12 @@
 A workload mixes request kinds by weight — ``text`` (no media), ``image`` (one image), ``multi_image`` (two to four)
 and ``video`` (a short PyAV clip; needs a video-capable model) — with images drawn from size buckets by weight
 (``small`` 224², ``medium`` 640×480, ``large`` 1920×1440, sent as JPEG data URLs). The cache regime decides whether
-media repeat: ``cold`` (every image unique), ``hot`` (one image per bucket and seed, repeated) or ``partial`` (each
-image reused from the hot set with probability ``reuse``). Output lengths follow ``fixed:N``, ``uniform:A-B`` or
-``exp:MEAN`` (capped at 4×MEAN); requests ask for exactly that many tokens (``ignore_eos`` is not needed: the tiny
-models rarely stop early, and the records keep the real count).
+media repeat: ``cold`` (every image unique), ``hot`` (``hot_images`` images per bucket and seed — one unless set —
+drawn at random and repeated) or ``partial`` (each image reused from the hot set with probability ``reuse``). With
+``fresh_questions`` every request's question is one never asked before (a numbered variant): a repeated image is
+then asked something new, as in a conversation about one picture, and only the prompt up to the question repeats.
+Output lengths follow ``fixed:N``, ``uniform:A-B`` or ``exp:MEAN`` (capped at 4×MEAN); requests ask for exactly that
+many tokens (``ignore_eos`` is not needed: the tiny models rarely stop early, and the records keep the real count).
 """
 
 from __future__ import annotations
@@ -65,10 +67,14 @@ class Workload:
     outputs: OutputLengths = field(default_factory=OutputLengths)
     video_seconds: float = 2.0
     seed: int = 0
+    hot_images: int = 1
+    """Size of the hot set per bucket (``hot`` and ``partial``)."""
+    fresh_questions: bool = False
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self._unique = 0
+        self._asked = 0
         self._url_cache: dict[tuple[str, int], str] = {}
 
     def next_request(self, model: str) -> tuple[str, dict[str, Any]]:
@@ -81,7 +87,11 @@ class Workload:
             content.extend(self._image_part() for _ in range(self.rng.randint(2, 4)))
         elif kind == "video":
             content.append({"type": "video_url", "video_url": {"url": self._video_url()}})
-        content.append({"type": "text", "text": self.rng.choice(PROMPTS)})
+        question = self.rng.choice(PROMPTS)
+        if self.fresh_questions:
+            self._asked += 1
+            question = f"{question} (question {self._asked})"
+        content.append({"type": "text", "text": question})
         body = {
             "model": model,
             "messages": [{"role": "user", "content": content if kind != "text" else content[-1]["text"]}],
@@ -99,12 +109,19 @@ class Workload:
     def _image_part(self) -> dict[str, Any]:
         bucket = self._pick(self.sizes)
         hot = self.cache == "hot" or (self.cache == "partial" and self.rng.random() < self.reuse)
-        if hot:  # one image per bucket for this workload's seed: another seed's run starts with cold caches
-            seed = -1 - list(BUCKETS).index(bucket) - len(BUCKETS) * self.seed
+        if hot:  # the hot set is this workload's seed's own: another seed's run starts with cold caches
+            seed = self._hot_seed(bucket, self.rng.randrange(self.hot_images) if self.hot_images > 1 else 0)
         else:
             self._unique += 1
             seed = self.seed * 1_000_003 + self._unique
         return {"type": "image_url", "image_url": {"url": self._image_url(bucket, seed)}}
+
+    def _hot_seed(self, bucket: str, j: int) -> int:
+        return -1 - list(BUCKETS).index(bucket) - len(BUCKETS) * (self.seed * self.hot_images + j)
+
+    def hot_set(self, bucket: str) -> list[str]:
+        """The data URLs of the bucket's hot images (to warm a cache with before a timed run)."""
+        return [self._image_url(bucket, self._hot_seed(bucket, j)) for j in range(self.hot_images)]
 
     def _image_url(self, bucket: str, seed: int) -> str:
         key = (bucket, seed)

@@ -149,6 +149,7 @@ class PrefillDeployment:
             "prefill",
             prompt_tokens=stats.prompt_tokens,
             prefix_cached_tokens=stats.cached_tokens,
+            prefix_cached_visual_tokens=stats.cached_visual_tokens,
             chunks=len(stats.chunks),
             kv_blocks=kv.num_blocks,
             kv_bytes=kv.nbytes,

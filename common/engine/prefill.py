@@ -49,6 +49,8 @@ from common.stages.sampler import sample_token
 class PrefillStats:
     prompt_tokens: int
     cached_tokens: int
+    cached_visual_tokens: int = 0
+    """Of ``cached_tokens``, those at media positions: how much of the prompt's images the prefix cache spared."""
     chunks: list[tuple[int, int]] = field(default_factory=list)
     started_at: float | None = None
     """When its first chunk started (engine clock): queue wait and compute are told apart by it."""
@@ -137,7 +139,8 @@ class PrefillEngine:
             hit = usable_prefix_blocks(len(blocks), bs, merged.spans, lm.adapter.allows_span_split)
             if hit:
                 self._load_prefix(cache, blocks[:hit])
-        stats = PrefillStats(prompt_tokens=n, cached_tokens=hit * bs)
+        visual = sum(max(0, min(span.end, hit * bs) - span.prompt_token_start) for span in merged.spans)
+        stats = PrefillStats(prompt_tokens=n, cached_tokens=hit * bs, cached_visual_tokens=visual)
         arrival = self.clock() if arrival is None else arrival
         order = arrival if self.aging is None else rank(arrival, n - hit * bs, self.aging, batch, self.batch_delay_s)
         self._queue[request_id] = _State(

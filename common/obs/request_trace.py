@@ -27,6 +27,7 @@ CACHE_OUTCOME_ATTRS = frozenset(
         "encoder_cache_hits",
         "encoder_cache_misses",
         "prefix_cached_tokens",
+        "prefix_cached_visual_tokens",
         "chunks",  # prefill chunks count only the tokens computed: fewer on a prefix hit
     }
 )
@@ -125,7 +126,7 @@ class RequestTrace:
             "cache": {
                 "processor": {k: self.attr_sum(f"processor_cache_{k}") for k in ("hits", "misses")},
                 "encoder": {k: self.attr_sum(f"encoder_cache_{k}") for k in ("hits", "misses")},
-                "prefix": {"cached_tokens": self.attr_sum("prefix_cached_tokens")},
+                "prefix": {k: self.attr_sum(f"prefix_{k}") for k in ("cached_tokens", "cached_visual_tokens")},
                 "routing": self.routes,  # (where a call went tells where a cache holds something, like a hit)
             },
             "spans": [],

@@ -68,7 +68,7 @@ def test_the_same_image_asked_a_new_question_reuses_its_kv_on_the_same_replica(a
     assert routing["prefill"] == {"outcome": "owner", "replica": first["cache"]["routing"]["prefill"]["replica"]}
     assert routing["encode"]["replica"] == first["cache"]["routing"]["encode"]["replica"]
     # the hit ends inside the image (the question right after it differs): ≥ 80 % of its visual tokens reused
-    assert second["cache"]["prefix"]["cached_tokens"] >= 0.8 * VISUAL_TOKENS
+    assert second["cache"]["prefix"]["cached_visual_tokens"] >= 0.8 * VISUAL_TOKENS
     assert second["cache"]["encoder"] == {"hits": 1, "misses": 0}
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from loadtest import figures
+from loadtest import bench_cache, figures
 from loadtest.bench import Settings, table
 from loadtest.stats import RequestRecord
 
@@ -23,6 +23,8 @@ def _failed(n: int) -> list[RequestRecord]:
 SHORT = (
     "ttft_ratio_epd_vs_monolith",
     "encoder_cache_hot_cold_ttft_ratio",
+    "encoder_hit_rate_2_replicas",
+    "prefix_reuse_fraction",
     "text_ttft_p95_flood_vs_idle",
     "tenant_ttft_p95_flood_vs_idle",
     "decode_speedup_32_vs_sequential",
@@ -34,11 +36,13 @@ SHORT = (
 
 def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     names = [f.name for f in figures.FIGURES]
-    assert len(names) == len(set(names)) == 9
+    assert len(names) == len(set(names)) == 11
     assert all(f.op in ("<=", ">=") and f.target > 0 for f in figures.FIGURES)
     assert all(figures.runs(n) >= 3 for n in SHORT)
     # the two decode figures come from the same runs of bench_decode: declared alike
     assert figures.runs("decode_speedup_32_vs_sequential") == figures.runs("decode_roofline_fraction_b32")
+    # the three cache-reach figures come from the same hot runs
+    assert len({figures.runs(n) for n in bench_cache.FIGURES}) == 1
 
 
 def test_run_counts_are_odd_so_the_median_is_one_of_the_runs():
@@ -56,11 +60,11 @@ def test_no_two_loads_of_a_full_bench_share_a_seed():
     runs = max(f.runs for f in figures.FIGURES)
     used: list[int] = [seed_of("warm_up")]
     for i in range(runs):
-        used += [seed_of("cold", i), seed_of("hot", i)]
+        used += [seed_of("cold", i), seed_of("cache_cold", i), seed_of("cache_hot", i)]
         used += [seed_of(flood, i) + k for flood in ("flood", "tenant_flood") for k in range(3)]
     used += [seed_of("ramp") + i for i in range(len(RAMP))] + [seed_of("sweep") + i for i in range(len(MULTIPLIERS))]
     assert len(used) == len(set(used)), sorted(used)
-    assert set(SEEDS) == {"warm_up", "cold", "hot", "flood", "tenant_flood", "ramp", "sweep"}
+    assert set(SEEDS) == {"warm_up", "cold", "flood", "tenant_flood", "cache_cold", "cache_hot", "ramp", "sweep"}
 
 
 def test_the_value_is_the_median_of_the_runs_with_the_spread_beside_it():

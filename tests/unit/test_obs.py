@@ -61,7 +61,7 @@ def test_request_trace_summary_decomposes_ttft_and_times_tokens():
     upstream = Timeline(trace.timeline.last, clock=clock)
     upstream.span("media.process", 0.030, visual_tokens=144, processor_cache_hits=1, media=["abcd"])
     upstream.span("encode", 0.010, encoder_cache_misses=1, visual_tokens=144)
-    upstream.span("prefill", 0.020, prompt_tokens=170, prefix_cached_tokens=32)
+    upstream.span("prefill", 0.020, prompt_tokens=170, prefix_cached_tokens=32, prefix_cached_visual_tokens=16)
     trace.absorb(upstream.spans)
     trace.route("prefill", "owner", "r1")
     trace.prompt_tokens = 170
@@ -79,7 +79,7 @@ def test_request_trace_summary_decomposes_ttft_and_times_tokens():
     assert s["cache"] == {
         "processor": {"hits": 1, "misses": 0},
         "encoder": {"hits": 0, "misses": 1},
-        "prefix": {"cached_tokens": 32},
+        "prefix": {"cached_tokens": 32, "cached_visual_tokens": 16},
         "routing": {"prefill": {"outcome": "owner", "replica": "r1"}},
     }
     names = [sp["name"] for sp in s["spans"]]

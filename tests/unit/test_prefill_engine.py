@@ -111,6 +111,7 @@ def test_same_image_new_question_reuses_the_image_and_equals_recompute(tiny_mode
     assert differ >= span.end, "the prompts share the whole image"
     assert hot.stats.cached_tokens == differ // bs * bs, "the hit reaches the last full block before the question"
     cached_visual = min(hot.stats.cached_tokens, span.end) - span.prompt_token_start
+    assert hot.stats.cached_visual_tokens == cached_visual
     if hot.stats.cached_tokens < span.end:  # (LLaVA here: the hit ends inside the image)
         trimmed = usable_prefix_blocks(hot.stats.cached_tokens // bs, bs, second.spans, allow_split=False)
         assert trimmed * bs <= span.prompt_token_start, "what a family that keeps spans whole would have reused"
