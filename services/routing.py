@@ -80,37 +80,38 @@ class AffinityRouter(RequestRouter):
         key = getattr(route, self._key, None) if route is not None else None
         with self._lock:
             order, outcome = self._table.choose(key, list(by_id))
+            if pending_request is not None:
+                decision = _Pending(key, ctx.key if ctx is not None else None, order[0] if order else None, outcome)
+                self._pending[pending_request.metadata.internal_request_id] = decision  # (a later round's replaces it)
+                while len(self._pending) > PENDING_KEPT:
+                    self._pending.popitem(last=False)
         if pending_request is not None:
             # Every replica is ranked here, so a round that found them all full should back off before the next.
             pending_request.routing_context.should_backoff = True
-            self._pending[pending_request.metadata.internal_request_id] = _Pending(
-                key, ctx.key if ctx is not None else None, order[0] if order else None, outcome
-            )
-            while len(self._pending) > PENDING_KEPT:
-                self._pending.popitem(last=False)
         return [[by_id[r]] for r in order]
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
         super()._fulfill_next_pending_request(replica, request_metadata)
         if request_metadata is None:
             return
-        decision = self._pending.pop(request_metadata.internal_request_id, None)
-        if decision is None:
-            return
         rid = replica.replica_id.unique_id
-        outcome: Outcome = decision.outcome if rid == decision.first else "spilled"
         with self._lock:
+            decision = self._pending.pop(request_metadata.internal_request_id, None)
+            if decision is None:
+                return
             self._table.routed(decision.key, rid, place=decision.outcome in ("new", "moved"))
             self._routed[request_metadata.internal_request_id] = rid
+        outcome: Outcome = decision.outcome if rid == decision.first else "spilled"
         self._count(outcome)
         if decision.attempt_key is not None:
             route_log.keep(self._stage, decision.attempt_key, {"outcome": outcome, "replica": rid})
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
-            if self._routed.pop(internal_request_id, None) is not None:
-                self._table.completed(replica_id.unique_id)
-        self._pending.pop(internal_request_id, None)
+            rid = self._routed.pop(internal_request_id, None)
+            if rid is not None:
+                self._table.completed(rid)
+            self._pending.pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
