@@ -21,11 +21,19 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.decode import DecodeEngine, TokenEvent
+from common.kv.blocks import verify_handoff
 from common.kv.pool import KVPool
 from common.kv.transport import KVTransport, make_transport
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
-from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
+from common.protocol.handoff import (
+    DecodeEvent,
+    PrefillOutput,
+    RequestContext,
+    StreamAbort,
+    StreamStart,
+    StreamToken,
+)
 from common.protocol.sampling import SamplingParams
 from services.loopback import bind_replica
 from services.metrics import Metrics
@@ -63,7 +71,13 @@ class DecodeDeployment:
         timeline = Timeline.after(pre, ctx.sent_at)
         ctx.check_deadline("decode")
         handle, fetch = unwrap(pre), self.transport.fetch
-        prefilled = await asyncio.to_thread(fetch, handle) if self.transport.fetch_blocks else fetch(handle)
+
+        def fetch_checked() -> PrefillOutput:  # (a few ms of CRC per few MB of KV: off the event loop)
+            out = fetch(handle)
+            verify_handoff(out, ctx.key)  # never a stale or altered payload into the pool
+            return out
+
+        prefilled = await asyncio.to_thread(fetch_checked)
         self.fetches += 1
         backend = self.transport.name
         transfer = timeline.mark("decode.transfer", backend=backend, bytes=prefilled.kv.nbytes)

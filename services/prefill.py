@@ -33,6 +33,7 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
+from common.kv.blocks import seal
 from common.kv.transport import KVTransport, make_transport
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
@@ -132,7 +133,8 @@ class PrefillDeployment:
         finally:
             self._load()
         self._trace(timeline, lane, result, transfer.duration_s, prep.duration_s)
-        handle = self.transport.publish(result.output, expires_at=ctx.deadline)
+        sealed = await asyncio.to_thread(seal, result.output, ctx.key)  # (CRC of the KV: off the event loop)
+        handle = self.transport.publish(sealed, expires_at=ctx.deadline)
         if self.transport.held and (self._releaser is None or self._releaser.done()):
             self._releaser = asyncio.get_running_loop().create_task(self._release_loop())
         return timeline.wrap(handle)

@@ -197,6 +197,12 @@ class PrefillOutput:
     rope_delta: int
     """Qwen2-VL M-RoPE: decode position = cache position + rope_delta (0 for 1-D RoPE families)."""
     model_revision: str
+    request_key: str = ""
+    """The attempt this was computed for (:attr:`RequestContext.key`), set when the prefill stage seals it: decode
+    refuses the hand-off of another request or attempt (``""``: not sealed)."""
+    checksum: int = -1
+    """CRC-32 of the KV bytes (keys, then values) as prefill exported them (-1: not sealed): decode refuses a payload
+    whose bytes changed on the way (:func:`common.kv.blocks.verify_handoff`)."""
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def test_streamed_answer_equals_unary(apps):
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
 
-@pytest.mark.parametrize("fault", ["lose", "truncate"])
+@pytest.mark.parametrize("fault", ["lose", "truncate", "corrupt", "stale"])
 def test_handoff_fault_is_a_typed_500_and_frees_everything(apps, fault):
     _, fake_app, fake = apps
     fake.inject(fault)
@@ -76,6 +76,16 @@ def test_handoff_fault_is_a_typed_500_and_frees_everything(apps, fault):
     assert decode.pool.used_blocks == 0 and not decode.engine.num_running
     ok = asyncio.run(_ask(fake_app))
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 12
+
+
+def test_without_the_receivers_check_a_corrupted_handoff_would_be_a_200(apps, monkeypatch):
+    """What the seal guards against (vllm#52234's shape of failure): an altered KV payload decodes cleanly."""
+    import services.decode
+
+    _, fake_app, fake = apps
+    monkeypatch.setattr(services.decode, "verify_handoff", lambda pre, key: None)
+    fake.inject("corrupt")
+    assert asyncio.run(_ask(fake_app)).status_code == 200
 
 
 def test_engines_step_on_threads_of_their_own(model_cache, monkeypatch):

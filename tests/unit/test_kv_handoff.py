@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from common.errors import HandoffError
-from common.kv.blocks import export_kv, import_kv
+from common.kv.blocks import export_kv, import_kv, seal, verify_handoff
 from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.protocol.wire import from_bytes, to_bytes
@@ -92,3 +92,20 @@ def test_inconsistent_handoffs_are_refused(tiny_llava):
         decode(lm, replace(pre, kv=replace(pre.kv, dtype="bfloat16")), sampling)
     with pytest.raises(HandoffError, match="numpy dtype"):
         decode(lm, replace(pre, kv=replace(pre.kv, values=pre.kv.values.astype(np.float64))), sampling)
+
+
+def test_a_sealed_handoff_is_bound_to_its_attempt_and_its_bytes(tiny_llava):
+    """Decode refuses a payload of another request or attempt, or whose bytes changed with its shape intact; the seal
+    survives the wire encoding."""
+    pre = seal(_prefill(tiny_llava, 1, SamplingParams(max_tokens=4)), "chatcmpl-1")
+    wired = from_bytes(PrefillOutput, to_bytes(pre))
+    assert (wired.request_key, wired.checksum) == ("chatcmpl-1", pre.checksum) and pre.checksum >= 0
+    verify_handoff(wired, "chatcmpl-1")
+    with pytest.raises(HandoffError, match="stale"):
+        verify_handoff(wired, "chatcmpl-1#2")  # a re-issued attempt must not take the first attempt's KV
+    for name in ("keys", "values"):
+        altered = getattr(wired.kv, name).copy()
+        altered.reshape(-1)[-1] += 1e-3  # the last value of the last block: shape and dtype intact
+        with pytest.raises(HandoffError, match="corrupted"):
+            verify_handoff(replace(wired, kv=replace(wired.kv, **{name: altered})), "chatcmpl-1")
+    verify_handoff(replace(pre, request_key="", checksum=-1), "anything")  # unsealed (in-process paths): no claim

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from common.kv.blocks import seal, verify_handoff
 from common.kv.transport.nixl import NixlTransport
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode
@@ -31,12 +32,14 @@ def test_nixl_handoff_gives_identical_blocks_and_tokens(agents, family, tiny_lla
     lm = tiny_llava if family == "llava" else tiny_qwen
     sender, receiver = agents
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
-    local = fixed_request(lm, 2, sampling)
+    local = seal(fixed_request(lm, 2, sampling), "req-1")
     remote = sender.publish(local, expires_at=time.time() + 60)
     assert remote.kv.nbytes == local.kv.keys.nbytes and sender.held == 1
     fetched = receiver.fetch(remote)
     np.testing.assert_array_equal(fetched.kv.keys, local.kv.keys)
     np.testing.assert_array_equal(fetched.kv.values, local.kv.values)
+    assert (fetched.request_key, fetched.checksum) == ("req-1", local.checksum)  # the seal crosses with the READ
+    verify_handoff(fetched, "req-1")
     assert decode(lm, fetched, sampling).token_ids == decode(lm, local, sampling).token_ids
     assert _wait_released(sender) == 0, "the reader's notification releases the sender's buffers"
 

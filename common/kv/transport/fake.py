@@ -5,11 +5,15 @@ under a transfer id; the handle is that id. The receiver decodes the bytes — s
 the hand-off survives a byte boundary, as NIXL's or a file's would — and marks the hand-off read, which ``release``
 then frees (or expiry, like NIXL). Faults queued with :meth:`FakeTransport.inject` apply to the next fetches, one
 each: ``lose`` (the sender's copy is gone: a replica died or the hand-off expired), ``truncate`` (half the bytes
-arrive), ``delay`` (the read takes ``delay_s``). Both failures raise :class:`HandoffError`.
+arrive), ``delay`` (the read takes ``delay_s``), ``corrupt`` (one KV value arrives altered, shape and dtype intact:
+a bad copy, or a sender buffer reused before the read) and ``stale`` (another attempt's hand-off arrives: its request
+key differs). ``lose`` and ``truncate`` raise :class:`HandoffError` here; ``corrupt`` and ``stale`` decode cleanly
+and must be caught by the receiver (:func:`common.kv.blocks.verify_handoff`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -18,12 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from common.errors import HandoffError
 from common.kv.transport.base import KVTransport
 from common.protocol.handoff import PrefillOutput
 from common.protocol.wire import from_bytes, to_bytes
 
-Fault = Literal["lose", "truncate", "delay"]
+Fault = Literal["lose", "truncate", "delay", "corrupt", "stale"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,12 @@ class FakeTransport(KVTransport):
         elif fault == "delay":
             time.sleep(self.delay_s)
         out = from_bytes(PrefillOutput, data)  # HandoffError on anything that does not decode
+        if fault == "corrupt":
+            keys = out.kv.keys.copy()
+            keys.reshape(-1).view(np.uint8)[0] ^= 0x40  # one bit of one value
+            out = dataclasses.replace(out, kv=dataclasses.replace(out.kv, keys=keys))
+        elif fault == "stale":
+            out = dataclasses.replace(out, request_key=out.request_key + "#earlier")
         with self._lock:
             if handle.transfer_id in self._held:
                 self._held[handle.transfer_id] = (held[0], held[1], True)

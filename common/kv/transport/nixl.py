@@ -54,6 +54,8 @@ class RemotePrefillOutput:
     kv: RemoteKV
     rope_delta: int
     model_revision: str
+    request_key: str = ""
+    checksum: int = -1
 
 
 def new_agent(name: str) -> Any:
@@ -103,7 +105,15 @@ class NixlTransport(KVTransport):
             block_size=kv.block_size,
             num_tokens=kv.num_tokens,
         )
-        return RemotePrefillOutput(out.prompt_token_ids, out.first_token_id, remote, out.rope_delta, out.model_revision)
+        return RemotePrefillOutput(
+            out.prompt_token_ids,
+            out.first_token_id,
+            remote,
+            out.rope_delta,
+            out.model_revision,
+            out.request_key,
+            out.checksum,
+        )
 
     def release(self, now: float | None = None) -> int:
         if self._agent is None:  # nothing was ever published
@@ -156,7 +166,13 @@ class NixlTransport(KVTransport):
             agent.deregister_memory(reg)
         kv = KVBlocks(ref.block_size, ref.num_tokens, ref.dtype, keys, values)
         return PrefillOutput(
-            handle.prompt_token_ids, handle.first_token_id, kv, handle.rope_delta, handle.model_revision
+            handle.prompt_token_ids,
+            handle.first_token_id,
+            kv,
+            handle.rope_delta,
+            handle.model_revision,
+            handle.request_key,
+            handle.checksum,
         )
 
     def _wait(self, xfer: Any) -> None:
