@@ -13,7 +13,7 @@ MODEL    ?= prism-tiny-llava
 CONFIG   ?= ray_configs/local_cpu.yaml
 SERVE_FLAGS ?=
 
-.PHONY: venv serve demo test lint format bench batch proto dashboards clean
+.PHONY: venv serve demo test lint format bench chaos batch proto dashboards clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,11 @@ bench: venv
 
 # Offline video batch on a local Ray (or RAY_ADDRESS): make batch INPUT=manifest.parquet OUTPUT=out/ [CONFIG=x.yaml]
 # CONFIG is passed only when given (serve's default config is not a batch config: the job defaults to a video model).
+# Steady load on 2 replicas per stage while one replica of each stage is SIGKILLed; prints the outcomes (not in `make
+# test`: minutes, and it kills processes). CHAOS_FLAGS: --clients N, --gap S, --model NAME.
+chaos: venv
+	$(PY) -m loadtest.chaos $(CHAOS_FLAGS)
+
 batch: venv
 	@test -n "$(INPUT)" -a -n "$(OUTPUT)" || (echo "usage: make batch INPUT=<manifest> OUTPUT=<dir> [CONFIG=<yaml>]"; exit 2)
 	$(PY) -m services.batch --input $(INPUT) --output $(OUTPUT) $(if $(filter-out file,$(origin CONFIG)),--config $(CONFIG))

@@ -14,6 +14,7 @@ transport's read included); the first token carries ``decode.queue`` (KV lease w
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -137,6 +138,7 @@ class DecodeDeployment:
             "cancelled": self.cancelled,
             "fetches": self.fetches,
             "transport": self.transport.name,
+            "pid": os.getpid(),  # (which replica answered: make chaos reads every replica's KV through this)
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -1,0 +1,231 @@
+"""``make chaos``: steady load on Prism with 2 replicas per stage while one replica of each stage is SIGKILLed.
+
+Not part of ``make test``: it takes minutes and kills processes. It starts a local Ray cluster of its own (with the
+dashboard, whose state API gives each replica's PID) and the application from the default Serve config's Prism
+settings, scaled to two replicas of media, encode, prefill and decode (one ingress: its in-flight HTTP requests would
+die with it). Clients send a steady mix — text and small images, half of them streamed — while the tool kills, a few
+seconds apart, one replica of media, then encode, prefill and decode (``SIGKILL`` of the replica's process; Serve
+starts a replacement). Then the load stops and it prints, as JSON, what the clients saw: requests by status, streams
+that ended with a finish reason, failures by stage killed before them, the longest gap without a completed request,
+and the KV blocks still in use on every decode replica once the load drained.
+
+    make chaos [CHAOS_FLAGS="--clients 4 --gap 6 --model prism-tiny-llava"]
+
+The issue it answers (16) asks for every request 200 and no gap over 5 s; without decode migration a stream whose
+decode replica dies mid-generation is lost (503 or an error event), and the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from common.media.synthetic import synthetic_image
+
+KEY = "chaos-key"
+STAGES = ("Media", "Encode", "Prefill", "Decode")
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    status: int
+    streamed: bool
+    finish_reason: str | None = None
+    error: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.status == 200 and self.finish_reason is not None
+
+
+def app_config(model: str, cache_dir: str | None = None) -> dict[str, Any]:
+    two = {"num_cpus": 0.1, "min_replicas": 2, "max_replicas": 2}
+    model_cfg = {"model": model, "torch_threads": 1, **({"cache_dir": cache_dir} if cache_dir else {})}
+    return {
+        "model": model_cfg,
+        "server": {"api_keys": {KEY: "chaos"}, "max_chain_attempts": 3},
+        "deployments": {"ingress": {"num_cpus": 0.1}, **{s.lower(): two for s in STAGES}},
+    }
+
+
+def _image(seed: int) -> str:
+    buf = io.BytesIO()
+    synthetic_image(96, 72, seed=seed).save(buf, "JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _body(model: str, n: int, stream: bool) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": f"Tell me about item {n}."}]
+    if n % 2 == 0:
+        content.insert(0, {"type": "image_url", "image_url": {"url": _image(n)}})
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0}
+    return {**body, "stream": stream}
+
+
+def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> Outcome:
+    start, headers = time.time(), {"Authorization": f"Bearer {KEY}"}
+    try:
+        if not body["stream"]:
+            r = http.post(url, json=body, headers=headers)
+            reason = r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else None
+            return Outcome(start, time.time(), r.status_code, False, reason, "" if r.status_code == 200 else r.text)
+        reason, error = None, ""
+        with http.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                return Outcome(start, time.time(), r.status_code, True, None, r.read().decode(errors="replace"))
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = json.dumps(event["error"])
+                for choice in event.get("choices") or []:
+                    reason = choice.get("finish_reason") or reason
+        return Outcome(start, time.time(), 200, True, reason, error)
+    except httpx.HTTPError as exc:
+        return Outcome(start, time.time(), 0, body["stream"], None, type(exc).__name__)
+
+
+def client(base: str, model: str, index: int, stop: threading.Event, out: list[Outcome]) -> None:
+    url = f"{base}/v1/chat/completions"
+    n = index
+    with httpx.Client(timeout=60) as http:
+        while not stop.is_set():
+            out.append(one_request(http, url, _body(model, n, stream=n % 4 < 2)))
+            n += 97
+
+
+def longest_gap(outcomes: list[Outcome], start: float, end: float) -> float:
+    """Longest time in [start, end] without a completed request."""
+    ends = sorted(o.end for o in outcomes if o.complete and start <= o.end <= end)
+    return max(b - a for a, b in itertools.pairwise([start, *ends, end]))
+
+
+def summarize(outcomes: list[Outcome], kills: list[tuple[str, float]], start: float, end: float) -> dict[str, Any]:
+    by_status: dict[str, int] = {}
+    for o in outcomes:
+        by_status[str(o.status)] = by_status.get(str(o.status), 0) + 1
+    failed = [o for o in outcomes if not o.complete]
+    after: dict[str, int] = {}
+    for o in failed:
+        last = [stage for stage, t in kills if t <= o.end]
+        after[last[-1] if last else "none"] = after.get(last[-1] if last else "none", 0) + 1
+    return {
+        "requests": len(outcomes),
+        "complete": len(outcomes) - len(failed),
+        "by_status": by_status,
+        "streams": sum(o.streamed for o in outcomes),
+        "streams_complete": sum(o.streamed and o.complete for o in outcomes),
+        "failed_after_kill_of": after,
+        "failures": [asdict(o) | {"error": o.error[:200]} for o in failed][:20],
+        "longest_gap_s": round(longest_gap(outcomes, start, end), 2),
+        "kills": [{"stage": s, "at_s": round(t - start, 1)} for s, t in kills],
+    }
+
+
+def replica_pids(app: str, stage: str) -> list[int]:
+    from ray.util.state import list_actors
+
+    name = f"{app}#{stage}"
+    actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+    return sorted(a.pid for a in actors if a.name and name in a.name and a.pid)
+
+
+def kv_in_use(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[str, int]:
+    """KV blocks used per decode replica, by PID (``stats`` is answered by whichever replica Serve picks: asked until
+    ``replicas`` distinct ones answered — the killed one's replacement included — or ``timeout``)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Decode", app_name=app)
+    seen: dict[str, int] = {}
+    deadline = time.time() + timeout
+    while len(seen) < replicas and time.time() < deadline:
+        stats = handle.stats.remote().result(timeout_s=30)
+        seen[str(stats["pid"])] = int(stats["kv_blocks_used"])
+        time.sleep(0.05)
+    return seen
+
+
+def _wait_ready(base: str, timeout: float = 180.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base} did not come up")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="prism-tiny-llava")
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--warm", type=float, default=8.0, help="seconds of load before the first kill")
+    parser.add_argument("--gap", type=float, default=6.0, help="seconds between kills, and after the last")
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from loadtest.bench_servers import free_port
+    from services.app import build_app
+
+    app = "chaos"
+    port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"config": app_config(args.model, args.cache_dir)}), name=app, route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(base)
+        stop, outcomes = threading.Event(), []
+        threads = [
+            threading.Thread(target=client, args=(base, args.model, i, stop, outcomes), daemon=True)
+            for i in range(args.clients)
+        ]
+        start = time.time()
+        for t in threads:
+            t.start()
+        time.sleep(args.warm)
+        kills = []
+        for stage in STAGES:
+            pids = replica_pids(app, stage)
+            if not pids:
+                raise RuntimeError(f"no live replica of {stage} to kill")
+            os.kill(pids[0], signal.SIGKILL)
+            kills.append((stage, time.time()))
+            print(f"[chaos {time.time() - start:5.1f}s] SIGKILL {stage} replica (pid {pids[0]})", file=sys.stderr)
+            time.sleep(args.gap)
+        stop.set()
+        for t in threads:
+            t.join(90)
+        end = time.time()
+        result = summarize(outcomes, kills, start, end)
+        result["kv_blocks_used_after"] = kv_in_use(app)
+        result["config"] = {"model": args.model, "clients": args.clients, "replicas_per_stage": 2}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""make chaos's outcome arithmetic (loadtest.chaos), without killing anything."""
+
+from __future__ import annotations
+
+from loadtest.chaos import STAGES, Outcome, app_config, longest_gap, summarize
+
+
+def test_the_longest_gap_counts_only_completed_requests_and_the_edges():
+    done = [Outcome(0, t, 200, False, "length") for t in (1.0, 2.0, 6.5)]
+    failed = Outcome(0, 4.0, 503, True, None, "stage_unavailable")
+    assert longest_gap([*done, failed], 0.0, 8.0) == 4.5  # 2.0 → 6.5: the failure does not close the gap
+    assert longest_gap([], 0.0, 3.0) == 3.0
+
+
+def test_failures_are_attributed_to_the_last_kill_before_them():
+    kills = [("Media", 10.0), ("Decode", 20.0)]
+    outcomes = [
+        Outcome(0, 5.0, 200, True, "stop"),
+        Outcome(9, 12.0, 503, False),
+        Outcome(19, 21.0, 200, True, None, "decode failed"),  # a stream that ended without a finish reason
+        Outcome(20, 22.0, 200, False, "length"),
+    ]
+    s = summarize(outcomes, kills, 0.0, 30.0)
+    assert (s["requests"], s["complete"], s["streams"], s["streams_complete"]) == (4, 2, 2, 1)
+    assert s["by_status"] == {"200": 3, "503": 1}
+    assert s["failed_after_kill_of"] == {"Media": 1, "Decode": 1}
+    assert s["longest_gap_s"] == 17.0 and [k["stage"] for k in s["kills"]] == ["Media", "Decode"]
+
+
+def test_two_replicas_of_every_stage_fit_the_cpus():
+    deployments = app_config("prism-tiny-llava")["deployments"]
+    assert all(deployments[s.lower()]["min_replicas"] == 2 for s in STAGES)
+    assert sum(d["num_cpus"] * d.get("min_replicas", 1) for d in deployments.values()) < 2
