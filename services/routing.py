@@ -10,10 +10,12 @@ accepts it (a replica whose queue is full refuses; the next rank is tried, then 
 The key is the call's :class:`~common.protocol.handoff.RequestContext` ``route`` field — ``media`` for encode,
 ``prefix`` for prefill (``key=`` in the router kwargs) — made by the ingress (:mod:`common.sched.affinity` says how
 and why not from the payload). The choice itself is :class:`common.sched.affinity.AffinityTable`'s; this class only
-feeds it Serve's events: where a call actually went (Serve assigns the chosen replica to the pending request through
-``_fulfill_next_pending_request`` — the one hook that sees both, since ``on_request_routed`` fires only under the
-strict-max-ongoing-requests protocol), when it completed, and which replicas died. Each decision is counted in
-``prism_route_affinity_total{stage,outcome}`` and kept for the request's trace (:mod:`services.route_log`).
+feeds it Serve's events: which replica accepted a call (``on_request_routed``: Serve calls it for every accepted call
+under its strict max-ongoing-requests protocol, the default for handles outside Ray Client — where the ingress runs;
+a replica that refuses a full queue is never recorded, and the call is routed again), when that call completed
+(``on_request_completed``, matched by request *and* replica, so a late completion of a refused attempt cannot free
+another replica's count) and which replicas died. Each decision is counted in ``prism_route_affinity_total{stage,
+outcome}`` and kept for the request's trace (:mod:`services.route_log`).
 
 Serve pickles this module *by value* into the processes that hold a handle: it keeps no module state of its own (no
 module-level locks or records — those live in modules pickled by reference), only the class.
@@ -65,7 +67,7 @@ class AffinityRouter(RequestRouter):
         # internal request id → the decision, until Serve assigns a replica (a call cancelled before that never is:
         # the oldest are dropped past a bound)
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
-        self._routed: dict[str, str] = {}  # internal request id → the replica it went to, until it completes
+        self._routed: set[tuple[str, str]] = set()  # (internal request id, replica) accepted and not yet completed
         self._lock = threading.Lock()  # (completion callbacks may come from another thread than routing)
         self._metrics: Any = None
 
@@ -90,28 +92,26 @@ class AffinityRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         return [[by_id[r]] for r in order]
 
-    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
-        super()._fulfill_next_pending_request(replica, request_metadata)
-        if request_metadata is None:
-            return
-        rid = replica.replica_id.unique_id
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """A replica accepted the call: it is in flight there, and a new key is placed there."""
+        iid, rid = pending_request.metadata.internal_request_id, replica_id.unique_id
         with self._lock:
-            decision = self._pending.pop(request_metadata.internal_request_id, None)
+            decision = self._pending.pop(iid, None)
             if decision is None:
                 return
             self._table.routed(decision.key, rid, place=decision.outcome in ("new", "moved"))
-            self._routed[request_metadata.internal_request_id] = rid
+            self._routed.add((iid, rid))
         outcome: Outcome = decision.outcome if rid == decision.first else "spilled"
         self._count(outcome)
         if decision.attempt_key is not None:
             route_log.keep(self._stage, decision.attempt_key, {"outcome": outcome, "replica": rid})
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = replica_id.unique_id
         with self._lock:
-            rid = self._routed.pop(internal_request_id, None)
-            if rid is not None:
+            if (internal_request_id, rid) in self._routed:
+                self._routed.discard((internal_request_id, rid))
                 self._table.completed(rid)
-            self._pending.pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -77,14 +77,12 @@ def prefix_key(
 ) -> str:
     """The key of a prompt's start (see the module docstring); ``media_keys`` in the order of the placeholders."""
     h = hashlib.sha256(b"prism-prefix-route\0" + scope.encode() + b"\0")
-    media = iter(media_keys)
-    for i, tok in enumerate(token_ids):
-        if tok in placeholder_ids:
-            h.update(b"m" + next(media, "").encode() + b"\0")
-            break
-        if i >= text_tokens:
-            break
+    first = next((i for i, tok in enumerate(token_ids) if tok in placeholder_ids), None)
+    end = min(len(token_ids), text_tokens) if first is None else first  # (however far into the prompt it comes)
+    for tok in token_ids[:end]:
         h.update(b"t%d\0" % tok)
+    if first is not None:
+        h.update(b"m" + (media_keys[0] if media_keys else "").encode() + b"\0")
     return h.hexdigest()[:32]
 
 
@@ -135,7 +133,8 @@ class AffinityTable:
         return by_load, "moved" if placed is not None else "new"
 
     def routed(self, key: str | None, replica: str, place: bool) -> None:
-        """A call went to ``replica``; ``place`` pins the key there (a new or moved key that went where chosen)."""
+        """A call is in flight at ``replica``; ``place`` pins the key there (a new or moved key, wherever it was
+        accepted)."""
         self.in_flight[replica] += 1
         if len(self._recent) == self._recent.maxlen:
             self._recent_count[self._recent[0]] -= 1

@@ -121,3 +121,12 @@ def test_bound_and_capacity():
     assert [table.owner(f"k{i}") for i in range(5)] == [None, None, "x", "x", "x"]
     with pytest.raises(ValueError):
         AffinityTable(load_factor=0.5)
+
+
+def test_an_image_after_a_long_system_prompt_still_keys_the_prefix():
+    """The cut-off of ``prefix_key_tokens`` is for text-only prompts: a first image 40 tokens in still counts."""
+    system = tuple(range(200, 240))
+    img, other = media_key("t", "data:a"), media_key("t", "data:b")
+    first = prefix_key("t", _prompt([5, 6], system=system), PLACEHOLDER, [img], 32)
+    assert prefix_key("t", _prompt([9], system=system), PLACEHOLDER, [img], 32) == first
+    assert prefix_key("t", _prompt([5, 6], system=system), PLACEHOLDER, [other], 32) != first
