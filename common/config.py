@@ -239,6 +239,10 @@ class ServerConfig(_Strict):
     max_chain_attempts: int = Field(default=3, ge=1, le=10)
     """Times the ingress issues a request's stage chain when a replica is lost before the first token id comes
     back (jittered backoff between attempts; never past the deadline). A typed error is never retried."""
+    max_migrations: int = Field(default=2, ge=0, le=10)
+    """Times one request's decode stream may move to a live replica after its own was lost mid-generation (the
+    chain is issued again and the tokens already sent are replayed, so the client sees neither error nor repeat).
+    0: a lost decode replica fails its requests (503, or an error event in a stream)."""
 
     @field_validator("api_keys")
     @classmethod

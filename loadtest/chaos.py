@@ -11,8 +11,10 @@ and the KV blocks still in use on every decode replica once the load drained.
 
     make chaos [CHAOS_FLAGS="--clients 4 --gap 6 --model prism-tiny-llava"]
 
-The issue it answers (16) asks for every request 200 and no gap over 5 s; without decode migration a stream whose
-decode replica dies mid-generation is lost (503 or an error event), and the output says so.
+The issue it answers (16) asks for every request 200 and no gap over 5 s. Every request asks for its trace, so the
+output also counts the decode migrations the clients' requests went through (requests migrated, tokens replayed, the
+longest time from the loss to the resumed stream): a request whose decode replica died mid-generation completes
+unseen, on the other replica.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -46,6 +48,8 @@ class Outcome:
     streamed: bool
     finish_reason: str | None = None
     error: str = ""
+    migrations: list[dict[str, Any]] = field(default_factory=list)
+    """The request's decode migrations, from its trace (``after_tokens``, ``ms``, ``cause``)."""
 
     @property
     def complete(self) -> bool:
@@ -72,18 +76,21 @@ def _body(model: str, n: int, stream: bool) -> dict[str, Any]:
     content: list[dict[str, Any]] = [{"type": "text", "text": f"Tell me about item {n}."}]
     if n % 2 == 0:
         content.insert(0, {"type": "image_url", "image_url": {"url": _image(n)}})
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0}
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 48, "temperature": 0}
     return {**body, "stream": stream}
 
 
 def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> Outcome:
-    start, headers = time.time(), {"Authorization": f"Bearer {KEY}"}
+    start, headers = time.time(), {"Authorization": f"Bearer {KEY}", "X-Prism-Trace": "1"}
     try:
         if not body["stream"]:
             r = http.post(url, json=body, headers=headers)
-            reason = r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else None
-            return Outcome(start, time.time(), r.status_code, False, reason, "" if r.status_code == 200 else r.text)
-        reason, error = None, ""
+            if r.status_code != 200:
+                return Outcome(start, time.time(), r.status_code, False, None, r.text)
+            answer = r.json()
+            moved = answer.get("prism_trace", {}).get("migrations", [])
+            return Outcome(start, time.time(), 200, False, answer["choices"][0]["finish_reason"], "", moved)
+        reason, error, moved = None, "", []
         with http.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
                 return Outcome(start, time.time(), r.status_code, True, None, r.read().decode(errors="replace"))
@@ -93,9 +100,10 @@ def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> Outcome:
                 event = json.loads(line[6:])
                 if "error" in event:
                     error = json.dumps(event["error"])
+                moved = event.get("prism_trace", {}).get("migrations", moved)
                 for choice in event.get("choices") or []:
                     reason = choice.get("finish_reason") or reason
-        return Outcome(start, time.time(), 200, True, reason, error)
+        return Outcome(start, time.time(), 200, True, reason, error, moved)
     except httpx.HTTPError as exc:
         return Outcome(start, time.time(), 0, body["stream"], None, type(exc).__name__)
 
@@ -132,6 +140,12 @@ def summarize(outcomes: list[Outcome], kills: list[tuple[str, float]], start: fl
         "streams_complete": sum(o.streamed and o.complete for o in outcomes),
         "failed_after_kill_of": after,
         "failures": [asdict(o) | {"error": o.error[:200]} for o in failed][:20],
+        "migrated": {
+            "requests": sum(bool(o.migrations) for o in outcomes),
+            "complete": sum(bool(o.migrations) and o.complete for o in outcomes),
+            "tokens_replayed": sum(m["after_tokens"] for o in outcomes for m in o.migrations),
+            "longest_resume_ms": max((m["ms"] for o in outcomes for m in o.migrations), default=0),
+        },
         "longest_gap_s": round(longest_gap(outcomes, start, end), 2),
         "kills": [{"stage": s, "at_s": round(t - start, 1)} for s, t in kills],
     }

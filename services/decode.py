@@ -7,6 +7,10 @@ the sequence (deadline, failed step). The KV arrives through the replica's trans
 When the caller goes away (client disconnect → Serve cancels the call), the ``finally`` cancels the sequence in the
 engine, which frees its KV blocks at once.
 
+A migrated stream (its first decode replica died after tokens were sent) arrives here with ``replay``: the tokens the
+client already has. The engine rebuilds the sequence through them (:class:`DecodeEngine`, *Replay*) and the stream
+yields only what comes after — the start event as always, then the next token.
+
 Trace: the start event carries every span so far plus ``decode.transfer`` (prefill done → this call starts, the
 transport's read included); the first token carries ``decode.queue`` (KV lease wait + import + first emission).
 """
@@ -67,7 +71,7 @@ class DecodeDeployment:
         return self.engine.has_work() or self.engine.num_waiting > 0
 
     async def generate(
-        self, pre: Traced[Any] | Any, sampling: SamplingParams, ctx: RequestContext
+        self, pre: Traced[Any] | Any, sampling: SamplingParams, ctx: RequestContext, replay: tuple[int, ...] = ()
     ) -> AsyncIterator[DecodeEvent]:
         timeline = Timeline.after(pre, ctx.sent_at)
         ctx.check_deadline("decode")
@@ -86,10 +90,10 @@ class DecodeDeployment:
         key = ctx.key
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.queues[key] = queue
-        tokens = 0
+        tokens = len(replay)
         try:
             async with self.driver.lock:
-                self.engine.submit(key, prefilled, sampling, deadline=ctx.monotonic_deadline())
+                self.engine.submit(key, prefilled, sampling, deadline=ctx.monotonic_deadline(), replay=replay)
             self._load()
             self.driver.poke()
             yield StreamStart(tuple(prefilled.prompt_token_ids.tolist()), tuple(timeline.spans))
@@ -99,7 +103,7 @@ class DecodeDeployment:
                     yield StreamAbort("timeout" if event.finish_reason == "timeout" else "error")
                     return
                 spans: tuple = ()
-                if tokens == 0:
+                if tokens == len(replay):
                     waited = timeline.mark("decode.queue")
                     spans = (waited,)
                     self.metrics.observe("prism_stage_queue_seconds", transfer.duration_s + waited.duration_s)
@@ -115,7 +119,7 @@ class DecodeDeployment:
                 if self.engine.cancel(key):  # still running: the caller went away
                     self.cancelled += 1
             self._load()
-            if tokens:
+            if tokens > len(replay):
                 self.metrics.observe("prism_stage_work_seconds", time.time() - timeline.last)
 
     def _deliver(self, events: list[TokenEvent]) -> None:
@@ -137,6 +141,8 @@ class DecodeDeployment:
             "waiting": self.engine.num_waiting,
             "cancelled": self.cancelled,
             "fetches": self.fetches,
+            "replayed_tokens": self.engine.replayed,
+            "replay_mismatches": self.engine.replay_mismatches,
             "transport": self.transport.name,
             "pid": os.getpid(),  # (which replica answered: make chaos reads every replica's KV through this)
         }

@@ -20,6 +20,14 @@ Each attempt carries one :class:`RequestContext` (id, attempt, tenant, deadline,
 to every stage, and the client keeps every stage response of the attempt: a failed attempt, a 504 or a client gone
 cancels the whole chain (media, encode, prefill, decode), not only the decode stream.
 
+**Decode migration.** When the decode replica of a started call is lost (the stream raises a replica-lost error),
+:meth:`PipelineClient.tokens` issues the chain again as a new attempt — the prompt's prefill as before (embeddings
+from the encoder cache or encoded again) — with the tokens the client already received as the decode call's
+``replay``: the live replica rebuilds the sequence through them with ordinary decode steps and the stream goes on from
+the next token, with no error, no repeat and no gap in what the client receives (:mod:`common.engine.decode`,
+*Replay*). At most ``server.max_migrations`` per request, never past its deadline; counted in
+``prism_migrations_total{outcome}`` and listed in the trace.
+
 Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (the context's
 ``sent_at``), the stages' spans arrive with the stream's start event and first token (with where the encode and
 prefill routers sent the calls, by the :class:`RouteKeys` made here), and every token is stamped as it arrives here.
@@ -30,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +84,10 @@ class Call:
     """Every stage response of the attempt (media, encode, prefill, the decode stream): cancelled together."""
     release: Any
     """Gives the tenant's quota back (idempotent)."""
+    reissue: Callable[[tuple[int, ...]], Awaitable[tuple[list[Any], RequestContext, StreamStart]]] | None = None
+    """Issues the chain again as a new attempt whose decode call replays the given tokens (decode migration)."""
     kv_blocks: int = 0
+    migrations: int = 0
 
     @property
     def rid(self) -> str:
@@ -182,12 +193,15 @@ class PipelineClient:
                     route=route,
                 )
 
-            chain, ctx, first = await with_retries(
-                lambda: self._attempt(req, sampling, context()),
-                deadline,
-                REPLICA_LOST,
-                max_attempts=self.cfg.server.max_chain_attempts,
-            )
+            def issue(replay: tuple[int, ...] = ()) -> Awaitable[tuple[list[Any], RequestContext, StreamStart]]:
+                return with_retries(
+                    lambda: self._attempt(req, sampling, context(), replay),
+                    deadline,
+                    REPLICA_LOST,
+                    max_attempts=self.cfg.server.max_chain_attempts,
+                )
+
+            chain, ctx, first = await issue()
             trace.absorb(first.spans)
             for stage in ("encode", "prefill"):
                 decision = route_log.take(stage, ctx.key)
@@ -210,6 +224,7 @@ class PipelineClient:
             trace,
             chain,
             lambda: self.quotas.release(ticket),
+            issue,
         )
 
     def _admit(self, tenant: str, priority: Priority, vector: ResourceVector) -> Ticket:
@@ -260,10 +275,10 @@ class PipelineClient:
                 return
 
     async def _attempt(
-        self, req: ChatCompletionRequest, sampling: SamplingParams, ctx: RequestContext
+        self, req: ChatCompletionRequest, sampling: SamplingParams, ctx: RequestContext, replay: tuple[int, ...] = ()
     ) -> tuple[list[Any], RequestContext, StreamStart]:
         """Issue the whole chain (each stage's response passed to the next) and wait for the decode stream's start;
-        a failed attempt cancels every response of its chain."""
+        a failed attempt cancels every response of its chain. ``replay``: tokens already sent (a migration)."""
         refs = req.media_refs()
         chain: list[Any] = []
         embeddings: Any = []
@@ -272,7 +287,7 @@ class PipelineClient:
             embeddings = self.encode.encode.remote(media, ctx)
             chain += [media, embeddings]
         pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, ctx)
-        stream = self.decode.generate.options(stream=True).remote(pre, sampling, ctx)
+        stream = self.decode.generate.options(stream=True).remote(pre, sampling, ctx, replay)
         chain += [pre, stream]
         try:
             first = await self._next(stream, ctx.deadline)
@@ -284,9 +299,15 @@ class PipelineClient:
             raise
 
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
-        """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure."""
+        """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure. A lost
+        decode replica is replaced by a migration (up to ``server.max_migrations``), unseen by the caller."""
+        sent: list[int] = []
         while True:
-            event = await self._next(call.stream, call.ctx.deadline)
+            try:
+                event = await self._next(call.stream, call.ctx.deadline)
+            except REPLICA_LOST as lost:
+                await self._migrate(call, tuple(sent), lost)
+                continue
             if isinstance(event, StreamAbort):
                 if event.reason == "timeout":
                     raise DeadlineExceeded("deadline exceeded during decode")
@@ -297,9 +318,36 @@ class PipelineClient:
             call.trace.token()
             if event.finish_reason is not None:
                 call.kv_blocks = event.kv_blocks
+            sent.append(event.token_id)
             yield event.token_id, event.finish_reason
             if event.finish_reason is not None:
                 return
+
+    async def _migrate(self, call: Call, sent: tuple[int, ...], lost: BaseException) -> None:
+        """Continue ``call`` on a live decode replica after its own was lost: the chain again, replaying ``sent``.
+        Re-raises ``lost`` when migration is off or spent, or the deadline leaves no room."""
+        server = self.cfg.server
+        if call.reissue is None or call.migrations >= server.max_migrations or time.time() >= call.ctx.deadline:
+            self._count_migration("refused")
+            raise lost
+        call.migrations += 1
+        _cancel(call.chain)  # whatever of the lost attempt still runs upstream
+        started = time.time()
+        try:
+            chain, ctx, first = await call.reissue(sent)
+            if list(first.prompt_token_ids) != call.prompt_ids:
+                _cancel(chain)
+                raise HandoffError("a migrated stream's prompt differs from the original attempt's")
+        except BaseException:
+            self._count_migration("failed")
+            raise
+        call.chain, call.stream, call.ctx = chain, chain[-1], ctx
+        call.trace.migrated(len(sent), time.time() - started, type(lost).__name__)
+        self._count_migration("resumed")
+
+    def _count_migration(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("prism_migrations_total", outcome=outcome)
 
     async def collect(self, call: Call) -> tuple[list[int], str]:
         """Every token of a non-streaming call and its finish reason; the stream is closed either way."""

@@ -12,14 +12,24 @@ A step writes each sequence's new key/value straight into its pool slot and atte
 (:mod:`common.kv.paged_attention`); a sequence takes a new block only when its last one is full, always inside its
 lease (reserved for prompt + ``max_tokens`` at submit), so a running sequence can never run out of KV.
 Each token is sampled with the request's ``(seed, step)`` rule, so batching never changes what a sequence says.
+
+**Replay** (decode migration): a sequence whose first replica died mid-generation is submitted again, on a live
+replica, with the tokens its client already received. Its prompt's KV comes from prefill as the first time; then the
+received tokens are fed through ordinary decode steps — in the batch like any other sequence — but *forced* instead
+of sampled and not emitted, while the stop state, penalty counts and step index follow them exactly as they did
+the first time. The first sampled token after the replay therefore has the same KV, step (seed) and stop state as on
+the lost replica: the stream continues as if nothing happened. Every forced token is also sampled and compared
+(sampling is deterministic: greedy, or seeded per step); a mismatch — a rebuild that did not reproduce the original
+state — is counted in :attr:`DecodeEngine.replay_mismatches` and logged, and the forced token is kept (it is what the
+client saw).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -63,6 +73,8 @@ class _Sequence:
     deadline: float | None
     counts: Counter[int] = field(default_factory=Counter)
     """Tokens generated so far (kept only when the request sets a frequency/presence penalty)."""
+    forced: deque[int] = field(default_factory=deque)
+    """Replayed tokens still to feed (the client already has them): taken instead of sampled, never emitted."""
 
 
 class DecodeEngine:
@@ -83,20 +95,35 @@ class DecodeEngine:
         self.clock = clock
         self.prefer_contiguous = prefer_contiguous
         self.last_error: BaseException | None = None
-        self._pending: OrderedDict[str, tuple[PrefillOutput, SamplingParams, float | None]] = OrderedDict()
+        self.replayed = 0
+        """Tokens fed through replay steps (decode migration)."""
+        self.replay_mismatches = 0
+        """Replayed tokens that this engine would have sampled differently (0 when a rebuild is exact)."""
+        self._pending: OrderedDict[str, tuple[PrefillOutput, SamplingParams, float | None, tuple[int, ...]]] = (
+            OrderedDict()
+        )
         self._running: OrderedDict[str, _Sequence] = OrderedDict()
         self._events: list[TokenEvent] = []
 
     # ---- queue management -----------------------------------------------------------------------------------
     def submit(
-        self, request_id: str, pre: PrefillOutput, sampling: SamplingParams, deadline: float | None = None
+        self,
+        request_id: str,
+        pre: PrefillOutput,
+        sampling: SamplingParams,
+        deadline: float | None = None,
+        replay: Sequence[int] = (),
     ) -> None:
         """Queue a prefilled sequence (``deadline`` on this engine's clock); raises :class:`LeaseTooLarge` if it
-        can never fit its lease."""
+        can never fit its lease. ``replay``: the tokens a client already received from a lost replica (the first
+        one in place of prefill's); they are rebuilt, not emitted, and the sequence goes on from the next one."""
         check_prefill(self.lm, pre)
         sampling = sampling.resolved()
+        replay = tuple(int(t) for t in replay)
+        if len(replay) >= sampling.max_tokens:
+            raise ValueError(f"a replay of {len(replay)} tokens leaves nothing of max_tokens={sampling.max_tokens}")
         need = self.pool.blocks_for(pre.kv.num_tokens + sampling.max_tokens)
-        self._pending[request_id] = (pre, sampling, deadline)
+        self._pending[request_id] = (pre, sampling, deadline, replay)
         try:
             lease = self.pool.request_lease(request_id, need)
         except Exception:
@@ -127,7 +154,7 @@ class DecodeEngine:
             self._admit(granted)
 
     def _admit(self, request_id: str) -> None:
-        pre, sampling, deadline = self._pending.pop(request_id)
+        pre, sampling, deadline, replay = self._pending.pop(request_id)
         lease = self.pool.lease(request_id)
         assert lease is not None  # granted by the pool just now
         # The whole lease as one run when possible: attention then reads this sequence's KV through a view.
@@ -146,7 +173,11 @@ class DecodeEngine:
             deadline=deadline,
         )
         self._running[request_id] = seq
-        self._emit(seq, pre.first_token_id)
+        if not replay:
+            self._emit(seq, pre.first_token_id)
+            return
+        seq.forced.extend(replay)
+        self._replay(seq, pre.first_token_id)
 
     def _emit(self, seq: _Sequence, token: int) -> None:
         if seq.sampling.penalised:
@@ -156,6 +187,22 @@ class DecodeEngine:
         if reason is not None:
             del self._running[seq.request_id]
             self._release(seq.request_id)
+
+    def _replay(self, seq: _Sequence, sampled: int) -> None:
+        """Take the next forced token in place of ``sampled``: the state advances as :meth:`_emit` would advance
+        it, but nothing is emitted (the client has the token already)."""
+        token = seq.forced.popleft()
+        seq.last_token = token
+        self.replayed += 1
+        if token != sampled:
+            self.replay_mismatches += 1
+            log.warning(
+                "replay of %s diverged at step %d: %d sent, %d resampled", seq.request_id, seq.step, token, sampled
+            )
+        if seq.sampling.penalised:
+            seq.counts[token] += 1
+        if seq.stops.check(token, seq.step + 1) is not None:  # a received token cannot have finished the stream
+            self._abort(seq.request_id, "error")
 
     # ---- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -180,7 +227,7 @@ class DecodeEngine:
 
     def _expire(self) -> None:
         now = self.clock()
-        expired = [rid for rid, (_, _, dl) in self._pending.items() if dl is not None and dl <= now]
+        expired = [rid for rid, (_, _, dl, _) in self._pending.items() if dl is not None and dl <= now]
         expired += [rid for rid, seq in self._running.items() if seq.deadline is not None and seq.deadline <= now]
         for rid in expired:
             self._abort(rid, "timeout")
@@ -211,5 +258,9 @@ class DecodeEngine:
         for i, seq in enumerate(batch):
             seq.length += 1
             seq.step += 1
-            seq.last_token = sample_token(logits[i], seq.sampling, seq.step, seq.counts)
-            self._emit(seq, seq.last_token)
+            sampled = sample_token(logits[i], seq.sampling, seq.step, seq.counts)
+            if seq.forced:
+                self._replay(seq, sampled)
+            else:
+                seq.last_token = sampled
+                self._emit(seq, sampled)

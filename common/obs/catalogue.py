@@ -124,6 +124,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "stage",
         "outcome",
     ),
+    _c(
+        "prism_migrations_total",
+        "Decode migrations of an ingress replica: a stream whose decode replica was lost continued on a live one "
+        "(resumed), could not be rebuilt (failed), or was not tried (refused: server.max_migrations spent, or no "
+        "time left before the deadline).",
+        "outcome",
+    ),
     # ---- caches -------------------------------------------------------------------------------------------------
     _c(
         "prism_cache_lookups_total",

@@ -49,6 +49,8 @@ class RequestTrace:
         self.code = ""
         self.routes: dict[str, dict[str, str]] = {}
         """Stage → its cache-affinity routing decision (``outcome``, ``replica``), where the stage was routed by key."""
+        self.migrations: list[dict[str, Any]] = []
+        """Decode migrations: tokens already sent, how long the rebuild took until the stream resumed, what was lost."""
 
     # ---- recording ------------------------------------------------------------------------------------------
     def sent(self, **attrs: Any) -> None:
@@ -62,6 +64,9 @@ class RequestTrace:
 
     def route(self, stage: str, outcome: str, replica: str) -> None:
         self.routes[stage] = {"outcome": outcome, "replica": replica}
+
+    def migrated(self, after_tokens: int, took_s: float, cause: str) -> None:
+        self.migrations.append({"after_tokens": after_tokens, "ms": _ms(took_s), "cause": cause})
 
     def token(self) -> float | None:
         """Stamp one received token; returns the gap since the previous one (``None`` for the first)."""
@@ -131,6 +136,8 @@ class RequestTrace:
             },
             "spans": [],
         }
+        if self.migrations:
+            out["migrations"] = self.migrations
         if not cache_outcomes:
             del out["cache"]
         for s in spans:

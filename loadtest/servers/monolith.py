@@ -39,6 +39,7 @@ def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
     ingress = IngressDeployment(raw, [stages])
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
     app.state.stages = [stage._obj for stage in stages]  # for tests: the stage objects behind the handles
+    app.state.ingress = ingress
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -1,7 +1,7 @@
 """Cache reach end to end: with 2 encode and 2 prefill replicas, the affinity routers send a repeated image to the
 encode replica that holds its embeddings and a prompt that starts like an earlier one to the prefill replica that
-holds its KV blocks, while a mix of distinct images spreads over both (an application of its own in the shared
-cluster)."""
+holds its KV blocks, while a mix of distinct images spreads over both (the shared cluster's scaled-out application,
+:func:`tests.e2e.conftest.scaled_out`)."""
 
 from __future__ import annotations
 
@@ -13,29 +13,20 @@ import httpx
 import pytest
 
 from common.media.synthetic import synthetic_image
-from tests.e2e.conftest import API_KEY
+from tests.e2e.conftest import API_KEY, SCALED_APP
 from tests.e2e.prometheus import total, wait_for
 from tests.mediakit import jpeg_bytes
 
-APP = "prism-affinity"
+APP = SCALED_APP
 MODEL = "prism-tiny-llava"
 VISUAL_TOKENS = 144  # the tiny LLaVA's 12 × 12 patch grid: 9 KV blocks of 16
 
 
 @pytest.fixture(scope="module")
-def affinity(prism_server):
-    from ray import serve
-
-    from services.app import build_app
-
-    base, config = prism_server
-    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    two = {"num_cpus": 0.1, "min_replicas": 2, "max_replicas": 2}
-    cfg["deployments"] = {**config["deployments"], "encode": two, "prefill": two}
-    serve.run(build_app({"config": cfg}), name=APP, route_prefix="/affinity")
+def affinity(scaled_out):
+    base, config = scaled_out
     with httpx.Client(timeout=60) as http:
-        yield f"{base}/affinity", http, config
-    serve.delete(APP)
+        yield base, http, config
 
 
 def _image(seed: int) -> str:

@@ -18,13 +18,14 @@ def test_failures_are_attributed_to_the_last_kill_before_them():
         Outcome(0, 5.0, 200, True, "stop"),
         Outcome(9, 12.0, 503, False),
         Outcome(19, 21.0, 200, True, None, "decode failed"),  # a stream that ended without a finish reason
-        Outcome(20, 22.0, 200, False, "length"),
+        Outcome(20, 22.0, 200, False, "length", "", [{"after_tokens": 7, "ms": 812.5, "cause": "ActorDiedError"}]),
     ]
     s = summarize(outcomes, kills, 0.0, 30.0)
     assert (s["requests"], s["complete"], s["streams"], s["streams_complete"]) == (4, 2, 2, 1)
     assert s["by_status"] == {"200": 3, "503": 1}
     assert s["failed_after_kill_of"] == {"Media": 1, "Decode": 1}
     assert s["longest_gap_s"] == 17.0 and [k["stage"] for k in s["kills"]] == ["Media", "Decode"]
+    assert s["migrated"] == {"requests": 1, "complete": 1, "tokens_replayed": 7, "longest_resume_ms": 812.5}
 
 
 def test_two_replicas_of_every_stage_fit_the_cpus():

@@ -240,3 +240,76 @@ def test_engine_decodes_kv_prefilled_in_another_process(tiny_qwen, model_cache, 
     got = _run(engine, [("remote", remote, sampling), ("local", local, sampling)])
     assert got["remote"] == got["local"] == list(decode(tiny_qwen, local, sampling).token_ids)
     pool.check_no_leaks()
+
+
+def _events(engine: DecodeEngine, out: dict | None = None, once: bool = False) -> dict[str, list]:
+    """``(token, finish)`` per request from the engine's steps (one step if ``once``, else until it is idle)."""
+    out = {} if out is None else out
+    while engine.has_work() or engine.num_waiting:
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).append((ev.token_id, ev.finish_reason))
+        if once:
+            break
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny_llava", "tiny_qwen"])
+def test_a_replayed_sequence_goes_on_exactly_where_the_lost_one_stopped(model, request):
+    """Decode migration: each request resubmitted with the first half of its tokens (greedy, seeded, penalised,
+    with and without images), batched with fresh ones, emits exactly the rest — same tokens, same finish — and every
+    replayed step resamples the token the client already had."""
+    lm = request.getfixturevalue(model)
+    requests = _mixed_requests(lm, 12)
+    alone = {rid: decode(lm, pre, sp) for rid, pre, sp in requests}
+    pool = KVPool(256, 16, lm.kv_shape, lm.dtype)
+    engine = DecodeEngine(lm, pool, max_batch=8)
+    cut = {rid: len(alone[rid].token_ids) // 2 for rid, _, _ in requests}
+    got: dict[str, list] = {}
+    for rid, pre, sp in requests:
+        fresh = int(rid.split("-")[1]) % 3 == 0  # every third request is not a migration
+        replay = [] if fresh else list(alone[rid].token_ids[: cut[rid]])
+        cut[rid] = len(replay)
+        engine.submit(rid, pre, sp, replay=replay)
+        _events(engine, got, once=True)  # staggered: replays join a batch that is already running
+    _events(engine, got)
+    for rid, _, _ in requests:
+        full = alone[rid]
+        assert [t for t, _ in got[rid]] == list(full.token_ids[cut[rid] :]), rid
+        assert got[rid][-1][1] == full.finish_reason, rid
+    assert sum(cut.values()) > 20 and engine.replayed == sum(cut.values())
+    assert engine.replay_mismatches == 0
+    pool.check_no_leaks()
+
+
+def test_replay_carries_the_stop_string_state_across_the_cut(tiny_llava):
+    """A stop string that begins in the replayed tokens and ends in the first new one still stops the stream."""
+    lm = tiny_llava
+    plain = SamplingParams(max_tokens=24, ignore_eos=True)
+    pre = _prefilled(lm, 5, 1, plain)
+    ids = list(decode(lm, pre, plain).token_ids)
+    stop = next(
+        s
+        for k in range(3, 20)
+        if (s := lm.tokenizer.decode(ids[k - 1 : k + 1], skip_special_tokens=True).strip())
+        and len(s) > 1
+        and s not in lm.tokenizer.decode(ids[:k], skip_special_tokens=True)
+    )
+    sampling = plain.model_copy(update={"stop": [stop]})
+    stopped = decode(lm, pre, sampling)
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 24
+    replay = list(stopped.token_ids[:-1])
+    assert stop not in lm.tokenizer.decode(replay, skip_special_tokens=True)
+    pool = KVPool(64, 16, lm.kv_shape, lm.dtype)
+    engine = DecodeEngine(lm, pool)
+    engine.submit("s", pre, sampling, replay=replay)
+    assert _events(engine) == {"s": [(stopped.token_ids[-1], "stop")]}
+    pool.check_no_leaks()
+
+
+def test_a_replay_as_long_as_max_tokens_is_refused(tiny_llava):
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    pool = KVPool(64, 16, tiny_llava.kv_shape, tiny_llava.dtype)
+    engine = DecodeEngine(tiny_llava, pool)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.submit("r", _prefilled(tiny_llava, 1, 0, sampling), sampling, replay=[1, 2, 3, 4])
+    pool.check_no_leaks()

@@ -112,3 +112,135 @@ def test_engines_step_on_threads_of_their_own(model_cache, monkeypatch):
     assert all(seen.values()), seen
     assert seen["encode"] == {"prism-encode_0"} and seen["decode"] == {"prism-decode_0"}
     assert all(name.startswith("prism-prefill-") for name in seen["prefill"]), seen
+
+
+class _LosingDecode:
+    """The decode handle, except that its next ``losses`` streams die after ``after`` events the way a killed
+    replica's stream does in Serve: the call is gone (its sequence freed) and the ingress sees ``RayActorError``."""
+
+    def __init__(self, handle, after: int, losses: int = 1) -> None:
+        self.handle, self.after, self.losses = handle, after, losses
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    @property
+    def generate(self):
+        return self
+
+    def options(self, stream: bool = False):
+        return self
+
+    def remote(self, *args):
+        stream = self.handle.generate.options(stream=True).remote(*args)
+        if self.losses <= 0:
+            return stream
+        self.losses -= 1
+        return _DyingStream(stream, self.after)
+
+
+class _DyingStream:
+    def __init__(self, stream, after: int) -> None:
+        self.stream, self.left = stream, after
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from ray.exceptions import RayActorError
+
+        if self.left == 0:
+            self.stream.cancel()
+            await asyncio.sleep(0)  # the cancelled generator closes: its sequence leaves the engine
+            raise RayActorError()
+        self.left -= 1
+        return await self.stream.__anext__()
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+
+def _stream_tokens(response: httpx.Response) -> tuple[str, list[int], list[dict]]:
+    text, ids, finals = "", [], []
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            chunk = httpx.Response(200, content=line[6:]).json()
+            for choice in chunk.get("choices", []):
+                text += choice["delta"].get("content") or ""
+                ids += choice.get("token_ids") or []
+            if "error" in chunk or any(c.get("finish_reason") for c in chunk.get("choices", [])):
+                finals.append(chunk)
+    return text, ids, finals
+
+
+@pytest.fixture
+def losing(model_cache):
+    """A fresh app per test (its engine locks belong to the one event loop the test runs in) whose decode handle
+    can be told to lose streams."""
+    app = build(_config(model_cache), transport=FakeTransport())
+    client = app.state.ingress.clients["prism-tiny-llava"]
+    real = client.decode
+
+    def lose(after: int, losses: int = 1) -> _LosingDecode:
+        client.decode = _LosingDecode(real, after, losses)
+        return client.decode
+
+    return app, lose
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
+@pytest.mark.parametrize("after", [1, 5], ids=["before-first-token", "after-4-tokens"])
+def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after):
+    """The decode stream dies after its start (+ tokens): the answer is the undisturbed one, token for token, the
+    trace lists the migration, nothing is replayed differently and no KV is left behind."""
+    app, lose = losing
+    body = {**BODY, "max_tokens": 16}
+    decode = app.state.stages[3]
+
+    async def calm_then_disturbed():
+        calm = await _ask(app, body)
+        lose(after)
+        return calm.json()["choices"][0], await _ask_traced(app, body, stream)
+
+    calm, got = asyncio.run(calm_then_disturbed())
+    assert got.status_code == 200
+    if stream:
+        text, ids, finals = _stream_tokens(got)
+        trace = finals[-1]["prism_trace"]
+    else:
+        choice = got.json()["choices"][0]
+        text, ids, trace = choice["message"]["content"], choice["token_ids"], got.json()["prism_trace"]
+    assert ids == calm["token_ids"] and len(ids) == 16
+    assert text == calm["message"]["content"]
+    assert [(m["after_tokens"], m["cause"]) for m in trace["migrations"]] == [(after - 1, "RayActorError")]
+    assert decode.engine.replayed == max(0, after - 1)
+    assert decode.engine.replay_mismatches == 0
+    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+
+
+def test_migrations_are_bounded(losing):
+    """More losses than ``server.max_migrations`` (2): after two migrations the third loss ends the stream with a
+    typed error event; every token sent before it was new, and no KV is left behind."""
+    app, lose = losing
+    lose(after=3, losses=3)  # each stream: its start and 2 tokens, then the replica is lost
+
+    async def ask():
+        got = await _ask_traced(app, {**BODY, "max_tokens": 16}, stream=True)
+        await asyncio.sleep(0.1)  # the cancelled streams close in this loop
+        return got
+
+    got = asyncio.run(ask())
+    _, _, finals = _stream_tokens(got)
+    error = finals[-1]
+    assert error["error"]["code"] == "stage_unavailable"
+    trace = error["prism_trace"]
+    assert [m["after_tokens"] for m in trace["migrations"]] == [2, 4] and trace["output_tokens"] == 6
+    decode = app.state.stages[3]
+    assert decode.engine.replayed == 2 + 4 and decode.engine.replay_mismatches == 0
+    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+
+
+async def _ask_traced(app, body, stream: bool) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=60) as http:
+        return await http.post("/v1/chat/completions", json={**body, "stream": stream}, headers={"x-prism-trace": "1"})
