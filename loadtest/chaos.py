@@ -72,16 +72,21 @@ def _image(seed: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _body(model: str, n: int, stream: bool) -> dict[str, Any]:
+def _body(model: str, n: int, stream: bool, max_tokens: int = 48) -> dict[str, Any]:
     content: list[dict[str, Any]] = [{"type": "text", "text": f"Tell me about item {n}."}]
     if n % 2 == 0:
         content.insert(0, {"type": "image_url", "image_url": {"url": _image(n)}})
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 48, "temperature": 0}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     return {**body, "stream": stream}
 
 
-def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> Outcome:
-    start, headers = time.time(), {"Authorization": f"Bearer {KEY}", "X-Prism-Trace": "1"}
+def one_request(http: httpx.Client, url: str, body: dict[str, Any], key: str = KEY) -> Outcome:
+    start, headers = time.time(), {"Authorization": f"Bearer {key}", "X-Prism-Trace": "1"}
     try:
         if not body["stream"]:
             r = http.post(url, json=body, headers=headers)
@@ -108,12 +113,15 @@ def one_request(http: httpx.Client, url: str, body: dict[str, Any]) -> Outcome:
         return Outcome(start, time.time(), 0, body["stream"], None, type(exc).__name__)
 
 
-def client(base: str, model: str, index: int, stop: threading.Event, out: list[Outcome]) -> None:
+def client(
+    base: str, model: str, index: int, stop: threading.Event, out: list[Outcome], key: str = KEY, max_tokens: int = 48
+) -> None:
+    """Requests one after another until ``stop``: text and small images alternating, half of them streamed."""
     url = f"{base}/v1/chat/completions"
     n = index
     with httpx.Client(timeout=60) as http:
         while not stop.is_set():
-            out.append(one_request(http, url, _body(model, n, stream=n % 4 < 2)))
+            out.append(one_request(http, url, _body(model, n, stream=n % 4 < 2, max_tokens=max_tokens), key))
             n += 97
 
 

@@ -103,7 +103,9 @@ class DecodeDeployment:
                     yield StreamAbort("timeout" if event.finish_reason == "timeout" else "error")
                     return
                 spans: tuple = ()
-                if tokens == len(replay):
+                if tokens == len(replay) and replay:  # lease wait + import + the replayed steps: not a queue
+                    spans = (timeline.mark("decode.replay", tokens=len(replay)),)
+                elif tokens == 0:
                     waited = timeline.mark("decode.queue")
                     spans = (waited,)
                     self.metrics.observe("prism_stage_queue_seconds", transfer.duration_s + waited.duration_s)

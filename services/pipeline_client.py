@@ -65,7 +65,7 @@ from common.sched.quota import TenantQuotas, Ticket
 from common.sched.resources import ResourceVector, check_limits
 from common.stages.prompt import render_chat
 from services import route_log
-from services.lifecycle import REPLICA_LOST
+from services.lifecycle import CANCELLED, REPLICA_LOST
 from services.retry import with_retries
 
 
@@ -99,6 +99,13 @@ class Call:
             _cancel(self.chain)
         finally:
             self.release()
+
+
+@dataclass(frozen=True)
+class _Migration:
+    started: float
+    after_tokens: int
+    cause: str
 
 
 def _cancel(chain: list[Any]) -> None:
@@ -302,19 +309,31 @@ class PipelineClient:
         """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure. A lost
         decode replica is replaced by a migration (up to ``server.max_migrations``), unseen by the caller."""
         sent: list[int] = []
+        moving: _Migration | None = None  # a migration whose stream has not produced a new token yet
         while True:
             try:
                 event = await self._next(call.stream, call.ctx.deadline)
-            except REPLICA_LOST as lost:
-                await self._migrate(call, tuple(sent), lost)
+                if isinstance(event, StreamAbort):
+                    if event.reason == "timeout":
+                        raise DeadlineExceeded("deadline exceeded during decode")
+                    raise PrismError("decode failed; see the decode replica's log")
+                if not isinstance(event, StreamToken):
+                    raise HandoffError(f"the decode stream sent {type(event).__name__} where a token was due")
+            except CANCELLED:
+                raise
+            except BaseException as exc:
+                if moving is not None:  # the rebuilt stream failed before its first new token
+                    self._migration_done(call, moving, "failed")
+                    moving = None
+                if not isinstance(exc, REPLICA_LOST):
+                    raise
+                moving = await self._migrate(call, tuple(sent), exc)
                 continue
-            if isinstance(event, StreamAbort):
-                if event.reason == "timeout":
-                    raise DeadlineExceeded("deadline exceeded during decode")
-                raise PrismError("decode failed; see the decode replica's log")
-            if not isinstance(event, StreamToken):
-                raise HandoffError(f"the decode stream sent {type(event).__name__} where a token was due")
-            call.trace.absorb(event.spans)
+            if moving is not None:
+                self._migration_done(call, moving, "resumed")
+                moving = None
+            else:  # (a migrated stream's spans would repeat stages the trace has; its entry says what it cost)
+                call.trace.absorb(event.spans)
             call.trace.token()
             if event.finish_reason is not None:
                 call.kv_blocks = event.kv_blocks
@@ -323,27 +342,37 @@ class PipelineClient:
             if event.finish_reason is not None:
                 return
 
-    async def _migrate(self, call: Call, sent: tuple[int, ...], lost: BaseException) -> None:
-        """Continue ``call`` on a live decode replica after its own was lost: the chain again, replaying ``sent``.
-        Re-raises ``lost`` when migration is off or spent, or the deadline leaves no room."""
-        server = self.cfg.server
-        if call.reissue is None or call.migrations >= server.max_migrations or time.time() >= call.ctx.deadline:
+    async def _migrate(self, call: Call, sent: tuple[int, ...], lost: BaseException) -> _Migration:
+        """Continue ``call`` on a live decode replica after its own was lost: the chain again, replaying ``sent``;
+        returns once the new stream started. Re-raises ``lost`` when migration is off or spent (504 when the
+        deadline leaves no time)."""
+        if time.time() >= call.ctx.deadline:
+            self._count_migration("refused")
+            raise DeadlineExceeded("deadline exceeded when the decode replica was lost") from lost
+        if call.reissue is None or call.migrations >= self.cfg.server.max_migrations:
             self._count_migration("refused")
             raise lost
         call.migrations += 1
-        _cancel(call.chain)  # whatever of the lost attempt still runs upstream
-        started = time.time()
+        _cancel(call.chain)  # whatever of the lost attempt still runs (a replica merely unreachable frees its KV)
+        moving = _Migration(time.time(), len(sent), type(lost).__name__)
         try:
             chain, ctx, first = await call.reissue(sent)
             if list(first.prompt_token_ids) != call.prompt_ids:
                 _cancel(chain)
                 raise HandoffError("a migrated stream's prompt differs from the original attempt's")
+        except CANCELLED:
+            raise
         except BaseException:
-            self._count_migration("failed")
+            self._migration_done(call, moving, "failed")
             raise
         call.chain, call.stream, call.ctx = chain, chain[-1], ctx
-        call.trace.migrated(len(sent), time.time() - started, type(lost).__name__)
-        self._count_migration("resumed")
+        return moving
+
+    def _migration_done(self, call: Call, moving: _Migration, outcome: str) -> None:
+        """Record a migration once its outcome is known: ``resumed`` at the rebuilt stream's first new token (so its
+        time covers the chain, the replay and the lease wait), ``failed`` if it ended before that."""
+        call.trace.migrated(moving.after_tokens, time.time() - moving.started, moving.cause, outcome)
+        self._count_migration(outcome)
 
     def _count_migration(self, outcome: str) -> None:
         if self.metrics is not None:

@@ -75,6 +75,7 @@ class _Sequence:
     """Tokens generated so far (kept only when the request sets a frequency/presence penalty)."""
     forced: deque[int] = field(default_factory=deque)
     """Replayed tokens still to feed (the client already has them): taken instead of sampled, never emitted."""
+    diverged: bool = False
 
 
 class DecodeEngine:
@@ -196,9 +197,11 @@ class DecodeEngine:
         self.replayed += 1
         if token != sampled:
             self.replay_mismatches += 1
-            log.warning(
-                "replay of %s diverged at step %d: %d sent, %d resampled", seq.request_id, seq.step, token, sampled
-            )
+            if not seq.diverged:  # once per sequence: after a divergence every later step may differ too
+                seq.diverged = True
+                log.warning(
+                    "replay of %s diverged at step %d: %d sent, %d resampled", seq.request_id, seq.step, token, sampled
+                )
         if seq.sampling.penalised:
             seq.counts[token] += 1
         if seq.stops.check(token, seq.step + 1) is not None:  # a received token cannot have finished the stream

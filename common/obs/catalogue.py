@@ -127,8 +127,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _c(
         "prism_migrations_total",
         "Decode migrations of an ingress replica: a stream whose decode replica was lost continued on a live one "
-        "(resumed), could not be rebuilt (failed), or was not tried (refused: server.max_migrations spent, or no "
-        "time left before the deadline).",
+        "(resumed, counted at its first new token), ended before a new token (failed: an error or the deadline during "
+        "the rebuild), or was not tried (refused: server.max_migrations spent, or no time left before the deadline).",
         "outcome",
     ),
     # ---- caches -------------------------------------------------------------------------------------------------

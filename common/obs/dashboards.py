@@ -201,7 +201,8 @@ def requests_dashboard() -> dict[str, Any]:
         [(f"sum by (outcome) (rate({m('prism_migrations_total')}{{{APP}}}[{RATE}]))", "{{outcome}}")],
         unit="reqps",
         desc="resumed: a stream whose decode replica was lost went on on a live one, unseen by its client; failed: "
-        "the rebuild did not start; refused: server.max_migrations spent or no time left (the client got an error).",
+        "the rebuilt stream ended before a new token; refused: server.max_migrations spent or no time left (the "
+        "client got an error).",
     )
     lay.row("Admission")
     lay.panel(

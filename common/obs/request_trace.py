@@ -50,7 +50,7 @@ class RequestTrace:
         self.routes: dict[str, dict[str, str]] = {}
         """Stage → its cache-affinity routing decision (``outcome``, ``replica``), where the stage was routed by key."""
         self.migrations: list[dict[str, Any]] = []
-        """Decode migrations: tokens already sent, how long the rebuild took until the stream resumed, what was lost."""
+        """Decode migrations (:meth:`migrated`)."""
 
     # ---- recording ------------------------------------------------------------------------------------------
     def sent(self, **attrs: Any) -> None:
@@ -65,8 +65,10 @@ class RequestTrace:
     def route(self, stage: str, outcome: str, replica: str) -> None:
         self.routes[stage] = {"outcome": outcome, "replica": replica}
 
-    def migrated(self, after_tokens: int, took_s: float, cause: str) -> None:
-        self.migrations.append({"after_tokens": after_tokens, "ms": _ms(took_s), "cause": cause})
+    def migrated(self, after_tokens: int, took_s: float, cause: str, outcome: str) -> None:
+        """One decode migration: tokens the client had, the time from the loss to the first new token (or to the
+        failure), the exception that told of the loss, ``resumed`` / ``failed``."""
+        self.migrations.append({"after_tokens": after_tokens, "ms": _ms(took_s), "cause": cause, "outcome": outcome})
 
     def token(self) -> float | None:
         """Stamp one received token; returns the gap since the previous one (``None`` for the first)."""

@@ -299,6 +299,7 @@ def test_replay_carries_the_stop_string_state_across_the_cut(tiny_llava):
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 24
     replay = list(stopped.token_ids[:-1])
     assert stop not in lm.tokenizer.decode(replay, skip_special_tokens=True)
+    assert stop not in lm.tokenizer.decode(stopped.token_ids[-1:], skip_special_tokens=True), "it spans the cut"
     pool = KVPool(64, 16, lm.kv_shape, lm.dtype)
     engine = DecodeEngine(lm, pool)
     engine.submit("s", pre, sampling, replay=replay)
@@ -312,4 +313,29 @@ def test_a_replay_as_long_as_max_tokens_is_refused(tiny_llava):
     engine = DecodeEngine(tiny_llava, pool)
     with pytest.raises(ValueError, match="max_tokens"):
         engine.submit("r", _prefilled(tiny_llava, 1, 0, sampling), sampling, replay=[1, 2, 3, 4])
+    pool.check_no_leaks()
+
+
+def test_a_replay_that_waits_for_its_lease_or_outlives_its_deadline(tiny_llava):
+    """A replayed sequence queued behind a full pool is rebuilt when its lease comes and goes on exactly; one whose
+    deadline passes while it waits times out like any other, and nothing leaks."""
+    lm = tiny_llava
+    clock = _Clock()
+    sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+    pre = _prefilled(lm, 3, 1, sampling)
+    full = list(decode(lm, pre, sampling).token_ids)
+    need = -(-(pre.kv.num_tokens + 20) // 16)
+    pool = KVPool(need, 16, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
+    engine = DecodeEngine(lm, pool, clock=clock)
+    engine.submit("first", pre, sampling)
+    engine.submit("moved", pre, sampling, replay=full[:9])
+    engine.submit("late", pre, sampling, deadline=1.0, replay=full[:5])
+    assert engine.num_waiting == 2
+    got = _events(engine, once=True)
+    clock.t = 2.0  # "late" is still waiting for a lease
+    got = _events(engine, got)
+    assert [t for t, _ in got["first"]] == full
+    assert [t for t, _ in got["moved"]] == full[9:] and got["moved"][-1][1] == "length"
+    assert got["late"] == [(None, "timeout")]
+    assert engine.replayed == 9 and engine.replay_mismatches == 0
     pool.check_no_leaks()

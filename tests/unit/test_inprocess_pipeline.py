@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
+import time
 
 import httpx
 import pytest
@@ -115,11 +116,14 @@ def test_engines_step_on_threads_of_their_own(model_cache, monkeypatch):
 
 
 class _LosingDecode:
-    """The decode handle, except that its next ``losses`` streams die after ``after`` events the way a killed
-    replica's stream does in Serve: the call is gone (its sequence freed) and the ingress sees ``RayActorError``."""
+    """The decode handle, except that its next ``losses`` streams die after ``after`` events: like a killed replica
+    (the call is gone, its sequence freed, the ingress sees ``RayActorError``) or, with ``unreachable``, like a
+    replica the ingress cannot reach (``ActorUnavailableError``) whose call runs on until the ingress cancels it."""
 
-    def __init__(self, handle, after: int, losses: int = 1) -> None:
-        self.handle, self.after, self.losses = handle, after, losses
+    def __init__(self, handle, after: int, losses: int = 1, unreachable: bool = False) -> None:
+        self.handle, self.after, self.losses, self.unreachable = handle, after, losses, unreachable
+        self.on_loss = lambda: None
+        self.dying: list[_DyingStream] = []
 
     def __getattr__(self, name):
         return getattr(self.handle, name)
@@ -136,20 +140,25 @@ class _LosingDecode:
         if self.losses <= 0:
             return stream
         self.losses -= 1
-        return _DyingStream(stream, self.after)
+        self.dying.append(_DyingStream(stream, self.after, self.unreachable, self.on_loss))
+        return self.dying[-1]
 
 
 class _DyingStream:
-    def __init__(self, stream, after: int) -> None:
-        self.stream, self.left = stream, after
+    def __init__(self, stream, after: int, unreachable: bool, on_loss) -> None:
+        self.stream, self.left, self.unreachable, self.on_loss = stream, after, unreachable, on_loss
+        self.cancelled = False
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
         if self.left == 0:
+            self.on_loss()
+            if self.unreachable:  # the sequence still runs there: only the ingress's cancel frees it
+                raise ActorUnavailableError("replica unreachable", None)
             self.stream.cancel()
             await asyncio.sleep(0)  # the cancelled generator closes: its sequence leaves the engine
             raise RayActorError()
@@ -157,6 +166,7 @@ class _DyingStream:
         return await self.stream.__anext__()
 
     def cancel(self) -> None:
+        self.cancelled = True
         self.stream.cancel()
 
 
@@ -179,28 +189,50 @@ def losing(model_cache):
     can be told to lose streams."""
     app = build(_config(model_cache), transport=FakeTransport())
     client = app.state.ingress.clients["prism-tiny-llava"]
+    client.metrics = app.state.counted = _Counted()
     real = client.decode
 
-    def lose(after: int, losses: int = 1) -> _LosingDecode:
-        client.decode = _LosingDecode(real, after, losses)
+    def lose(after: int, losses: int = 1, unreachable: bool = False) -> _LosingDecode:
+        client.decode = _LosingDecode(real, after, losses, unreachable)
         return client.decode
 
     return app, lose
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "unary"])
-@pytest.mark.parametrize("after", [1, 5], ids=["before-first-token", "after-4-tokens"])
-def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after):
+class _Counted:
+    """Stands in for the ingress's metrics: what was counted, by name and tags."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple, float] = {}
+
+    def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
+        key = (name, *sorted(tags.items()))
+        self.counts[key] = self.counts.get(key, 0) + value
+
+    def migrations(self) -> dict[str, float]:
+        return {dict(k[1:])["outcome"]: v for k, v in self.counts.items() if k[0] == "prism_migrations_total"}
+
+
+@pytest.mark.parametrize(
+    "stream, after, unreachable",
+    [(True, 1, False), (True, 5, False), (False, 1, False), (False, 5, False), (True, 5, True)],
+    ids=["streamed-before-first-token", "streamed-after-4", "unary-before-first-token", "unary-after-4", "unreachable"],
+)
+def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after, unreachable):
     """The decode stream dies after its start (+ tokens): the answer is the undisturbed one, token for token, the
-    trace lists the migration, nothing is replayed differently and no KV is left behind."""
+    trace lists the migration, nothing is replayed differently and no KV is left behind — also when the lost
+    replica's call was still running (only the ingress cancelling the lost attempt frees it)."""
     app, lose = losing
     body = {**BODY, "max_tokens": 16}
     decode = app.state.stages[3]
 
     async def calm_then_disturbed():
         calm = await _ask(app, body)
-        lose(after)
-        return calm.json()["choices"][0], await _ask_traced(app, body, stream)
+        losing = lose(after, unreachable=unreachable)
+        got = await _ask_traced(app, body, stream)
+        assert losing.dying[0].cancelled, "the lost attempt's chain is cancelled (an unreachable replica runs on)"
+        await asyncio.sleep(0.1)  # the cancelled streams close in this loop
+        return calm.json()["choices"][0], got
 
     calm, got = asyncio.run(calm_then_disturbed())
     assert got.status_code == 200
@@ -212,7 +244,10 @@ def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after):
         text, ids, trace = choice["message"]["content"], choice["token_ids"], got.json()["prism_trace"]
     assert ids == calm["token_ids"] and len(ids) == 16
     assert text == calm["message"]["content"]
-    assert [(m["after_tokens"], m["cause"]) for m in trace["migrations"]] == [(after - 1, "RayActorError")]
+    cause = "ActorUnavailableError" if unreachable else "RayActorError"
+    moved = [(m["after_tokens"], m["cause"], m["outcome"]) for m in trace["migrations"]]
+    assert moved == [(after - 1, cause, "resumed")]
+    assert app.state.counted.migrations() == {"resumed": 1}
     assert decode.engine.replayed == max(0, after - 1)
     assert decode.engine.replay_mismatches == 0
     assert decode.pool.used_blocks == 0 and not decode.engine.num_running
@@ -235,6 +270,7 @@ def test_migrations_are_bounded(losing):
     assert error["error"]["code"] == "stage_unavailable"
     trace = error["prism_trace"]
     assert [m["after_tokens"] for m in trace["migrations"]] == [2, 4] and trace["output_tokens"] == 6
+    assert app.state.counted.migrations() == {"resumed": 2, "refused": 1}
     decode = app.state.stages[3]
     assert decode.engine.replayed == 2 + 4 and decode.engine.replay_mismatches == 0
     assert decode.pool.used_blocks == 0 and not decode.engine.num_running
@@ -244,3 +280,26 @@ async def _ask_traced(app, body, stream: bool) -> httpx.Response:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=60) as http:
         return await http.post("/v1/chat/completions", json={**body, "stream": stream}, headers={"x-prism-trace": "1"})
+
+
+def test_a_loss_after_the_deadline_is_a_504_not_a_migration(losing, monkeypatch):
+    """No time left when the replica is lost: 504 ``deadline_exceeded`` (not a 503), counted as refused."""
+    import types
+
+    import services.pipeline_client as pc
+
+    app, lose = losing
+    late = {"by": 0.0}
+    monkeypatch.setattr(pc, "time", types.SimpleNamespace(time=lambda: time.time() + late["by"]))
+    lose(after=3).on_loss = lambda: late.update(by=10_000.0)  # the loss is seen only past the deadline
+
+    async def ask():
+        got = await _ask(app, {**BODY, "max_tokens": 16})
+        await asyncio.sleep(0.1)
+        return got
+
+    got = asyncio.run(ask())
+    assert got.status_code == 504 and got.json()["error"]["code"] == "deadline_exceeded"
+    assert app.state.counted.migrations() == {"refused": 1}
+    decode = app.state.stages[3]
+    assert decode.pool.used_blocks == 0 and not decode.engine.num_running

@@ -1,0 +1,146 @@
+"""Prism across nodes: each stage's replicas on the node of its group, embeddings and KV crossing nodes through the
+object store and through NIXL with the same tokens as the in-process reference, and a decode node removed under load
+without a lost or hung request (its streams migrate; its replica comes back on the other decode node).
+
+The figures each run measures (bytes and time of the cross-node hand-offs, outcomes of the node loss) are printed as
+JSON lines prefixed ``[multinode]`` (``pytest -s tests/multinode`` shows them)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+
+import openai
+import pytest
+
+from common.media.synthetic import synthetic_image
+from common.protocol.sampling import SamplingParams
+from common.reference.pipeline import run_request
+from loadtest.chaos import client as load_client
+from loadtest.chaos import summarize
+from tests.multinode.conftest import API_KEY, APPS, MODEL, replicas_by_node
+
+GROUP_OF = {"Ingress": "media", "Media": "media", "Encode": "encode", "Prefill": "prefill", "Decode": "decode"}
+
+
+def _report(what: str, **figures) -> None:
+    print(f"[multinode] {json.dumps({'what': what, **figures})}")
+
+
+def test_each_stage_runs_on_the_nodes_of_its_group(cluster):
+    _, nodes, _ = cluster
+    node_ids = {group: node.node_id for group, node in nodes.items()}
+    decode_nodes = {node_ids["decode"], node_ids["decode-2"]}
+    for name, _, decode_replicas in APPS.values():
+        placed = replicas_by_node(name)
+        assert set(placed) == set(GROUP_OF), placed
+        for deployment, on in placed.items():
+            group = GROUP_OF[deployment]
+            allowed = decode_nodes if group == "decode" else {node_ids[group]}
+            assert set(on) <= allowed, (name, deployment, on)
+        assert len(placed["Decode"]) == decode_replicas
+    # the two decode replicas of the first app are spread over both decode nodes
+    assert set(replicas_by_node(APPS["object_store"][0])["Decode"]) == decode_nodes
+
+
+def _png(seed: int) -> str:
+    buf = io.BytesIO()
+    synthetic_image(200, 150, seed=seed).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("transport", list(APPS))
+def test_hand_offs_cross_nodes_and_tokens_match_the_reference(cluster, tiny_llava, transport):
+    base, _, _ = cluster
+    name, prefix, _ = APPS[transport]
+    oai = openai.OpenAI(base_url=f"{base}{prefix}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    for images in ([], [3]):
+        text = "Describe it." if images else "Count to five."
+        content = [{"type": "image_url", "image_url": {"url": _png(s)}} for s in images]
+        r = oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [*content, {"type": "text", "text": text}]}],
+            max_tokens=16,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+            extra_headers={"X-Prism-Trace": "1"},
+        )
+        ref = run_request(
+            tiny_llava,
+            [{"role": "user", "content": [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]}],
+            [synthetic_image(200, 150, seed=s) for s in images],
+            SamplingParams(max_tokens=16),
+        )
+        assert r.model_extra["prompt_token_ids"] == list(ref.prompt_token_ids)
+        assert r.choices[0].model_extra["token_ids"] == list(ref.output.token_ids)
+        spans = {s["name"]: s for s in r.model_extra["prism_trace"]["spans"]}
+        kv = spans["decode.transfer"]
+        assert kv["attrs"]["backend"] == transport and kv["attrs"]["bytes"] > 0
+        figures = {"kv_bytes": kv["attrs"]["bytes"], "kv_ms": kv["duration_ms"]}
+        if images:  # embeddings: encode node → prefill node, always through the object store
+            emb = spans["prefill.transfer"]
+            assert emb["attrs"]["backend"] == "object_store" and emb["attrs"]["bytes"] > 0
+            figures |= {"embedding_bytes": emb["attrs"]["bytes"], "embedding_ms": emb["duration_ms"]}
+        _report("hand-off", app=name, transport=transport, images=len(images), **figures)
+
+
+def test_a_decode_node_removed_under_load_loses_no_request(cluster):
+    """Half the requests stream; the decode node leaves mid-load: its streams migrate to the other decode node, Serve
+    starts its replica again there, and every request completes — none fails, none hangs."""
+    from ray import serve
+
+    base, nodes, ray_cluster = cluster
+    name, prefix, _ = APPS["object_store"]
+    stop, outcomes = threading.Event(), []
+    args = (f"{base}{prefix}", MODEL)
+    kw = {"key": API_KEY, "max_tokens": 96}
+    threads = [
+        threading.Thread(target=load_client, args=(*args, i, stop, outcomes), kwargs=kw, daemon=True) for i in range(3)
+    ]
+    start = time.time()
+    for t in threads:
+        t.start()
+    time.sleep(6)
+    gone = _busy_decode_node(name, nodes)  # the node of a decode replica that is generating right now
+    removed_at = time.time()
+    ray_cluster.remove_node(nodes[gone], allow_graceful=False)  # a lost machine: raylet and workers killed
+    time.sleep(10)
+    stop.set()
+    for t in threads:
+        t.join(90)
+    end = time.time()
+    summary = summarize(outcomes, [("Decode", removed_at)], start, end)
+    _report("decode node removed", **{k: v for k, v in summary.items() if k != "failures"})
+    assert summary["requests"] >= 6 and not any(t.is_alive() for t in threads)
+    assert summary["complete"] == summary["requests"], summary["failures"]
+    assert max(o.end - o.start for o in outcomes) < 30, "a request hung"
+    assert summary["migrated"]["requests"] >= 1, "the removed node's sequences went on on the other decode node"
+    # the stage is whole again: two decode replicas, now both on the remaining decode node
+    survivor = nodes["decode-2" if gone == "decode" else "decode"].node_id
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        status = serve.status().applications[name].deployments["Decode"]
+        running = sum(n for state, n in status.replica_states.items() if str(state).endswith("RUNNING"))
+        if running == 2 and replicas_by_node(name).get("Decode") == [survivor, survivor]:
+            break
+        time.sleep(1)
+    assert replicas_by_node(name)["Decode"] == [survivor, survivor]
+
+
+def _busy_decode_node(app: str, nodes: dict) -> str:
+    """The group name (``decode`` / ``decode-2``) of a node whose decode replica has a sequence running."""
+    from ray import serve
+    from ray._private import state
+
+    handle = serve.get_deployment_handle("Decode", app_name=app)
+    node_of_pid = {info["Pid"]: info["Address"]["NodeID"] for info in state.actors().values() if info.get("Pid")}
+    group_of_node = {node.node_id: group for group, node in nodes.items() if group.startswith("decode")}
+    for _ in range(100):
+        stats = handle.stats.remote().result(timeout_s=30)
+        if stats["running"] > 0:
+            return group_of_node[node_of_pid[stats["pid"]]]
+        time.sleep(0.02)
+    raise AssertionError("no decode replica was generating under the load")
