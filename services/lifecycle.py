@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException, RequestCancelledError
 from starlette.requests import ClientDisconnect
 
 from common.errors import Overloaded, PrismError, StageUnavailable
@@ -37,6 +37,18 @@ log = logging.getLogger("prism.ingress")
 
 REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 """Failures that say a stage replica went away under the request (retried before the first token, else 503)."""
+
+
+def replica_lost(exc: BaseException) -> BaseException | None:
+    """The replica loss behind ``exc``, if that is what it is: ``exc`` itself, or the actor death Serve wraps in a
+    ``RayServeException`` when a call of a chain fails because an *upstream* call's replica died (the decode stream
+    reports a prefill or encode replica lost that way)."""
+    if isinstance(exc, REPLICA_LOST):
+        return exc
+    if isinstance(exc, RayServeException) and isinstance(exc.__cause__, REPLICA_LOST):
+        return exc.__cause__
+    return None
+
 
 CANCELLED = (asyncio.CancelledError, GeneratorExit, TaskCancelledError, RequestCancelledError, ClientDisconnect)
 """How the client going away reaches the ingress: its own task cancelled, Serve cancelling a call under it (the
@@ -63,7 +75,7 @@ def typed_error(exc: BaseException, retry_after_s: float) -> PrismError:
         return exc
     if isinstance(exc, BackPressureError):
         return Overloaded("a stage is at capacity; retry later", retry_after_s=retry_after_s)
-    if isinstance(exc, REPLICA_LOST):
+    if replica_lost(exc) is not None:
         return StageUnavailable("a stage replica failed while serving this request; retry", retry_after_s=retry_after_s)
     return PrismError("internal error; see the server logs")
 

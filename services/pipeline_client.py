@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from common.cache.scope import cache_scope
@@ -65,7 +66,7 @@ from common.sched.quota import TenantQuotas, Ticket
 from common.sched.resources import ResourceVector, check_limits
 from common.stages.prompt import render_chat
 from services import route_log
-from services.lifecycle import CANCELLED, REPLICA_LOST
+from services.lifecycle import CANCELLED, REPLICA_LOST, replica_lost
 from services.retry import with_retries
 
 
@@ -110,7 +111,10 @@ class _Migration:
 
 def _cancel(chain: list[Any]) -> None:
     for response in reversed(chain):  # decode first: it frees KV at once
-        response.cancel()
+        try:
+            response.cancel()
+        except Exception:  # Serve's cancel() re-raises the error of a call that already failed: nothing to cancel
+            pass
 
 
 class PipelineClient:
@@ -402,6 +406,11 @@ class PipelineClient:
             raise DeadlineExceeded("deadline exceeded while the request was in flight") from None
         except StopAsyncIteration:
             raise PrismError("decode stream ended unexpectedly") from None
+        except RayServeException as exc:  # an upstream replica of the chain died: a replica loss like any other
+            lost = replica_lost(exc)
+            if lost is None:
+                raise
+            raise lost from None
 
 
 def _priority(req: ChatCompletionRequest, header: str | None) -> Priority:

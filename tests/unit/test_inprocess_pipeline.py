@@ -120,8 +120,9 @@ class _LosingDecode:
     (the call is gone, its sequence freed, the ingress sees ``RayActorError``) or, with ``unreachable``, like a
     replica the ingress cannot reach (``ActorUnavailableError``) whose call runs on until the ingress cancels it."""
 
-    def __init__(self, handle, after: int, losses: int = 1, unreachable: bool = False) -> None:
+    def __init__(self, handle, after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False) -> None:
         self.handle, self.after, self.losses, self.unreachable = handle, after, losses, unreachable
+        self.upstream = upstream
         self.on_loss = lambda: None
         self.dying: list[_DyingStream] = []
 
@@ -140,14 +141,16 @@ class _LosingDecode:
         if self.losses <= 0:
             return stream
         self.losses -= 1
-        self.dying.append(_DyingStream(stream, self.after, self.unreachable, self.on_loss))
+        self.dying.append(_DyingStream(stream, self.after, self.unreachable, self.on_loss, self.upstream))
         return self.dying[-1]
 
 
 class _DyingStream:
-    def __init__(self, stream, after: int, unreachable: bool, on_loss) -> None:
+    def __init__(self, stream, after: int, unreachable: bool, on_loss, upstream: bool = False) -> None:
         self.stream, self.left, self.unreachable, self.on_loss = stream, after, unreachable, on_loss
+        self.upstream = upstream
         self.cancelled = False
+        self.failed: BaseException | None = None
 
     def __aiter__(self):
         return self
@@ -161,13 +164,22 @@ class _DyingStream:
                 raise ActorUnavailableError("replica unreachable", None)
             self.stream.cancel()
             await asyncio.sleep(0)  # the cancelled generator closes: its sequence leaves the engine
-            raise RayActorError()
+            if not self.upstream:
+                raise RayActorError()
+            # what Serve raises when a call's upstream replica died (e.g. prefill's, under the decode call)
+            from ray.serve.exceptions import RayServeException
+
+            self.failed = RayServeException("Request to deployment 'Decode' failed: an upstream actor died")
+            self.failed.__cause__ = RayActorError()
+            raise self.failed
         self.left -= 1
         return await self.stream.__anext__()
 
     def cancel(self) -> None:
         self.cancelled = True
         self.stream.cancel()
+        if self.failed is not None:  # Serve's cancel() of a failed call re-raises its error
+            raise self.failed
 
 
 def _stream_tokens(response: httpx.Response) -> tuple[str, list[int], list[dict]]:
@@ -192,8 +204,8 @@ def losing(model_cache):
     client.metrics = app.state.counted = _Counted()
     real = client.decode
 
-    def lose(after: int, losses: int = 1, unreachable: bool = False) -> _LosingDecode:
-        client.decode = _LosingDecode(real, after, losses, unreachable)
+    def lose(after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False) -> _LosingDecode:
+        client.decode = _LosingDecode(real, after, losses, unreachable, upstream)
         return client.decode
 
     return app, lose
@@ -301,5 +313,29 @@ def test_a_loss_after_the_deadline_is_a_504_not_a_migration(losing, monkeypatch)
     got = asyncio.run(ask())
     assert got.status_code == 504 and got.json()["error"]["code"] == "deadline_exceeded"
     assert app.state.counted.migrations() == {"refused": 1}
+    decode = app.state.stages[3]
+    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+
+
+@pytest.mark.parametrize("after", [0, 5], ids=["before-the-start", "mid-stream"])
+def test_an_upstream_replica_lost_under_the_decode_call_is_a_replica_loss(losing, after):
+    """Serve reports a chain whose upstream replica died as a ``RayServeException`` caused by the actor's death,
+    and re-raises it from ``cancel()``: the chain is issued again (before the start) or migrated (mid-stream) — a
+    200 with the undisturbed tokens, never a 500."""
+    app, lose = losing
+    body = {**BODY, "max_tokens": 16}
+
+    async def calm_then_disturbed():
+        calm = await _ask(app, body)
+        lose(after, upstream=True)
+        got = await _ask_traced(app, body, False)
+        await asyncio.sleep(0.1)
+        return calm.json()["choices"][0], got
+
+    calm, got = asyncio.run(calm_then_disturbed())
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == calm["token_ids"]
+    expected = {} if after == 0 else {"resumed": 1}  # before the start: a retried attempt, not a migration
+    assert app.state.counted.migrations() == expected
     decode = app.state.stages[3]
     assert decode.pool.used_blocks == 0 and not decode.engine.num_running

@@ -184,3 +184,19 @@ def test_client_traces_carry_cache_outcomes_only_when_configured(shown):
     (encode,) = [s for s in summary["spans"] if s["name"] == "encode"]
     assert ("encoder_cache_hits" in encode["attrs"]) == shown and encode["attrs"]["visual_tokens"] == 144
     assert RequestLifecycle(observer, places, "http", traced=False).summary() is None
+
+
+def test_a_replica_lost_upstream_is_a_503_like_any_replica_loss():
+    """Serve wraps an upstream replica's death in a RayServeException: still 503 ``stage_unavailable``; a
+    RayServeException for anything else stays a 500."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import RayServeException
+
+    from services.lifecycle import replica_lost, typed_error
+
+    wrapped = RayServeException("Request to deployment 'Decode' failed: an upstream actor died")
+    wrapped.__cause__ = RayActorError()
+    assert replica_lost(wrapped) is wrapped.__cause__
+    assert (typed_error(wrapped, 2).http_status, typed_error(wrapped, 2).code) == (503, "stage_unavailable")
+    other = RayServeException("something else")
+    assert replica_lost(other) is None and typed_error(other, 2).http_status == 500
