@@ -30,11 +30,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(base: str, timeout: float = 180.0) -> None:
+def wait_ready(base: str, timeout: float = 180.0, key: str = KEY) -> None:
+    """Until ``base``'s ``/v1/models`` answers 200 (asked with ``key``: Prism's configs have keys, the baselines
+    ignore it); ``RuntimeError`` after ``timeout``."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            auth = {"Authorization": f"Bearer {KEY}"}  # (Prism's bench config has keys; the others ignore it)
+            auth = {"Authorization": f"Bearer {key}"}
             if httpx.get(f"{base}/v1/models", headers=auth, timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:

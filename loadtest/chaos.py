@@ -182,18 +182,6 @@ def kv_in_use(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[str, i
     return seen
 
 
-def _wait_ready(base: str, timeout: float = 180.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{base} did not come up")
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m loadtest.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="prism-tiny-llava")
@@ -206,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from loadtest.bench_servers import free_port
+    from loadtest.bench_servers import free_port, wait_ready
     from services.app import build_app
 
     app = "chaos"
@@ -216,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"config": app_config(args.model, args.cache_dir)}), name=app, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
-        _wait_ready(base)
+        wait_ready(base, key=KEY)
         stop, outcomes = threading.Event(), []
         threads = [
             threading.Thread(target=client, args=(base, args.model, i, stop, outcomes), daemon=True)

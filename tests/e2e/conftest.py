@@ -103,26 +103,6 @@ def nixl_base(prism_server):
     serve.delete("prism-nixl")
 
 
-SCALED_APP = "prism-affinity"
-
-
-@pytest.fixture(scope="package")
-def scaled_out(prism_server):
-    """(base_url, config) of a second application in the same cluster with 2 replicas of encode, prefill and decode:
-    the cache-affinity routers have a choice, and a decode replica can be lost while the other serves on."""
-    from ray import serve
-
-    from services.app import build_app
-
-    base, config = prism_server
-    cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    two = {"num_cpus": 0.1, "min_replicas": 2, "max_replicas": 2}
-    cfg["deployments"] = {**config["deployments"], "encode": two, "prefill": two, "decode": two}
-    serve.run(build_app({"config": cfg}), name=SCALED_APP, route_prefix="/affinity")
-    yield f"{base}/affinity", config
-    serve.delete(SCALED_APP)
-
-
 @pytest.fixture(scope="package")
 def decode_stats(prism_server):
     from ray import serve

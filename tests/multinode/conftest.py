@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import pytest
 import yaml
@@ -63,12 +62,12 @@ def scaled_down(config: dict, model_cache: str, transport: str, decode_replicas:
 def cluster(model_cache):
     """``(base_url, nodes, cluster)``: ``nodes`` maps a group name (``decode`` and ``decode-2`` for the two decode
     nodes) to its node; the applications are deployed and answering."""
-    import httpx
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
     from common.model.builder import resolve_model_dir
+    from loadtest.bench_servers import wait_ready
     from services.app import build_app
 
     resolve_model_dir(MODEL, model_cache)  # built once here, not in every replica at once
@@ -77,34 +76,25 @@ def cluster(model_cache):
     fast_death = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     head = {"num_cpus": 0, "include_dashboard": False, "object_store_memory": mb, "_system_config": fast_death}
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    nodes = {}
-    for group, resources in [*groups.items(), ("decode-2", groups["decode"])]:
-        nodes[group] = cluster.add_node(num_cpus=1, resources=resources, object_store_memory=mb)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    for transport, (name, prefix, decode_replicas) in APPS.items():
-        cfg = scaled_down(app_config, model_cache, transport, decode_replicas)
-        serve.run(build_app({"config": cfg}), name=name, route_prefix=prefix, blocking=False)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    pending = {prefix for _, prefix, _ in APPS.values()}
-    while pending and time.time() < deadline:
-        for prefix in list(pending):
-            try:
-                r = httpx.get(f"{base}{prefix}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=5)
-                if r.status_code == 200:
-                    pending.discard(prefix)
-            except httpx.HTTPError:
-                pass
-        time.sleep(1)
-    assert not pending, f"applications not up: {pending}"
-    try:
+    try:  # (whatever fails on the way up, the cluster's processes go with the fixture)
+        nodes = {}
+        for group, resources in [*groups.items(), ("decode-2", groups["decode"])]:
+            nodes[group] = cluster.add_node(num_cpus=1, resources=resources, object_store_memory=mb)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        for transport, (name, prefix, decode_replicas) in APPS.items():
+            cfg = scaled_down(app_config, model_cache, transport, decode_replicas)
+            serve.run(build_app({"config": cfg}), name=name, route_prefix=prefix, blocking=False)
+        base = f"http://127.0.0.1:{port}"
+        for _, prefix, _ in APPS.values():
+            wait_ready(f"{base}{prefix}", timeout=300, key=API_KEY)
         yield base, nodes, cluster
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
         cluster.shutdown()
 
 
