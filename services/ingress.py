@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.auth import KeyStore
 from common.config import PrismConfig
-from common.errors import InvalidRequestError, ModelNotFound, PrismError, RequestTooLarge
+from common.errors import InvalidRequestError, ModelNotFound, PrismError, RequestTooLarge, TenantQuotaExceeded
 from common.model.loader import load_frontend
 from common.protocol.body import decode_json
 from common.sched.quota import TenantQuotas
@@ -70,6 +70,22 @@ class IngressDeployment:
         metrics.load(in_flight, in_flight)
         for tenant, count in self.quotas.in_flight().items():
             metrics.set("prism_tenant_in_flight", count, tenant=tenant)
+
+    def _authorize(self, life: RequestLifecycle, api_key: str | None, priority: str | None) -> str:
+        """The tenant of ``api_key`` (401 otherwise), refused at once (429 ``tenant_quota_exceeded``) when its quota
+        refuses it whatever the body holds (:meth:`TenantQuotas.precheck`): a client hammering past its Retry-After
+        then costs no body read, parse or tokenisation. Counted like the ingress's other admission decisions."""
+        tenant = self.keys.tenant(api_key)
+        life.trace.tenant = tenant
+        try:
+            self.quotas.precheck(tenant)
+        except TenantQuotaExceeded:
+            value = (priority or "").strip().lower()  # (a label: never a value the client made up)
+            cls = value if value in ("interactive", "batch") else "interactive"
+            tags = {"stage": "ingress", "tenant": tenant, "result": "refused", "reason": "quota"}
+            self.observer.metrics.inc("prism_admission_total", **tags, **{"class": cls})
+            raise
+        return tenant
 
     def _client(self, body: Any) -> PipelineClient:
         """The served model the request names (404 ``model_not_found`` listing the served ones otherwise)."""
@@ -117,7 +133,8 @@ class IngressDeployment:
         life = self._lifecycle("http", request.headers.get("x-prism-trace"))
         try:
             async with life:
-                tenant = self.keys.tenant(_bearer(request))  # from the headers, before any body byte is read
+                # from the headers, before any body byte is read: the key, and the tenant's quota as far as it can judge
+                tenant = self._authorize(life, _bearer(request), request.headers.get("x-prism-priority"))
                 body = await read_json(request, self.cfg.body_limit, self.cfg.server.max_json_depth)
                 client = self._client(body)
                 headers = request.headers
@@ -216,7 +233,7 @@ class IngressDeployment:
         self, life: RequestLifecycle, request: prism_pb2.GenerateRequest, grpc_context
     ) -> tuple[PipelineClient, Call]:
         """Authenticate (before the JSON is parsed), bound and parse the message, route it, and issue the chain."""
-        tenant = self.keys.tenant(request.api_key)
+        tenant = self._authorize(life, request.api_key, _grpc_header(grpc_context, "x-prism-priority"))
         raw = request.chat_completion_json.encode()
         if len(raw) > self.cfg.body_limit:  # Serve bounds the whole message too: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
             raise RequestTooLarge(f"chat_completion_json is {len(raw)} bytes; the limit is {self.cfg.body_limit}")

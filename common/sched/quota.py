@@ -9,6 +9,8 @@ it would cost a round trip per request and a single point of failure.)
 
 Lifecycle of one request's :class:`Ticket`:
 
+``precheck(tenant)`` as soon as the headers named the tenant, before any body byte is read → refused at once if the
+tenant's request count or its request / prompt-token buckets already refuse it (nothing taken) →
 ``admit(tenant, vector)`` at the ingress, once its text tokens are known → refused with 429
 ``tenant_quota_exceeded`` + Retry-After if the tenant is at a concurrency cap (requests; requests with media) or any
 of its buckets is in debt → otherwise the known costs are taken from the buckets at once (one request, the text
@@ -89,35 +91,53 @@ class TenantQuotas:
     def _cap(self, limit: int | None) -> int | None:
         return None if limit is None else max(1, math.floor(limit * self.share))
 
+    def precheck(self, tenant: str) -> None:
+        """Before the body is read (the tenant is known from the headers): refuse what :meth:`admit` would refuse
+        whatever the body holds — the tenant at its cap of requests in flight, its request bucket empty or its
+        prompt-token bucket in debt — so a client that ignores Retry-After costs a refusal no body read, parse or
+        tokenisation. Takes nothing; what it lets through :meth:`admit` still judges in full (media caps included)."""
+        state, now = self._tenant(tenant), self.clock()
+        self._check_count(tenant, state.in_flight, state.quota.max_in_flight, "requests")
+        for name, need in (("requests", 1.0), ("prompt_tokens", 0.0)):
+            self._check_bucket(tenant, state, name, need, now)
+
     def admit(self, tenant: str, rv: ResourceVector) -> Ticket:
         state, now = self._tenant(tenant), self.clock()
         media = rv.media_items > 0
-        for count, limit, what in (
-            (state.in_flight, self._cap(state.quota.max_in_flight), "requests"),
-            (state.media_in_flight if media else 0, self._cap(state.quota.max_media_in_flight), "requests with media"),
-        ):
-            if limit is not None and count >= limit:
-                raise TenantQuotaExceeded(
-                    f"tenant {tenant!r} has {count} {what} in flight; its quota here is {limit}",
-                    retry_after_s=self.retry_after_s,
-                )
+        self._check_count(tenant, state.in_flight, state.quota.max_in_flight, "requests")
+        if media:
+            self._check_count(tenant, state.media_in_flight, state.quota.max_media_in_flight, "requests with media")
         now_costs = {"requests": 1.0, "prompt_tokens": float(rv.prompt_tokens)}
-        for name, bucket in state.buckets.items():
+        for name in state.buckets:
             if name in ("pixels", "patches") and not media:
                 continue  # a text request spends none of these: another budget's debt must not hold it back
-            bucket.refill(now)
-            need = min(now_costs.get(name, 0.0), bucket.burst) or 1e-9  # in debt (≤ 0) → wait until it is not
-            if bucket.level < need:
-                wait = bucket.wait_s(need)
-                raise TenantQuotaExceeded(
-                    f"tenant {tenant!r} is over its {name} rate ({bucket.per_s:g}/s here); retry in {wait:.1f}s",
-                    retry_after_s=min(60.0, max(1.0, math.ceil(wait - 1e-6))),
-                )
+            self._check_bucket(tenant, state, name, now_costs.get(name, 0.0), now)
         ticket = Ticket(tenant, media)
         self.charge(ticket, **now_costs)
         state.in_flight += 1
         state.media_in_flight += media
         return ticket
+
+    def _check_count(self, tenant: str, count: int, limit: int | None, what: str) -> None:
+        cap = self._cap(limit)
+        if cap is not None and count >= cap:
+            raise TenantQuotaExceeded(
+                f"tenant {tenant!r} has {count} {what} in flight; its quota here is {cap}",
+                retry_after_s=self.retry_after_s,
+            )
+
+    def _check_bucket(self, tenant: str, state: _Tenant, name: str, cost: float, now: float) -> None:
+        bucket = state.buckets.get(name)
+        if bucket is None:
+            return
+        bucket.refill(now)
+        need = min(cost, bucket.burst) or 1e-9  # in debt (≤ 0) → wait until it is not
+        if bucket.level < need:
+            wait = bucket.wait_s(need)
+            raise TenantQuotaExceeded(
+                f"tenant {tenant!r} is over its {name} rate ({bucket.per_s:g}/s here); retry in {wait:.1f}s",
+                retry_after_s=min(60.0, max(1.0, math.ceil(wait - 1e-6))),
+            )
 
     def charge(self, ticket: Ticket, **costs: float) -> None:
         """Take costs that became known after admission (may put a bucket into debt)."""

@@ -115,6 +115,45 @@ def test_token_bucket_charges_late_costs_and_refills():
     q.admit("alpha", _rv(media=1))
 
 
+def test_precheck_refuses_before_the_body_what_admit_would_refuse_whatever_the_body_holds():
+    """``precheck`` (the tenant known, the body not read) refuses a tenant at its request cap, with its request
+    bucket empty or its prompt-token bucket in debt, and takes nothing; caps on media it cannot judge (no body)."""
+    clock = _Clock()
+    cfg = AdmissionConfig(
+        tenants={
+            "alpha": TenantQuota(max_in_flight=2, max_media_in_flight=1),
+            "beta": TenantQuota(requests=Rate(per_s=1, burst=2), prompt_tokens=Rate(per_s=100, burst=100)),
+        }
+    )
+    q = TenantQuotas(cfg, retry_after_s=2, clock=clock)
+    q.precheck("alpha")
+    held = [q.admit("alpha", _rv(media=1))]
+    q.precheck("alpha")  # at its media cap, but a text request would still be admitted: not judged here
+    held.append(q.admit("alpha", _rv()))
+    with pytest.raises(TenantQuotaExceeded) as info:
+        q.precheck("alpha")
+    assert info.value.retry_after_s == 2 and "2 requests in flight" in info.value.message
+    for h in held:
+        q.release(h)
+    q.precheck("alpha")
+
+    for _ in range(5):
+        q.precheck("beta")  # takes nothing: the request bucket (burst 2) is still full
+    ticket = q.admit("beta", _rv())
+    q.charge(ticket, prompt_tokens=300)  # visual tokens measured later: the prompt-token bucket goes into debt
+    with pytest.raises(TenantQuotaExceeded) as info:
+        q.precheck("beta")
+    assert "prompt_tokens rate" in info.value.message and info.value.retry_after_s == 3
+    clock.t += 3.01
+    q.precheck("beta")
+    q.admit("beta", _rv())
+    q.admit("beta", _rv())  # the request bucket (refilled to its burst of 2) is spent
+    with pytest.raises(TenantQuotaExceeded) as info:
+        q.precheck("beta")
+    assert "requests rate" in info.value.message
+    q.precheck("gamma")  # another tenant is untouched
+
+
 def test_quota_share_splits_caps_and_rates_per_ingress_replica():
     cfg = AdmissionConfig(default_tenant=TenantQuota(max_in_flight=4, requests=Rate(per_s=10, burst=4)))
     q = TenantQuotas(cfg, share=0.5, clock=_Clock())

@@ -339,3 +339,28 @@ def test_an_upstream_replica_lost_under_the_decode_call_is_a_replica_loss(losing
     assert app.state.counted.migrations() == expected
     decode = app.state.stages[3]
     assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+
+
+def test_a_tenant_at_its_cap_is_refused_before_its_body_is_read(model_cache):
+    """The tenant is known from the headers: at its cap of requests in flight it gets 429 ``tenant_quota_exceeded``
+    without the body being read — a body that is not even JSON gets the 429, not a 400 — and, with room again, the
+    same body is judged (400)."""
+    from common.sched.resources import ResourceVector
+
+    config = {**_config(model_cache), "admission": {"default_tenant": {"max_in_flight": 1}}}
+    app = build(config, transport=FakeTransport())
+    quotas = app.state.ingress.quotas
+    held = quotas.admit("default", ResourceVector.at_ingress(10, 0, 8, 16))  # another request of the tenant
+
+    async def post_garbage() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=60) as http:
+            return await http.post("/v1/chat/completions", content=b"{not json", headers={"x-prism-trace": "1"})
+
+    refused = asyncio.run(post_garbage())
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "tenant_quota_exceeded"
+    assert int(refused.headers["retry-after"]) >= 1
+    quotas.release(held)
+    judged = asyncio.run(post_garbage())
+    assert judged.status_code == 400
+    assert quotas.in_flight() == {"default": 0}
