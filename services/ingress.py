@@ -74,7 +74,8 @@ class IngressDeployment:
     def _authorize(self, life: RequestLifecycle, api_key: str | None, priority: str | None) -> str:
         """The tenant of ``api_key`` (401 otherwise), refused at once (429 ``tenant_quota_exceeded``) when its quota
         refuses it whatever the body holds (:meth:`TenantQuotas.precheck`): a client hammering past its Retry-After
-        then costs no body read, parse or tokenisation. Counted like the ingress's other admission decisions."""
+        then costs no body read here, no parse, no tokenisation. Counted like the ingress's other admission decisions
+        (under the header's class: the body's ``priority`` is not read yet)."""
         tenant = self.keys.tenant(api_key)
         life.trace.tenant = tenant
         try:

@@ -32,6 +32,9 @@ class MetricSpec:
     buckets: tuple[float, ...] = ()
     in_replica: bool = True
     """Recorded inside Serve replicas (which add :data:`SERVE_TAGS`); ``False`` for the controller's autoscaler."""
+    on_failure: bool = False
+    """Recorded only when a replica fails under a request (a Ray counter cannot be set to 0), so a healthy run never
+    exports it; the test that causes the failure checks it instead."""
 
     @property
     def exported(self) -> str:
@@ -124,12 +127,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "stage",
         "outcome",
     ),
-    _c(
+    MetricSpec(
         "prism_migrations_total",
+        "counter",
         "Decode migrations of an ingress replica: a stream whose decode replica was lost continued on a live one "
         "(resumed, counted at its first new token), ended before a new token (failed: an error or the deadline during "
         "the rebuild), or was not tried (refused: server.max_migrations spent, or no time left before the deadline).",
-        "outcome",
+        ("outcome",),
+        on_failure=True,
     ),
     # ---- caches -------------------------------------------------------------------------------------------------
     _c(

@@ -94,8 +94,9 @@ class TenantQuotas:
     def precheck(self, tenant: str) -> None:
         """Before the body is read (the tenant is known from the headers): refuse what :meth:`admit` would refuse
         whatever the body holds — the tenant at its cap of requests in flight, its request bucket empty or its
-        prompt-token bucket in debt — so a client that ignores Retry-After costs a refusal no body read, parse or
-        tokenisation. Takes nothing; what it lets through :meth:`admit` still judges in full (media caps included)."""
+        prompt-token bucket in debt — so a client that ignores Retry-After costs a refusal no body read by the
+        ingress, no parse and no tokenisation. Takes nothing; what it lets through :meth:`admit` still judges in full
+        (media caps included)."""
         state, now = self._tenant(tenant), self.clock()
         self._check_count(tenant, state.in_flight, state.quota.max_in_flight, "requests")
         for name, need in (("requests", 1.0), ("prompt_tokens", 0.0)):

@@ -88,9 +88,11 @@ def prism_server(model_cache, tmp_path_factory):
     ray.shutdown()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def nixl_base(prism_server):
-    """Base URL of a second application in the same cluster whose KV hand-off goes through NIXL (UCX)."""
+    """Base URL of a second application in the same cluster whose KV hand-off goes through NIXL (UCX). Module-scoped:
+    each NIXL agent's progress thread polls UCX (≈ 0.6 of a core per replica here, idle or not), which the modules
+    after the one that uses it should not pay for on a 2-core machine."""
     from ray import serve
 
     from services.app import build_app

@@ -39,7 +39,8 @@ def affinity(prism_server):
 
     base, config = prism_server
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    # 0.05 CPU per replica: this app's 9 replicas must fit beside the shared and NIXL apps in the cluster's 2 CPUs
+    # 0.05 CPU per replica: this app's 8 replicas must fit beside the shared app (and any other module's) in the
+    # cluster's 2 CPUs — Serve never starts a replica that does not fit
     one, two = {"num_cpus": 0.05}, {"num_cpus": 0.05, "min_replicas": 2, "max_replicas": 2}
     deployments = {"ingress": {**config["deployments"]["ingress"], **one}, "media": one}
     cfg["deployments"] = {**deployments, "encode": two, "prefill": two, "decode": two}
@@ -123,9 +124,20 @@ def test_a_few_images_asked_again_in_shuffled_order_hit_the_encoder_cache(affini
 @pytest.fixture(scope="module")
 def decode(affinity):
     from ray import serve
+    from ray.exceptions import RayActorError
 
     handle = serve.get_deployment_handle("Decode", app_name=APP)
-    return lambda: handle.stats.remote().result(timeout_s=30)
+
+    def stats() -> dict:
+        """One replica's stats; asked again when the call went to the replica just killed (until Serve notices)."""
+        for _ in range(30):
+            try:
+                return handle.stats.remote().result(timeout_s=30)
+            except RayActorError:
+                time.sleep(0.5)
+        raise AssertionError("no decode replica answered")
+
+    return stats
 
 
 def _long_answer(oai: openai.OpenAI) -> tuple[list[dict], openai.types.chat.ChatCompletion]:

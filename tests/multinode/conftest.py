@@ -92,10 +92,14 @@ def cluster(model_cache):
             wait_ready(f"{base}{prefix}", timeout=300, key=API_KEY)
         yield base, nodes, cluster
     finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        cluster.shutdown()
+        try:
+            if ray.is_initialized():
+                try:
+                    serve.shutdown()
+                finally:
+                    ray.shutdown()
+        finally:
+            cluster.shutdown()
 
 
 def replicas_by_node(app: str) -> dict[str, list[str]]:

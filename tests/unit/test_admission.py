@@ -153,6 +153,11 @@ def test_precheck_refuses_before_the_body_what_admit_would_refuse_whatever_the_b
     assert "requests rate" in info.value.message
     q.precheck("gamma")  # another tenant is untouched
 
+    debt = TenantQuotas(AdmissionConfig(default_tenant=TenantQuota(pixels=Rate(per_s=1, burst=10))), clock=clock)
+    debt.charge(debt.admit("delta", _rv(media=1)), pixels=1000)
+    debt.precheck("delta")  # a pixel debt holds back only requests with media, which the headers cannot tell
+    debt.admit("delta", _rv())
+
 
 def test_quota_share_splits_caps_and_rates_per_ingress_replica():
     cfg = AdmissionConfig(default_tenant=TenantQuota(max_in_flight=4, requests=Rate(per_s=10, burst=4)))
