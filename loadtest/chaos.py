@@ -167,19 +167,30 @@ def replica_pids(app: str, stage: str) -> list[int]:
     return sorted(a.pid for a in actors if a.name and name in a.name and a.pid)
 
 
-def kv_in_use(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[str, int]:
-    """KV blocks used per decode replica, by PID (``stats`` is answered by whichever replica Serve picks: asked until
-    ``replicas`` distinct ones answered — the killed one's replacement included — or ``timeout``)."""
+def decode_stats(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[int, dict[str, Any]]:
+    """Each decode replica's ``stats`` by PID (answered by whichever replica Serve picks: asked until ``replicas``
+    distinct ones answered — a killed one's replacement included — or ``timeout``; a call Serve still sent to a
+    replica just killed is asked again)."""
     from ray import serve
+    from ray.exceptions import RayActorError
 
     handle = serve.get_deployment_handle("Decode", app_name=app)
-    seen: dict[str, int] = {}
+    seen: dict[int, dict[str, Any]] = {}
     deadline = time.time() + timeout
     while len(seen) < replicas and time.time() < deadline:
-        stats = handle.stats.remote().result(timeout_s=30)
-        seen[str(stats["pid"])] = int(stats["kv_blocks_used"])
+        try:
+            stats = handle.stats.remote().result(timeout_s=30)
+        except RayActorError:
+            time.sleep(0.5)
+            continue
+        seen[int(stats["pid"])] = stats
         time.sleep(0.05)
     return seen
+
+
+def kv_in_use(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[str, int]:
+    """KV blocks used per decode replica, by PID."""
+    return {str(pid): int(s["kv_blocks_used"]) for pid, s in decode_stats(app, replicas, timeout).items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

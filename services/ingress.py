@@ -39,7 +39,7 @@ from services.lifecycle import InFlight, RequestLifecycle
 from services.loopback import bind_replica
 from services.observer import RequestObserver
 from services.openai_format import chunk, completion_body, error_body, error_response, sse, usage
-from services.pipeline_client import Call, PipelineClient
+from services.pipeline_client import Call, PipelineClient, count_admission, header_priority
 from services.proto import prism_pb2
 
 api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
@@ -81,10 +81,11 @@ class IngressDeployment:
         try:
             self.quotas.precheck(tenant)
         except TenantQuotaExceeded:
-            value = (priority or "").strip().lower()  # (a label: never a value the client made up)
-            cls = value if value in ("interactive", "batch") else "interactive"
-            tags = {"stage": "ingress", "tenant": tenant, "result": "refused", "reason": "quota"}
-            self.observer.metrics.inc("prism_admission_total", **tags, **{"class": cls})
+            try:
+                cls = header_priority(priority)
+            except InvalidRequestError:  # (a label: never a value the client made up; the 429 stands)
+                cls = "interactive"
+            count_admission(self.observer.metrics, tenant, cls, "refused", "quota")
             raise
         return tenant
 

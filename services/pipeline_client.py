@@ -255,8 +255,7 @@ class PipelineClient:
 
     def _count(self, tenant: str, priority: str, result: str, reason: str) -> None:
         if self.metrics is not None:
-            tags = {"stage": "ingress", "tenant": tenant, "class": priority, "result": result, "reason": reason}
-            self.metrics.inc("prism_admission_total", **tags)
+            count_admission(self.metrics, tenant, priority, result, reason)
 
     def _tokens_and_route(self, req: ChatCompletionRequest, tenant: str) -> tuple[int, RouteKeys | None]:
         """Tokens of the prompt rendered with one placeholder per media item (each expands to its visual tokens in
@@ -413,13 +412,22 @@ class PipelineClient:
             raise lost from None
 
 
-def _priority(req: ChatCompletionRequest, header: str | None) -> Priority:
-    """The body's ``priority``, else ``X-Prism-Priority``, else interactive."""
-    if req.priority is not None:
-        return req.priority
+def count_admission(metrics: Any, tenant: str, priority: str, result: str, reason: str) -> None:
+    """One ingress admission decision in ``prism_admission_total``."""
+    tags = {"stage": "ingress", "tenant": tenant, "class": priority, "result": result, "reason": reason}
+    metrics.inc("prism_admission_total", **tags)
+
+
+def header_priority(header: str | None) -> Priority:
+    """``X-Prism-Priority`` (interactive when absent); 400 when it is neither class."""
     if header in (None, ""):
         return "interactive"
     value = header.strip().lower()
     if value not in ("interactive", "batch"):
         raise InvalidRequestError("X-Prism-Priority must be 'interactive' or 'batch'", param="X-Prism-Priority")
     return value  # type: ignore[return-value]
+
+
+def _priority(req: ChatCompletionRequest, header: str | None) -> Priority:
+    """The body's ``priority``, else ``X-Prism-Priority``, else interactive."""
+    return req.priority if req.priority is not None else header_priority(header)

@@ -13,7 +13,6 @@ import base64
 import os
 import random
 import signal
-import time
 from collections import Counter
 
 import httpx
@@ -21,6 +20,7 @@ import openai
 import pytest
 
 from common.media.synthetic import synthetic_image
+from loadtest.chaos import decode_stats
 from tests.e2e.conftest import API_KEY
 from tests.e2e.prometheus import total, wait_for
 from tests.mediakit import jpeg_bytes
@@ -123,21 +123,11 @@ def test_a_few_images_asked_again_in_shuffled_order_hit_the_encoder_cache(affini
 
 @pytest.fixture(scope="module")
 def decode(affinity):
+    """One decode replica's stats (whichever Serve picks; asked before any replica is killed)."""
     from ray import serve
-    from ray.exceptions import RayActorError
 
     handle = serve.get_deployment_handle("Decode", app_name=APP)
-
-    def stats() -> dict:
-        """One replica's stats; asked again when the call went to the replica just killed (until Serve notices)."""
-        for _ in range(30):
-            try:
-                return handle.stats.remote().result(timeout_s=30)
-            except RayActorError:
-                time.sleep(0.5)
-        raise AssertionError("no decode replica answered")
-
-    return stats
+    return lambda: handle.stats.remote().result(timeout_s=30)
 
 
 def _long_answer(oai: openai.OpenAI) -> tuple[list[dict], openai.types.chat.ChatCompletion]:
@@ -197,13 +187,8 @@ def test_a_stream_survives_the_loss_of_its_decode_replica(affinity, decode):
     )
     assert total(samples, "ray_prism_migrations_total", application=APP, outcome="resumed") >= 1
     # the replacement replica comes up; no decode replica holds KV, and the survivor replayed exactly
-    seen: dict[int, dict] = {}
-    end = time.time() + 90
-    while time.time() < end and len(seen) < 2:
-        stats = decode()
-        if stats["pid"] != killed:
-            seen[int(stats["pid"])] = stats
-    assert len(seen) == 2, seen
+    seen = decode_stats(APP)
+    assert len(seen) == 2 and killed not in seen, seen
     assert all(s["kv_blocks_used"] == 0 and s["running"] == 0 for s in seen.values()), seen
     assert sum(s["replayed_tokens"] for s in seen.values()) >= moved["after_tokens"]
     assert all(s["replay_mismatches"] == 0 for s in seen.values()), seen

@@ -29,10 +29,16 @@ def _config(model_cache: str) -> dict:
     return {"model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1}}
 
 
-async def _ask(app, body=BODY, stream=False) -> httpx.Response:
+async def _ask(app, body=BODY, stream=False, traced=False, settle=False) -> httpx.Response:
+    """One request through the app's ASGI interface; ``traced`` asks for the trace, ``settle`` waits a moment after
+    the answer so that the streams the ingress cancelled close in this event loop."""
     transport = httpx.ASGITransport(app=app)
+    headers = {"x-prism-trace": "1"} if traced else {}
     async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=60) as http:
-        return await http.post("/v1/chat/completions", json={**body, "stream": stream})
+        response = await http.post("/v1/chat/completions", json={**body, "stream": stream}, headers=headers)
+    if settle:
+        await asyncio.sleep(0.1)
+    return response
 
 
 @pytest.fixture(scope="module")
@@ -241,9 +247,8 @@ def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after, unreach
     async def calm_then_disturbed():
         calm = await _ask(app, body)
         losing = lose(after, unreachable=unreachable)
-        got = await _ask_traced(app, body, stream)
+        got = await _ask(app, body, stream, traced=True, settle=True)
         assert losing.dying[0].cancelled, "the lost attempt's chain is cancelled (an unreachable replica runs on)"
-        await asyncio.sleep(0.1)  # the cancelled streams close in this loop
         return calm.json()["choices"][0], got
 
     calm, got = asyncio.run(calm_then_disturbed())
@@ -271,12 +276,7 @@ def test_migrations_are_bounded(losing):
     app, lose = losing
     lose(after=3, losses=3)  # each stream: its start and 2 tokens, then the replica is lost
 
-    async def ask():
-        got = await _ask_traced(app, {**BODY, "max_tokens": 16}, stream=True)
-        await asyncio.sleep(0.1)  # the cancelled streams close in this loop
-        return got
-
-    got = asyncio.run(ask())
+    got = asyncio.run(_ask(app, {**BODY, "max_tokens": 16}, stream=True, traced=True, settle=True))
     _, _, finals = _stream_tokens(got)
     error = finals[-1]
     assert error["error"]["code"] == "stage_unavailable"
@@ -286,12 +286,6 @@ def test_migrations_are_bounded(losing):
     decode = app.state.stages[3]
     assert decode.engine.replayed == 2 + 4 and decode.engine.replay_mismatches == 0
     assert decode.pool.used_blocks == 0 and not decode.engine.num_running
-
-
-async def _ask_traced(app, body, stream: bool) -> httpx.Response:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=60) as http:
-        return await http.post("/v1/chat/completions", json={**body, "stream": stream}, headers={"x-prism-trace": "1"})
 
 
 def test_a_loss_after_the_deadline_is_a_504_not_a_migration(losing, monkeypatch):
@@ -305,12 +299,7 @@ def test_a_loss_after_the_deadline_is_a_504_not_a_migration(losing, monkeypatch)
     monkeypatch.setattr(pc, "time", types.SimpleNamespace(time=lambda: time.time() + late["by"]))
     lose(after=3).on_loss = lambda: late.update(by=10_000.0)  # the loss is seen only past the deadline
 
-    async def ask():
-        got = await _ask(app, {**BODY, "max_tokens": 16})
-        await asyncio.sleep(0.1)
-        return got
-
-    got = asyncio.run(ask())
+    got = asyncio.run(_ask(app, {**BODY, "max_tokens": 16}, settle=True))
     assert got.status_code == 504 and got.json()["error"]["code"] == "deadline_exceeded"
     assert app.state.counted.migrations() == {"refused": 1}
     decode = app.state.stages[3]
@@ -328,8 +317,7 @@ def test_an_upstream_replica_lost_under_the_decode_call_is_a_replica_loss(losing
     async def calm_then_disturbed():
         calm = await _ask(app, body)
         lose(after, upstream=True)
-        got = await _ask_traced(app, body, False)
-        await asyncio.sleep(0.1)
+        got = await _ask(app, body, traced=True, settle=True)
         return calm.json()["choices"][0], got
 
     calm, got = asyncio.run(calm_then_disturbed())
