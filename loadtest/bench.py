@@ -15,7 +15,9 @@ Figures:
   copies: at most 0.5).
 * ``nixl_bw_fraction_of_memcpy`` — the same over NIXL (UCX, DRAM to DRAM); beside it, what one READ between
   pre-registered buffers reaches with each UCX transport (:mod:`loadtest.bench_ucx`).
-* ``decode_speedup_32_vs_sequential``, ``decode_roofline_fraction_b32`` — from :mod:`loadtest.bench_decode`.
+* ``decode_speedup_32_vs_sequential``, ``decode_roofline_fraction_b32`` — from :mod:`loadtest.bench_decode` (fp32;
+  beside them, per dtype — fp32 and bf16 — step time, bytes per step, floor fraction and speedup at batch 1/8/32,
+  the native vs PyTorch attention step, greedy agreement, and prefill against its FLOPs).
 * ``encoder_cache_hot_cold_ttft_ratio``, ``encoder_hit_rate_2_replicas``, ``prefix_reuse_fraction`` — a few images
   asked new questions again and again / unique images, on ``prism-small-qwen2vl`` with 2 encode and 2 prefill
   replicas (Prism; :mod:`loadtest.bench_cache`).
@@ -115,10 +117,20 @@ def _decode(model: str, st: Settings) -> dict[str, Any]:
         "sequential_tokens_per_s": dec["sequential"]["tokens_per_s"],
         "of_the_run": "the median one",
     }
-    roofline = [
-        {"achieved_bytes_per_s": achieved, "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"]}
-        for achieved in dec["engine_b32_bytes_per_s_runs"]
-    ]
+    roofline = {
+        "runs": [
+            {"achieved_bytes_per_s": achieved, "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"]}
+            for achieved in dec["engine_b32_bytes_per_s_runs"]
+        ],
+        # what caps it on this machine: the b32 step's weight GEMMs alone, and the fraction a step could reach if
+        # nothing but those GEMMs and the KV read at the memory floor took time
+        "b32_weight_gemm_ms": dec["b32_weight_gemm_ms"],
+        "b32_best_possible_floor_fraction": dec["b32_best_possible_floor_fraction"],
+    }
+    kept = ("per_batch", "attention_paths_b32_step_ms", "agreement_greedy", "prefill", "b32_weight_gemm_ms")
+    kept += ("b32_best_possible_floor_fraction",)
+    per_dtype = {dtype: {k: f[k] for k in kept} for dtype, f in dec["dtypes"].items()}
+    median_run["per_dtype"] = per_dtype  # step time, bytes, floor fraction and speedup at 1/8/32; prefill vs FLOPs
     return {
         "decode_speedup_32_vs_sequential": record(
             "decode_speedup_32_vs_sequential", dec["decode_speedup_32_vs_sequential_runs"], median_run

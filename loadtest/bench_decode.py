@@ -17,8 +17,19 @@ medians, every run's value beside them (``…_runs``), and the other numbers are
 Roofline: a decode step must read the language model's weights once (embedding table excluded: one row per token)
 and every running sequence's KV. ``achieved_bytes_per_s`` = those bytes / step time; ``memcpy_bytes_per_s`` is a
 large numpy copy's read bandwidth measured in the same run (bytes copied / time); the fraction is their ratio.
+Beside it, ``b32_weight_gemm_ms``: the model's own weight GEMMs alone on 32 rows, same run. On a CPU they are
+compute-bound at batch 32, which caps the fraction a step can reach (``b32_best_possible_floor_fraction``: those
+GEMMs, then the KV read at the memory floor, nothing else). ``gemm_flops_per_s``: the same GEMMs on 512 rows.
 
-Usage: ``python -m loadtest.bench_decode [--model prism-small-llava] [--tokens 32] [--repeats 3] [--out PATH]``.
+Per dtype (``--dtypes``, default fp32 then bf16; the headline figures are the first's): step time, bytes read per
+step, fraction of the memory floor and speedup over sequential at batch 1/8/32; in fp32 the batch-32 step again on
+PyTorch's per-sequence attention (``native_attention`` off: what :mod:`common.kv.native` buys); the greedy tokens'
+agreement of the engine at batch 32 with ``generate()`` and with the engine at batch 1 (fp32: must be 1.0 — the
+tests hold it; bf16: GEMM blocking changes with batch size, so it is reported, not promised); and prefill: one
+whole-prompt chunk's time against its FLOPs (weights + causal attention) and the GEMM peak.
+
+Usage: ``python -m loadtest.bench_decode [--model prism-small-llava] [--tokens 32] [--repeats 3] [--dtypes
+float32,bfloat16] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -58,6 +69,22 @@ def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5) -> float:
+    """The language model's own weight GEMMs (every linear layer and lm_head, as the model calls them) on ``rows``
+    input rows, alone: a b32 step's compute floor, and (with many rows) the GEMM peak its prefill can reach."""
+    layers = [m for m in lm.adapter.language_model(lm.model).modules() if isinstance(m, torch.nn.Linear)]
+    layers.append(lm.model.lm_head)
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=lm.dtype) for m in layers}
+
+    def run() -> None:
+        with torch.inference_mode():
+            for m in layers:
+                m(inputs[m.in_features])
+
+    run()
+    return min(_timed(run) for _ in range(repeats))
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -89,14 +116,21 @@ def _kv_bytes_per_token(lm: LoadedModel) -> int:
     return 2 * layers * heads * dim * torch.empty((), dtype=lm.dtype).element_size()
 
 
-def bench_engine(lm: LoadedModel, requests, batch: int) -> dict:
+def _lm_gemm_flops_per_token(lm: LoadedModel) -> int:
+    return 2 * _lm_weight_bytes(lm) // torch.empty((), dtype=lm.dtype).element_size()
+
+
+def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> dict:
     pool = KVPool(4096, 16, lm.kv_shape, lm.dtype)
-    engine = DecodeEngine(lm, pool, max_batch=batch)
+    engine = DecodeEngine(lm, pool, max_batch=batch, native_attention=native)
+    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in requests[:batch]}
     e2e_start = time.perf_counter()
     for rid, pre, sampling, *_ in requests[:batch]:
         engine.submit(rid, pre, sampling)
     first = engine.step()  # imports, emits the prefill's first tokens (and may decode one more each)
     e2e_produced = sum(e.token_id is not None for e in first) - batch  # the first tokens are prefill's
+    for e in first:
+        tokens[e.request_id].append(e.token_id)
     step_times, produced, kv_read = [], 0, 0
     lengths = {rid: pre.kv.num_tokens + 1 for rid, pre, *_ in requests[:batch]}
     while engine.has_work():
@@ -108,6 +142,7 @@ def bench_engine(lm: LoadedModel, requests, batch: int) -> dict:
             if e.token_id is not None:
                 produced += 1
                 lengths[e.request_id] += 1
+                tokens[e.request_id].append(e.token_id)
     e2e = time.perf_counter() - e2e_start
     pool.check_no_leaks()
     total = sum(step_times)
@@ -115,14 +150,17 @@ def bench_engine(lm: LoadedModel, requests, batch: int) -> dict:
     moved = weights + kv_read * _kv_bytes_per_token(lm)
     return {
         "batch": batch,
+        "native_attention": engine.kernel is not None,
         "tokens": produced,
         "seconds": total,
         "tokens_per_s": produced / total,
         "median_step_ms": 1000 * statistics.median(step_times),
+        "bytes_per_step": moved / len(step_times),
         "bytes_per_s": moved / total,
         "e2e_tokens": e2e_produced + produced,
         "e2e_seconds": e2e,
         "e2e_tokens_per_s": (e2e_produced + produced) / e2e,
+        "_tokens": tokens,
     }
 
 
@@ -148,10 +186,9 @@ def bench_sequential(lm: LoadedModel, requests) -> dict:
 
 
 def bench_generate(lm: LoadedModel, requests, tokens: int) -> dict:
-    produced, total = 0, 0.0
-    for _, pre, *_ in requests:
+    produced, total, said = 0, 0.0, {}
+    for rid, pre, _, media, _ in requests:
         ids = torch.from_numpy(pre.prompt_token_ids)[None]
-        media = requests[0][3]  # same shapes for every request: pixel layout only matters for timing
         kwargs = {"pixel_values": torch.from_numpy(np.stack([m.pixel_values for m in media]))}
         if lm.contract.family == "qwen2_vl":
             kwargs = {
@@ -171,51 +208,94 @@ def bench_generate(lm: LoadedModel, requests, tokens: int) -> dict:
             )
         total += time.perf_counter() - start
         produced += out.shape[1] - ids.shape[1]
-    return {"requests": len(requests), "tokens": produced, "seconds": total, "tokens_per_s": produced / total}
+        said[rid] = out[0, ids.shape[1] :].tolist()
+    return {
+        "requests": len(requests),
+        "tokens": produced,
+        "seconds": total,
+        "tokens_per_s": produced / total,
+        "_tokens": said,
+    }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--model", default="prism-small-llava")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
-    parser.add_argument("--sequential-requests", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of the b32 and sequential sides (median)")
-    parser.add_argument("--cache-dir", default=ModelConfig().cache_dir)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
+def agreement(got: dict[str, list[int]], want: dict[str, list[int]]) -> dict:
+    """Over the requests both sides ran: the share that are token-identical, and the mean share of each answer
+    before the first differing token (greedy: after one difference the two continue from different text)."""
+    common = [rid for rid in want if rid in got]
+    prefix = []
+    for rid in common:
+        a, b = got[rid], want[rid]
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        prefix.append(same / max(len(a), len(b), 1))
+    return {
+        "requests": len(common),
+        "identical": sum(got[r] == want[r] for r in common) / max(len(common), 1),
+        "mean_prefix_fraction": statistics.fmean(prefix) if prefix else 0.0,
+    }
 
-    lm = load_model(ModelConfig(model=args.model, cache_dir=args.cache_dir, dtype=args.dtype))
-    print(f"prefilling 32 requests on {lm.served_name} ({args.dtype}) …", flush=True)
-    requests = _requests(lm, 32, args.tokens)
+
+def bench_prefill(lm: LoadedModel, requests, peak: float) -> dict:
+    """One whole-prompt chunk per request (the bench's prompts fit one 512-token chunk), timed against its FLOPs."""
+    layers, _, dim = lm.kv_shape
+    q_heads = lm.text_config.num_attention_heads
+    seconds, flops, tokens = 0.0, 0, 0
+    for _, pre, sampling, media, content in requests:
+        n = pre.kv.num_tokens
+        merged = merge(
+            lm, build_prompt(lm, [{"role": "user", "content": content}], media, 8192), encode_media(lm, media)
+        )
+        seconds += _timed(lambda merged=merged, sampling=sampling: prefill(lm, merged, sampling, 16))
+        # weight GEMMs for every token (lm_head only for the last) + causal attention: QK^T and PV over n(n+1)/2 pairs
+        head = 2 * lm.model.lm_head.weight.numel()
+        flops += (_lm_gemm_flops_per_token(lm) - head) * n + head + layers * 4 * q_heads * dim * n * (n + 1) // 2
+        tokens += n
+    return {
+        "requests": len(requests),
+        "tokens_per_chunk": tokens / len(requests),
+        "ms_per_chunk": 1000 * seconds / len(requests),
+        "flops_per_s": flops / seconds,
+        "gemm_flops_per_s": peak,
+        "fraction_of_gemm_peak": flops / seconds / peak,
+    }
+
+
+def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeats: int) -> dict:
+    """Every decode and prefill figure of one dtype, measured side by side in this process."""
+    print(f"prefilling 32 requests on {lm.served_name} ({lm.dtype}) …", flush=True)
+    requests = _requests(lm, 32, tokens)
     memcpy = memcpy_bytes_per_s()
-    gen = bench_generate(lm, requests[: args.sequential_requests], args.tokens)
+    gemm_ms = 1000 * weight_gemm_seconds(lm, 32)
+    peak = 512 * _lm_gemm_flops_per_token(lm) / weight_gemm_seconds(lm, 512, 3)
+    gen = bench_generate(lm, requests[:sequential_requests], tokens)
     engine = {b: bench_engine(lm, requests, b) for b in (1, 8)}
+    alone = {}  # the engine's batch-1 path over the requests generate() ran, for the agreement figures
+    for request in requests[:sequential_requests]:
+        alone.update(bench_engine(lm, [request], 1)["_tokens"])
     # The headline's two sides, run ``repeats`` times, interleaved (a slow spell of the machine hits both sides).
     runs = [
-        (bench_sequential(lm, requests[: args.sequential_requests]), bench_engine(lm, requests, 32))
-        for _ in range(args.repeats)
+        (bench_sequential(lm, requests[:sequential_requests]), bench_engine(lm, requests, 32)) for _ in range(repeats)
     ]
     speedups = [e["e2e_tokens_per_s"] / q["e2e_tokens_per_s"] for q, e in runs]
     rooflines = [e["bytes_per_s"] / memcpy for _, e in runs]
     seq, engine[32] = runs[median_index(speedups)]
+    torch_path = bench_engine(lm, requests, 32, native=False) if engine[32]["native_attention"] else None
     for b, r in engine.items():
         print(
             f"engine@{b:<2}  {r['tokens_per_s']:8.1f} tok/s after import, {r['e2e_tokens_per_s']:8.1f} end to end  "
-            f"step {r['median_step_ms']:.1f} ms",
+            f"step {r['median_step_ms']:.1f} ms  {r['bytes_per_s'] / memcpy:.2f} of the memory floor",
             flush=True,
         )
+    if torch_path:
+        print(f"engine@32 on PyTorch's per-sequence attention: step {torch_path['median_step_ms']:.1f} ms", flush=True)
     print(
         f"sequential {seq['tokens_per_s']:8.1f} tok/s after import, {seq['e2e_tokens_per_s']:8.1f} end to end   "
         f"generate() {gen['tokens_per_s']:8.1f} tok/s",
         flush=True,
     )
-    result = {
-        "benchmark": "decode",
-        "model": lm.served_name,
-        "dtype": args.dtype,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads()},
+    weight_ms = 1000 * _lm_weight_bytes(lm) / memcpy
+    floor_ms = 1000 * engine[32]["bytes_per_step"] / memcpy
+    return {
+        "dtype": str(lm.dtype).removeprefix("torch."),
         "decode_speedup_32_vs_sequential": speedups[median_index(speedups)],
         "decode_speedup_32_vs_sequential_runs": speedups,
         "decode_speedup_32_vs_sequential_steps": engine[32]["tokens_per_s"] / seq["tokens_per_s"],
@@ -224,10 +304,67 @@ def main(argv: list[str] | None = None) -> dict:
         "decode_roofline_fraction_b32_runs": rooflines,
         "engine_b32_bytes_per_s_runs": [e["bytes_per_s"] for _, e in runs],
         "memcpy_bytes_per_s": memcpy,
+        "gemm_flops_per_s": peak,
         "lm_weight_bytes": _lm_weight_bytes(lm),
+        "per_batch": {
+            str(b): {
+                "median_step_ms": r["median_step_ms"],
+                "bytes_per_step": r["bytes_per_step"],
+                "memory_floor_ms": 1000 * r["bytes_per_step"] / memcpy,
+                "floor_fraction": r["bytes_per_s"] / memcpy,
+                "speedup_vs_sequential": r["e2e_tokens_per_s"] / seq["e2e_tokens_per_s"],
+            }
+            for b, r in engine.items()
+        },
+        "b32_weight_gemm_ms": gemm_ms,
+        # the most a b32 step can reach here: its weight GEMMs alone as measured (or their bytes' floor, if longer),
+        # then its KV at the memory floor, nothing else — the memory floor over that
+        "b32_best_possible_floor_fraction": floor_ms / (max(gemm_ms, weight_ms) + floor_ms - weight_ms),
+        "attention_paths_b32_step_ms": {
+            "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,
+            "pytorch": (torch_path or engine[32])["median_step_ms"],
+        },
+        "agreement_greedy": {
+            "b32_vs_generate": agreement(engine[32]["_tokens"], gen["_tokens"]),
+            "b32_vs_b1": agreement(engine[32]["_tokens"], alone),
+            "b1_vs_generate": agreement(alone, gen["_tokens"]),
+        },
+        "prefill": bench_prefill(lm, requests[:sequential_requests], peak),
         "sequential": seq,
-        "generate": gen,
-        "engine": {str(b): r for b, r in engine.items()},
+        "generate": {k: v for k, v in gen.items() if not k.startswith("_")},
+        "engine": {str(b): {k: v for k, v in r.items() if not k.startswith("_")} for b, r in engine.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", default="prism-small-llava")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; the headline is the first's")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--sequential-requests", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the b32 and sequential sides (median)")
+    parser.add_argument("--cache-dir", default=ModelConfig().cache_dir)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    per_dtype = {}
+    for i, dtype in enumerate(dtypes):
+        lm = load_model(ModelConfig(model=args.model, cache_dir=args.cache_dir, dtype=dtype))
+        # the headline dtype runs ``repeats`` times; the others once (they are reported, not targets)
+        per_dtype[dtype] = dtype_figures(lm, args.tokens, args.sequential_requests, args.repeats if i == 0 else 1)
+    head = per_dtype[dtypes[0]]
+    result = {
+        "benchmark": "decode",
+        "model": args.model,
+        "dtype": dtypes[0],
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads()},
+        **{k: v for k, v in head.items() if k != "dtype"},
+        "dtypes": {
+            d: {k: v for k, v in f.items() if k not in ("sequential", "generate", "engine")}
+            for d, f in per_dtype.items()
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

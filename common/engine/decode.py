@@ -37,6 +37,7 @@ import torch
 
 from common.engine.paged_step import build_step_context
 from common.kv.blocks import check_prefill, to_torch
+from common.kv.native import load_decode_kernel
 from common.kv.paged_attention import enable_paged_attention
 from common.kv.pool import KVPool, Lease
 from common.model.loader import LoadedModel
@@ -86,10 +87,14 @@ class DecodeEngine:
         max_batch: int = 32,
         clock: Callable[[], float] = time.monotonic,
         prefer_contiguous: bool = True,
+        native_attention: bool = True,
     ) -> None:
         if pool.kv_shape != lm.kv_shape or pool.dtype != lm.dtype:
             raise ValueError("KV pool geometry/dtype does not match the model")
         enable_paged_attention(lm.text_config)
+        # The native kernel reads fp32 pools on the CPU; anything else (or no compiler) keeps PyTorch's path.
+        native = native_attention and pool.dtype == torch.float32 and pool.keys.device.type == "cpu"
+        self.kernel = load_decode_kernel() if native else None
         self.lm = lm
         self.pool = pool
         self.max_batch = max_batch
@@ -247,7 +252,7 @@ class DecodeEngine:
             if seq.length == len(seq.lease.blocks) * self.pool.block_size:
                 self.pool.allocate(seq.lease, 1)
         lengths = [s.length for s in batch]
-        ctx = build_step_context(self.pool, [s.lease.blocks for s in batch], lengths)
+        ctx = build_step_context(self.pool, [s.lease.blocks for s in batch], lengths, self.kernel)
         with torch.inference_mode():
             out = self.lm.adapter.language_model(self.lm.model)(
                 input_ids=torch.tensor([[s.last_token] for s in batch]),

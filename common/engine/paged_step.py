@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from common.kv.native import DecodeKernel
 from common.kv.paged_attention import PagedContext
 from common.kv.pool import KVPool
 
@@ -12,8 +13,11 @@ def is_run(blocks: list[int]) -> bool:
     return all(b == blocks[0] + i for i, b in enumerate(blocks))
 
 
-def build_step_context(pool: KVPool, tables: list[list[int]], lengths: list[int]) -> PagedContext:
-    """``lengths[i]`` tokens already cached for sequence i; this step writes token ``lengths[i]``."""
+def build_step_context(
+    pool: KVPool, tables: list[list[int]], lengths: list[int], kernel: DecodeKernel | None = None
+) -> PagedContext:
+    """``lengths[i]`` tokens already cached for sequence i; this step writes token ``lengths[i]``. With a ``kernel``
+    the context also holds every sequence's block table for it (the PyTorch path's fields stay: its fallback)."""
     bs = pool.block_size
     length = torch.tensor(lengths)
     write_blocks = torch.tensor([t[n // bs] for t, n in zip(tables, lengths, strict=True)])
@@ -23,6 +27,10 @@ def build_step_context(pool: KVPool, tables: list[list[int]], lengths: list[int]
     padded = torch.tensor([tables[i] + [tables[i][0]] * (width - len(tables[i])) for i in scattered], dtype=torch.long)
     slots = torch.arange(width * bs)
     mask = (slots[None, :] <= length[scattered][:, None]).view(len(scattered), 1, 1, width * bs)
+    block_tables = None
+    if kernel is not None:
+        longest = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [t[0]] * (longest - len(t)) for t in tables], dtype=torch.long)
     return PagedContext(
         pool=pool,
         write_blocks=write_blocks,
@@ -32,4 +40,7 @@ def build_step_context(pool: KVPool, tables: list[list[int]], lengths: list[int]
         scattered=torch.tensor(scattered, dtype=torch.long),
         tables=padded.view(len(scattered), width),
         mask=mask,
+        kernel=kernel,
+        block_tables=block_tables,
+        attend_lengths=length + 1 if kernel is not None else None,
     )

@@ -4,9 +4,13 @@ The language model's text config is switched to the ``prism_paged`` implementati
 context (prefill, the single-sequence decode stage, ``generate()``) fall straight through to transformers' own SDPA
 function, bit for bit. A batched decode step passes ``prism_paged=PagedContext(...)`` through the model's kwargs;
 then, per layer, the new token's key/value are written into each sequence's slot in the pool and attention reads the
-sequence's blocks: the pool is the cache, nothing is concatenated or re-built per step. A sequence whose blocks are
-one contiguous run (the usual case: its whole lease is allocated as a run at admission) is attended through a view
-of the pool — its KV is never copied; only sequences with scattered blocks are gathered into a padded batch.
+sequence's blocks: the pool is the cache, nothing is concatenated or re-built per step.
+
+Two ways to read the blocks, chosen per engine: on the CPU in fp32, the native kernel
+(:mod:`common.kv.native`) attends every sequence of the step in one call per layer, through the block tables; on
+the PyTorch path, a sequence whose blocks are one contiguous run (the usual case: its whole lease is allocated as a
+run at admission) is attended through a view of the pool — its KV is never copied — one SDPA call per sequence, and
+only sequences with scattered blocks are gathered into a padded batch.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from common.kv.native import DecodeKernel
 from common.kv.pool import KVPool
 
 IMPLEMENTATION = "prism_paged"
@@ -27,9 +32,10 @@ IMPLEMENTATION = "prism_paged"
 class PagedContext:
     """One decode step's view of the pool: where each sequence writes its new token and where it reads from.
 
-    A sequence whose blocks form one contiguous run (``runs[i]`` = first block) is read through a view of the pool —
-    no copy at all. The others (``scattered``: fragmented pool, shared prefix blocks) are gathered block by block
-    into one padded batch with a mask.
+    With a ``kernel``, every sequence is read through ``block_tables`` by it. Otherwise a sequence whose blocks form
+    one contiguous run (``runs[i]`` = first block) is read through a view of the pool — no copy at all — and the
+    others (``scattered``: fragmented pool, shared prefix blocks) are gathered block by block into one padded batch
+    with a mask.
     """
 
     pool: KVPool
@@ -47,6 +53,11 @@ class PagedContext:
     """``[len(scattered), max_blocks]`` their block ids (padded with a valid id; masked out)."""
     mask: torch.Tensor
     """``[len(scattered), 1, 1, max_blocks * block_size]`` True where a slot holds one of the sequence's tokens."""
+    kernel: DecodeKernel | None = None
+    block_tables: torch.Tensor | None = None
+    """With a kernel: ``[B, max_blocks]`` int64 block ids of every sequence (padded with a valid id, never read)."""
+    attend_lengths: torch.Tensor | None = None
+    """With a kernel: ``[B]`` int64, ``lengths[i] + 1``."""
 
 
 def run_view(store: torch.Tensor, layer: int, start: int, n: int) -> torch.Tensor:
@@ -70,6 +81,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     # key/value: [B, kv_heads, 1, head_dim] → this step's slot of each sequence (pool blocks are token-major).
     pool.keys[layer, ctx.write_blocks, ctx.write_offsets] = key[:, :, 0].to(pool.dtype)
     pool.values[layer, ctx.write_blocks, ctx.write_offsets] = value[:, :, 0].to(pool.dtype)
+    if ctx.kernel is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = ctx.kernel.attend(
+            query, pool.keys[layer], pool.values[layer], ctx.block_tables, ctx.attend_lengths, scale
+        )
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
+        # (no thread or scratch memory for the kernel: this layer takes PyTorch's path, which the context also holds)
     bs, heads, dim = pool.block_size, pool.keys.shape[3], pool.keys.shape[4]
     gqa = query.shape[1] != heads
     out = torch.empty_like(query)

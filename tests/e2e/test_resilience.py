@@ -84,6 +84,9 @@ def test_decode_scales_up_under_queue_depth_and_back(scale_base, prism_server):
         samples = wait_for(url, lambda s: total(s, "ray_prism_replicas", **decode) == 2)
         assert total(samples, "ray_prism_replicas", **decode) == 2
         assert total(samples, "ray_prism_autoscale_desired_replicas", **decode, stage="decode") == 2
+        # the gauge is a point sample of running + waiting sequences, refreshed every few seconds: one scrape can fall
+        # between two of the clients' requests (CI saw 0 once), so scrape again while the load runs
+        samples = wait_for(url, lambda s: total(s, "ray_prism_stage_queue_depth", **decode) > 0)
         assert total(samples, "ray_prism_stage_queue_depth", **decode) > 0
     finally:
         stop.set()

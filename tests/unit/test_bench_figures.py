@@ -114,7 +114,7 @@ def test_the_table_shows_runs_and_spread_marks_our_yardsticks_and_links_the_plot
         "metrics": metrics,
     }
     text = table(summary)
-    assert "| `decode_roofline_fraction_b32` | 0.28 | 3 (0.25–0.3) | >= 0.5 (ours) | no |" in text
+    assert "| `decode_roofline_fraction_b32` | 0.28 | 3 (0.25–0.3) | >= 0.7 (ours) | no |" in text
     assert "| `goodput_ratio_vs_naive` | 4 | 1 | >= 3 | yes |" in text
     assert text.endswith("Plots: [goodput vs rate](loadtest/results/bench_goodput_vs_rate.png).")
 

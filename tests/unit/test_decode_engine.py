@@ -55,13 +55,18 @@ def _run(engine: DecodeEngine, requests, arrive_every: int = 1) -> dict[str, lis
     return tokens
 
 
-@pytest.mark.parametrize("contiguous", [True, False], ids=["views", "gathered"])
-def test_continuous_batching_equals_each_request_alone(tiny_model, contiguous):
+@pytest.mark.parametrize(
+    ("contiguous", "native"),
+    [(True, True), (False, True), (True, False), (False, False)],
+    ids=["native-runs", "native-scattered", "torch-views", "torch-gathered"],
+)
+def test_continuous_batching_equals_each_request_alone(tiny_model, contiguous, native):
     lm = tiny_model
     requests = _mixed_requests(lm)
     alone = {rid: list(decode(lm, pre, sp).token_ids) for rid, pre, sp in requests}
     pool = KVPool(256, 16, lm.kv_shape, lm.dtype)
-    engine = DecodeEngine(lm, pool, max_batch=32, prefer_contiguous=contiguous)
+    engine = DecodeEngine(lm, pool, max_batch=32, prefer_contiguous=contiguous, native_attention=native)
+    assert (engine.kernel is not None) == native  # (the native kernel builds on these machines: a C compiler is here)
     batched = _run(engine, requests, arrive_every=2)  # staggered: sequences join while others run
     assert batched == alone
     assert max(len(t) for t in batched.values()) > 12
@@ -76,14 +81,15 @@ def test_batch_limit_rotates_and_still_matches(tiny_llava):
     pool.check_no_leaks()
 
 
-def test_fragmented_pool_mixes_views_and_gathers(tiny_qwen):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_fragmented_pool_mixes_views_and_gathers(tiny_qwen, native):
     """Holes left by finished sequences force some sequences onto scattered blocks; results do not change."""
     lm = tiny_qwen
     requests = _mixed_requests(lm, 12)
     alone = {rid: list(decode(lm, pre, sp).token_ids) for rid, pre, sp in requests}
     need = sum(-(-(pre.kv.num_tokens + sp.max_tokens) // 16) for _, pre, sp in requests[:6])
     pool = KVPool(need, 16, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
-    engine = DecodeEngine(lm, pool)
+    engine = DecodeEngine(lm, pool, native_attention=native)
     modes = set()
     original = engine._decode
 

@@ -1,0 +1,35 @@
+"""``loadtest.bench_decode`` on the tiny model: every figure it reports is there, per dtype, and in fp32 the engine's
+greedy tokens at batch 32 are ``generate()``'s and the batch-1 path's (bf16's agreement is reported, not asserted)."""
+
+from __future__ import annotations
+
+import json
+
+from loadtest import bench_decode
+
+
+def test_agreement_counts_identical_answers_and_the_share_before_the_first_difference():
+    want = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9]}
+    got = {"a": [1, 2, 3, 4], "b": [5, 6, 0, 8], "d": [1]}
+    out = bench_decode.agreement(got, want)
+    assert out == {"requests": 2, "identical": 0.5, "mean_prefix_fraction": (1.0 + 0.5) / 2}
+
+
+def test_bench_decode_reports_each_dtype_and_fp32_is_token_exact(model_cache, tmp_path):
+    out = tmp_path / "decode.json"
+    argv = ["--model", "prism-tiny-llava", "--cache-dir", model_cache, "--tokens", "6", "--repeats", "1"]
+    result = bench_decode.main([*argv, "--sequential-requests", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert set(result["dtypes"]) == {"float32", "bfloat16"} and result["dtype"] == "float32"
+    for figures in result["dtypes"].values():
+        assert set(figures["per_batch"]) == {"1", "8", "32"}
+        for row in figures["per_batch"].values():
+            assert row["median_step_ms"] > 0 and row["bytes_per_step"] > 0 and 0 < row["floor_fraction"]
+            assert row["memory_floor_ms"] > 0 and row["speedup_vs_sequential"] > 0
+        assert figures["prefill"]["flops_per_s"] > 0 and figures["b32_weight_gemm_ms"] > 0
+        assert 0 < figures["b32_best_possible_floor_fraction"] <= 1
+    fp32 = result["dtypes"]["float32"]
+    assert fp32["attention_paths_b32_step_ms"]["native"] > 0 and fp32["attention_paths_b32_step_ms"]["pytorch"] > 0
+    for pair in ("b32_vs_generate", "b32_vs_b1", "b1_vs_generate"):
+        assert fp32["agreement_greedy"][pair] == {"requests": 2, "identical": 1.0, "mean_prefix_fraction": 1.0}, pair
+    assert result["dtypes"]["bfloat16"]["attention_paths_b32_step_ms"]["native"] is None  # fp32-only kernel

@@ -1,0 +1,127 @@
+"""The native CPU decode-attention kernel: the same attention as PyTorch's SDPA over any block table, its build
+cache, and every way it can be unavailable (the engine then keeps PyTorch's path, with the same tokens)."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from common.engine.decode import DecodeEngine
+from common.kv import native
+from common.kv.native import load_decode_kernel
+from common.kv.pool import KVPool
+from common.reference.decode import decode
+from tests.unit.test_decode_engine import _mixed_requests, _run
+
+
+def _reference(query, keys, values, tables, lengths, scale):
+    """PyTorch's SDPA, sequence by sequence, over each table's tokens gathered from the pool layer."""
+    block_size = keys.shape[1]
+    out = torch.empty_like(query)
+    for i, n in enumerate(lengths.tolist()):
+        blocks = tables[i, : -(-n // block_size)]
+        k = keys[blocks].reshape(-1, *keys.shape[2:])[:n].transpose(0, 1)[None]
+        v = values[blocks].reshape(-1, *values.shape[2:])[:n].transpose(0, 1)[None]
+        out[i : i + 1] = torch.nn.functional.scaled_dot_product_attention(
+            query[i : i + 1], k, v, scale=scale, enable_gqa=query.shape[1] != keys.shape[2]
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "dim", "block_size"),
+    [(8, 4, 64, 16), (4, 4, 128, 16), (6, 2, 40, 5), (2, 1, 16, 1)],
+    ids=["gqa2-d64", "mha-d128", "gqa3-d40", "mqa-d16-bs1"],
+)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_is_sdpa_over_any_block_table(q_heads, kv_heads, dim, block_size, threads):
+    kernel = load_decode_kernel()
+    assert kernel is not None, "a C compiler is on these machines: the kernel must build"
+    gen = torch.Generator().manual_seed(q_heads * dim + block_size)
+    blocks = 160
+    keys = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    values = torch.randn(blocks, block_size, kv_heads, dim, generator=gen)
+    lengths = torch.tensor([1, block_size, block_size + 1, 37, 150, 2, 90][: 7 if block_size > 1 else 5])
+    rng = random.Random(dim)
+    width = max(-(-n // block_size) for n in lengths.tolist())
+    order = list(range(blocks))
+    rng.shuffle(order)  # scattered tables, blocks in any order, some sequences sharing blocks
+    tables = torch.tensor([[order[(7 * i + j) % blocks] for j in range(width)] for i in range(len(lengths))])
+    query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen)
+    scale = 0.37
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.attend(query, keys, values, tables, lengths, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert got is not None and got.shape == query.shape
+    torch.testing.assert_close(got, _reference(query, keys, values, tables, lengths, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_refuses_a_pool_layer_that_is_not_contiguous():
+    kernel = load_decode_kernel()
+    keys = torch.randn(4, 16, 2, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.attend(
+            torch.randn(1, 2, 1, 8),
+            keys[:, ::2],
+            keys[:, ::2],
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.tensor([3]),
+            1.0,
+        )
+
+
+def test_build_is_cached_per_machine_and_written_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRISM_NATIVE_CACHE", str(tmp_path))
+    first = native.load_decode_kernel.__wrapped__()
+    assert first is not None and first.path.parent == tmp_path
+    built = first.path.stat().st_mtime_ns
+    again = native.load_decode_kernel.__wrapped__()
+    assert again.path == first.path and again.path.stat().st_mtime_ns == built  # loaded, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no partial file left behind
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [({"PRISM_NATIVE_ATTENTION": "0"}, "turned off"), ({"CC": "/bin/false"}, "unavailable")],
+    ids=["turned-off", "compiler-fails"],
+)
+def test_without_the_kernel_the_loader_says_why_and_returns_none(tmp_path, monkeypatch, caplog, env, message):
+    monkeypatch.setenv("PRISM_NATIVE_CACHE", str(tmp_path / "fresh"))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level(logging.INFO, logger="prism.kv.native"):
+        assert native.load_decode_kernel.__wrapped__() is None
+    assert message in caplog.text
+
+
+def test_engine_uses_the_kernel_only_for_fp32_pools(tiny_llava, model_cache):
+    from tests.conftest import _load
+
+    lm = tiny_llava
+    assert DecodeEngine(lm, KVPool(8, 16, lm.kv_shape, lm.dtype)).kernel is not None
+    assert DecodeEngine(lm, KVPool(8, 16, lm.kv_shape, lm.dtype), native_attention=False).kernel is None
+    bf16 = _load("prism-tiny-llava", model_cache, dtype="bfloat16")
+    assert DecodeEngine(bf16, KVPool(8, 16, bf16.kv_shape, bf16.dtype)).kernel is None
+
+
+def test_a_step_the_kernel_cannot_run_takes_pytorchs_path_with_the_same_tokens(tiny_qwen, monkeypatch):
+    lm = tiny_qwen
+    requests = _mixed_requests(lm, 6)
+    alone = {rid: list(decode(lm, pre, sp).token_ids) for rid, pre, sp in requests}
+    engine = DecodeEngine(lm, KVPool(256, 16, lm.kv_shape, lm.dtype))
+    calls = []
+
+    def no_scratch(*args):
+        calls.append(1)
+        return None  # what attend returns when the kernel could not have its scratch memory
+
+    monkeypatch.setattr(engine.kernel, "attend", no_scratch)
+    assert _run(engine, requests) == alone
+    assert calls, "the fallback must have been taken"
+    engine.pool.check_no_leaks()
