@@ -4,8 +4,9 @@ Requests from many callers share batches: each call submits its items to the :cl
 future; the driver loop encodes one batch per step. Before submitting, a call is admitted against the replica's patch
 budget (``admission.encode_patch_budget``; only the patches the encoder cache does not hold count, so cache hits
 never wait) — it waits in rank order (fewest patches first, with aging; batch class behind interactive) or gets
-429 / 504 (:mod:`services.admission`). A cancelled call (client gone) removes its queued items; items whose
-deadline passes in the queue are dropped before the next batch (504).
+429 / 504 (:mod:`services.admission`); inside the engine its cache misses are batched by the same rank. A cancelled
+call (client gone) removes its queued items; items whose deadline passes in the queue are dropped before the next
+batch (504).
 
 Trace: ``encode.transfer`` (media done → this call starts: the pixels' hand-off), ``encode.queue`` (waiting for a
 batch), ``encode`` (the batch that finished it; encoder-cache hits/misses and visual tokens as attributes).
@@ -42,7 +43,7 @@ class EncodeDeployment:
         self.cache = None
         if eng.encoder_cache_bytes:
             self.cache = EncoderCache(eng.encoder_cache_bytes, eng.shared_cache_scope)
-        batcher = EncoderBatcher(patch_budget=eng.encoder_patch_budget)
+        batcher = EncoderBatcher(patch_budget=eng.encoder_patch_budget, batch_delay_s=self.cfg.admission.batch_delay_s)
         self.engine = EncodeEngine(self.lm, batcher, self.cache, time.monotonic)
         self.options = decode_options(self.cfg.media)
         # The vision tower steps in a thread of its own (niced once, when it starts), never in the loop's shared pool:
@@ -99,7 +100,12 @@ class EncodeDeployment:
 
     def _submit(self, ctx: RequestContext, items: list[ProcessedMedia]) -> list[VisualEmbeddings] | None:
         done = self.engine.submit(
-            ctx.key, items, tenant=ctx.tenant, processor_options=self.options, deadline=ctx.monotonic_deadline()
+            ctx.key,
+            items,
+            tenant=ctx.tenant,
+            processor_options=self.options,
+            deadline=ctx.monotonic_deadline(),
+            batch=ctx.batch,
         )
         self._load()
         return done

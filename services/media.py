@@ -79,7 +79,8 @@ class MediaDeployment:
                 raise
             timeline.mark("media.fetch", items=len(checked), bytes=timings.nbytes)
             pixels = sum(c.pixels for c in checked)
-            self._check(replace(self._ingress_vector(ctx, len(checked)), pixels=pixels))  # from the headers: no decode
+            fetched = replace(self._ingress_vector(ctx, len(checked)), pixels=pixels, media_bytes=timings.nbytes)
+            self._check(fetched)  # pixels from the headers: nothing decoded yet
             grant = await self.admission.admit(ctx, pixels, 0)  # media: first come, first served within a class
             timeline.mark("media.admission", pixels=pixels, waited=grant.waited_s > 0)
             work = lambda: self._decode(checked, ctx, timings, timeline, stop)  # noqa: E731
@@ -111,9 +112,10 @@ class MediaDeployment:
         stop.check("media processing")
         view = TalliedCache(self.cache) if self.cache is not None else None
         out = process_loaded(self.frontend, loaded, cache=view, tenant=ctx.tenant, options=self.stage.decode_options())
-        vector = self._check_vector(ctx, out)
+        vector = self._check_vector(ctx, out, timings.nbytes)
         timeline.mark(
             "media.process",
+            media_bytes=vector.media_bytes,
             pixels=vector.pixels,
             patches=vector.patches,
             visual_tokens=vector.visual_tokens,
@@ -127,10 +129,11 @@ class MediaDeployment:
             self.metrics.cache_bytes("processor", self.cache.stats().bytes)
         return timeline.wrap(out)
 
-    def _check_vector(self, ctx: RequestContext, out: list[ProcessedMedia]) -> ResourceVector:
-        """The request's vector completed by its processed media, checked against every per-request limit: the
-        prompt and the KV lease are judged here, before the encoder queue, not after encode or prefill ran."""
-        vector = self._ingress_vector(ctx, len(out)).with_media(out, self.cfg.engine.kv_block_size)
+    def _check_vector(self, ctx: RequestContext, out: list[ProcessedMedia], nbytes: int) -> ResourceVector:
+        """The request's vector completed by its processed media (and the bytes fetched), checked against every
+        per-request limit: the prompt and the KV lease are judged here, before the encoder queue, not after encode
+        or prefill ran."""
+        vector = self._ingress_vector(ctx, len(out)).with_media(out, self.cfg.engine.kv_block_size, media_bytes=nbytes)
         self._check(vector)
         return vector
 

@@ -78,8 +78,10 @@ class EncodeEngine:
         tenant: str = "default",
         processor_options: dict[str, Any] | None = None,
         deadline: float | None = None,
+        batch: bool = False,
     ) -> list[VisualEmbeddings] | None:
-        """Embeddings now if every item hits the cache; otherwise ``None`` and the request completes in a step."""
+        """Embeddings now if every item hits the cache; otherwise ``None`` and the request completes in a step.
+        ``batch``: batch-class traffic, whose misses the batcher ranks behind interactive ones."""
         if request_id in self._pending:
             raise ValueError(f"request {request_id} is already encoding")
         state = _Pending(slots=[None] * len(items), keys=[None] * len(items))
@@ -96,7 +98,7 @@ class EncodeEngine:
                     stats.cache_hits += 1
                     continue
             stats.cache_misses += 1
-            self.batcher.add(EncodeItem(request_id, item, now))
+            self.batcher.add(EncodeItem(request_id, item, now, batch))
         if all(s is not None for s in state.slots):
             return list(state.slots)  # type: ignore[arg-type]
         self._pending[request_id] = state

@@ -1,11 +1,13 @@
-"""Encoder batching by shape bucket and patch budget, with aging.
+"""Encoder batching by shape bucket and patch budget, with aging and traffic class.
 
-Items wait in one pool. The next batch starts from the item with the lowest *effective cost*
-``patches − aging_rate × seconds_waited``: small images go first (they finish fast and unblock their requests'
-prefill), but every second of waiting lowers a large image's cost, so a stream of small images can delay a large
-one by at most ``patches / aging_rate`` seconds — it is never starved. The batch is then filled, in the same order,
-with items of the same shape bucket (modality + power-of-two patch class) up to the patch budget; the first item is
-always taken even if it alone exceeds the budget.
+Items wait in one pool. The next batch starts from the item of lowest *rank* (:func:`common.sched.gate.rank`, the
+same rule as the encode gate and the prefill lanes): its arrival + ``patches / aging_rate`` seconds, + ``batch_delay_s``
+for batch traffic. Small images go first (they finish fast and unblock their requests' prefill), but a large image
+is overtaken only by work that arrived less than ``patches / aging_rate`` seconds after it — it is never starved; a
+batch-class item (``priority: batch``) also lets interactive items that arrived up to ``batch_delay_s`` after it go
+first, and is never starved either. The batch is then filled, in the same order, with items of the same shape
+bucket (modality + power-of-two patch class) up to the patch budget; the first item is always taken even if it alone
+exceeds the budget.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from common.protocol.handoff import ProcessedMedia
+from common.sched.gate import rank
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class EncodeItem:
     request_id: str
     media: ProcessedMedia
     arrival_s: float
+    batch: bool = False
+    """Batch-class traffic (``priority: batch``): ranked ``batch_delay_s`` behind interactive."""
 
     @property
     def patches(self) -> int:
@@ -32,10 +37,17 @@ class EncodeItem:
 
 
 class EncoderBatcher:
-    def __init__(self, patch_budget: int = 8192, max_items: int = 32, aging_patches_per_s: float = 2048.0) -> None:
+    def __init__(
+        self,
+        patch_budget: int = 8192,
+        max_items: int = 32,
+        aging_patches_per_s: float = 2048.0,
+        batch_delay_s: float = 0.0,
+    ) -> None:
         self.patch_budget = patch_budget
         self.max_items = max_items
         self.aging = aging_patches_per_s
+        self.batch_delay_s = batch_delay_s
         self._items: list[EncodeItem] = []
 
     def add(self, item: EncodeItem) -> None:
@@ -58,7 +70,11 @@ class EncoderBatcher:
     def next_batch(self, now_s: float) -> list[EncodeItem]:
         if not self._items:
             return []
-        order = sorted(self._items, key=lambda i: (i.patches - self.aging * (now_s - i.arrival_s), i.arrival_s))
+        # (``now_s`` is the same for every item: ordering by rank is ordering by patches − aging × seconds waited)
+        order = sorted(
+            self._items,
+            key=lambda i: (rank(i.arrival_s, i.patches, self.aging, i.batch, self.batch_delay_s), i.arrival_s),
+        )
         bucket = order[0].bucket
         batch, patches = [], 0
         for item in order:

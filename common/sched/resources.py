@@ -92,13 +92,19 @@ class ResourceVector:
         )
 
     def with_media(
-        self, media: Sequence[ProcessedMedia], block_size: int, visual_tokens: int | None = None
+        self,
+        media: Sequence[ProcessedMedia],
+        block_size: int,
+        visual_tokens: int | None = None,
+        media_bytes: int | None = None,
     ) -> ResourceVector:
-        """The vector completed by the processed media (the media stage, before the encoder queue)."""
+        """The vector completed by the processed media (the media stage, before the encoder queue). ``media_bytes``:
+        what the stage fetched and decoded from (URLs included; the ingress could count only data URLs)."""
         visual = sum(m.num_visual_tokens for m in media) if visual_tokens is None else visual_tokens
         return replace(
             self,
             media_items=len(media),
+            media_bytes=self.media_bytes if media_bytes is None else media_bytes,
             pixels=sum(m.source_size[0] * m.source_size[1] * _frames(m) for m in media),
             frames=sum(_frames(m) for m in media),
             patches=sum(m.patches for m in media),

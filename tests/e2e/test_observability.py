@@ -103,6 +103,8 @@ def test_traced_stream_decomposes_ttft_into_contiguous_stage_spans(client):
     assert s["media.process"]["attrs"]["prompt_tokens"] == trace["prompt_tokens"]  # the media stage's count is exact
     assert s["media.admission"]["attrs"]["pixels"] == 120 * 90 and not s["media.admission"]["attrs"]["waited"]
     assert s["media.fetch"]["attrs"]["bytes"] > 0 and s["media.decode"]["attrs"]["frames"] == 1
+    # the request's vector counts the fetched URL's bytes (the ingress can count only data URLs)
+    assert s["media.process"]["attrs"]["media_bytes"] == s["media.fetch"]["attrs"]["bytes"] == len(_png(101, (120, 90)))
     assert s["prefill"]["attrs"]["prompt_tokens"] == trace["prompt_tokens"] == usage.prompt_tokens
     assert s["prefill"]["attrs"]["kv_blocks"] == math.ceil(usage.prompt_tokens / 16)
     assert s["decode.transfer"]["attrs"]["backend"] == "object_store"

@@ -41,6 +41,8 @@ def test_ingress_vector_completed_by_the_media_stage_is_the_prompt_prefill_build
     at_ingress = ResourceVector.at_ingress(rendered, 2, 32, 16)
     media = process_images(lm, [synthetic_image(200, 120, seed=1), synthetic_image(90, 300, seed=2)])
     completed = at_ingress.with_media(media, 16)
+    assert completed.media_bytes == at_ingress.media_bytes == 0  # the ingress saw no data URL
+    assert at_ingress.with_media(media, 16, media_bytes=5_000).media_bytes == 5_000  # what the media stage fetched
     built = ResourceVector.of(build_prompt(lm, messages, media, 100_000), media, 32, 16)
     assert completed.prompt_tokens == built.prompt_tokens and completed.kv_blocks == built.kv_blocks
     assert at_ingress.prompt_tokens <= completed.prompt_tokens  # the ingress's figure is a lower bound

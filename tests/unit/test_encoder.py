@@ -125,6 +125,29 @@ def test_large_images_are_not_starved_by_a_stream_of_small_ones():
     assert served_at is not None and served_at <= 4096 / 1000.0 + 0.5
 
 
+def test_batch_class_items_go_behind_interactive_ones_and_are_not_starved():
+    clock = FakeClock()
+    batcher = EncoderBatcher(patch_budget=64, aging_patches_per_s=1000.0, batch_delay_s=2.0)
+    batcher.add(EncodeItem("offline", _media(64), clock(), batch=True))  # small and first, but batch class
+    clock.t = 0.5
+    batcher.add(EncodeItem("chat", _media(512), clock()))  # larger, later, interactive
+    assert [i.request_id for i in batcher.next_batch(clock())] == ["chat"]
+    # a stream of interactive items goes first only while they arrive within batch_delay_s of the batch item
+    served_at = None
+    for step in range(1, 40):
+        clock.t = 0.5 + step * 0.25
+        batcher.add(EncodeItem(f"chat{step}", _media(64), clock()))
+        if any(i.request_id == "offline" for i in batcher.next_batch(clock())):
+            served_at = clock.t
+            break
+    assert served_at is not None and 2.0 <= served_at <= 2.0 + 0.25 + 64 / 1000.0
+    # without a delay the class changes nothing: the same rank as before (fewest patches first)
+    plain = EncoderBatcher(patch_budget=64, aging_patches_per_s=1000.0)
+    plain.add(EncodeItem("offline", _media(64), 0.0, batch=True))
+    plain.add(EncodeItem("chat", _media(512), 0.5))
+    assert [i.request_id for i in plain.next_batch(0.5)] == ["offline"]
+
+
 def test_encode_engine_batches_across_requests_and_cancels(tiny_qwen):
     lm = tiny_qwen
     clock = FakeClock()
@@ -138,6 +161,16 @@ def test_encode_engine_batches_across_requests_and_cancels(tiny_qwen):
     done = engine.step()
     assert list(done) == ["small"], "the small image is encoded first"
     assert list(engine.step()) == ["big"] and not engine.has_work()
+
+
+def test_encode_engine_ranks_a_batch_class_request_behind_interactive_ones(tiny_qwen):
+    lm = tiny_qwen
+    engine = EncodeEngine(lm, EncoderBatcher(patch_budget=100_000, batch_delay_s=100.0), None, clock=FakeClock())
+    small = process_images(lm, [synthetic_image(56, 56, seed=2)])
+    assert engine.submit("offline", small, batch=True) is None  # smaller and first, but batch class
+    assert engine.submit("chat", process_images(lm, [synthetic_image(224, 224, seed=1)])) is None
+    assert list(engine.step()) == ["chat"]
+    assert list(engine.step()) == ["offline"] and not engine.has_work()
 
 
 def test_expired_requests_leave_the_encoder_queue_before_a_batch(tiny_llava):
