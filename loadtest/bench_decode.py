@@ -23,10 +23,12 @@ GEMMs, then the KV read at the memory floor, nothing else). ``gemm_flops_per_s``
 
 Per dtype (``--dtypes``, default fp32 then bf16; the headline figures are the first's): step time, bytes read per
 step, fraction of the memory floor and speedup over sequential at batch 1/8/32; in fp32 the batch-32 step again on
-PyTorch's per-sequence attention (``native_attention`` off: what :mod:`common.kv.native` buys); the greedy tokens'
-agreement of the engine at batch 32 with ``generate()`` and with the engine at batch 1 (fp32: must be 1.0 — the
-tests hold it; bf16: GEMM blocking changes with batch size, so it is reported, not promised); and prefill: one
-whole-prompt chunk's time against its FLOPs (weights + causal attention) and the GEMM peak.
+PyTorch's per-sequence attention (``native_attention`` off: what :mod:`common.kv.native` buys; one run of its own,
+after the headline's, beside the median headline run's step); the greedy tokens' agreement of the engine at batch 32
+with ``generate()`` and with the engine at batch 1 (fp32: must be 1.0 — the tests hold it; bf16: GEMM blocking
+changes with batch size, so it is reported, not promised); and prefill: the reference ``prefill()`` of each whole
+prompt (288 tokens: one forward pass, as one engine chunk of ≤ 512 tokens computes it; its KV export included) timed
+against its FLOPs (weights + causal attention) and the GEMM rate ``gemm_flops_per_s``.
 
 Usage: ``python -m loadtest.bench_decode [--model prism-small-llava] [--tokens 32] [--repeats 3] [--dtypes
 float32,bfloat16] [--out PATH]``.
@@ -235,7 +237,8 @@ def agreement(got: dict[str, list[int]], want: dict[str, list[int]]) -> dict:
 
 
 def bench_prefill(lm: LoadedModel, requests, peak: float) -> dict:
-    """One whole-prompt chunk per request (the bench's prompts fit one 512-token chunk), timed against its FLOPs."""
+    """The reference prefill of each whole prompt (one forward pass, KV export included; the bench's prompts fit one
+    512-token engine chunk), timed against its FLOPs."""
     layers, _, dim = lm.kv_shape
     q_heads = lm.text_config.num_attention_heads
     seconds, flops, tokens = 0.0, 0, 0

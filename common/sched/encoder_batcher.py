@@ -44,6 +44,8 @@ class EncoderBatcher:
         aging_patches_per_s: float = 2048.0,
         batch_delay_s: float = 0.0,
     ) -> None:
+        if aging_patches_per_s <= 0:
+            raise ValueError("aging_patches_per_s must be > 0 (it divides an item's patches into seconds)")
         self.patch_budget = patch_budget
         self.max_items = max_items
         self.aging = aging_patches_per_s

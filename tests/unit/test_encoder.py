@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from common.cache.encoder_cache import EncoderCache
 from common.engine.encode import EncodeEngine
@@ -146,6 +147,8 @@ def test_batch_class_items_go_behind_interactive_ones_and_are_not_starved():
     plain.add(EncodeItem("offline", _media(64), 0.0, batch=True))
     plain.add(EncodeItem("chat", _media(512), 0.5))
     assert [i.request_id for i in plain.next_batch(0.5)] == ["offline"]
+    with pytest.raises(ValueError, match="aging"):
+        EncoderBatcher(aging_patches_per_s=0)
 
 
 def test_encode_engine_batches_across_requests_and_cancels(tiny_qwen):

@@ -62,21 +62,43 @@ def test_kernel_is_sdpa_over_any_block_table(q_heads, kv_heads, dim, block_size,
     torch.testing.assert_close(got, _reference(query, keys, values, tables, lengths, scale), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_refuses_a_pool_layer_that_is_not_contiguous():
+def test_more_threads_than_sequences_still_attend_every_sequence_once():
     kernel = load_decode_kernel()
-    keys = torch.randn(4, 16, 2, 8)
-    with pytest.raises(ValueError, match="contiguous"):
-        kernel.attend(
-            torch.randn(1, 2, 1, 8),
-            keys[:, ::2],
-            keys[:, ::2],
-            torch.zeros(1, 1, dtype=torch.long),
-            torch.tensor([3]),
-            1.0,
-        )
+    gen = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(8, 4, 2, 16, generator=gen), torch.randn(8, 4, 2, 16, generator=gen)
+    tables, lengths = torch.tensor([[3, 1], [0, 6]]), torch.tensor([7, 5])
+    query = torch.randn(2, 4, 1, 16, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        got = kernel.attend(query, keys, values, tables, lengths, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, _reference(query, keys, values, tables, lengths, 0.25), rtol=1e-5, atol=1e-5)
 
 
-def test_build_is_cached_per_machine_and_written_whole(tmp_path, monkeypatch):
+def test_inputs_the_kernel_does_not_take_are_left_to_pytorch():
+    kernel = load_decode_kernel()
+    keys, tables, lengths = torch.randn(4, 16, 2, 8), torch.zeros(1, 1, dtype=torch.long), torch.tensor([3])
+    query = torch.randn(1, 4, 1, 8)
+    assert kernel.attend(query, keys, keys, tables, lengths, 1.0) is not None
+    strided = torch.randn(4, 32, 2, 8)[:, ::2]
+    assert kernel.attend(query, strided, strided, tables, lengths, 1.0) is None  # not a contiguous pool layer
+    assert kernel.attend(torch.randn(1, 3, 1, 8), keys, keys, tables, lengths, 1.0) is None  # 3 heads over 2
+    assert kernel.attend(query.double(), keys.double(), keys.double(), tables, lengths, 1.0) is None
+    assert kernel.attend(query, keys, keys, tables.int(), lengths, 1.0) is None
+
+
+def test_loading_the_kernel_leaves_the_floating_point_mode_alone(tmp_path, monkeypatch):
+    """GCC < 13 links a ``-ffast-math`` shared library against crtfastmath.o, whose constructor turns on
+    flush-to-zero in the loading thread; the kernel is linked without it, so denormals stay denormals."""
+    monkeypatch.setenv("PRISM_NATIVE_CACHE", str(tmp_path))  # a fresh build, loaded (and its constructors run) here
+    assert native.load_decode_kernel.__wrapped__() is not None
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a denormal float32
+    assert (tiny * 2).item() > 0 and (tiny / 2).item() > 0
+
+
+def test_build_is_cached_and_leaves_no_partial_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PRISM_NATIVE_CACHE", str(tmp_path))
     first = native.load_decode_kernel.__wrapped__()
     assert first is not None and first.path.parent == tmp_path

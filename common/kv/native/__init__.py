@@ -9,16 +9,23 @@ runs the whole batch of one layer in one call on ``torch.get_num_threads()`` thr
 without the GIL.
 
 Lifecycle: :func:`load_decode_kernel` compiles the C source once per machine with the system C compiler
-(``cc``, ``-O3 -march=native -fopenmp``: built for the CPU it runs on, so the cache key holds the CPU's flags) into
-``$PRISM_NATIVE_CACHE`` (default ``~/.cache/prism/native``, else the temp dir), atomically, so concurrent replicas
-on one host never load a half-written library; later calls, and later processes, load the cached build. Without a
-compiler, or with ``PRISM_NATIVE_ATTENTION=0``, it returns ``None`` and the engine keeps PyTorch's per-sequence path
-(logged once) — the same tokens in fp32 up to float rounding, slower. The kernel is fp32 only; other dtypes and
-non-CPU pools use the PyTorch path.
+(``cc -O3 -march=native -ffast-math -fopenmp``: built for the CPU it runs on, so the cache key holds the CPU's
+flags) into ``$PRISM_NATIVE_CACHE`` (default ``~/.cache/prism/native``, else the temp dir), through a temporary file
+renamed into place, so concurrent builders on one host (or sharing a mounted cache) never load a half-written
+library; later calls, and later processes, load the cached build. Compiled and linked in two steps: ``-ffast-math``
+lets the loops vectorise (glibc's vector ``expf`` included), but GCC < 13 *links* a shared library built with it
+against ``crtfastmath.o``, whose constructor turns on flush-to-zero for the thread that loads it — every later
+PyTorch op in that thread, and the threads it starts, would then round denormals differently; linking without the
+flag keeps the process's floating-point mode untouched (tested). Without a compiler, with
+``PRISM_NATIVE_ATTENTION=0``, or if no cache folder can take the library, it returns ``None`` and the engine keeps
+PyTorch's per-sequence path (logged once) — the same tokens in fp32 up to float rounding, slower. The kernel is fp32
+only; other dtypes, non-CPU pools and shapes it does not take (query heads not a multiple of KV heads, …) use the
+PyTorch path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -35,7 +42,8 @@ import torch
 log = logging.getLogger("prism.kv.native")
 
 SOURCE = Path(__file__).with_name("paged_decode_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+COMPILE = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LINK = ("-shared", "-fopenmp")  # (no -ffast-math here: see the module docstring)
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -60,13 +68,25 @@ class DecodeKernel:
     ) -> torch.Tensor | None:
         """``query`` ``[B, q_heads, 1, dim]``; ``keys``/``values`` one layer of the pool ``[blocks, block_size,
         kv_heads, dim]``; ``tables`` ``[B, width]`` int64 block ids; ``lengths`` ``[B]`` int64 tokens each sequence
-        attends over. Returns ``[B, q_heads, 1, dim]``, or ``None`` if the kernel could not run (no scratch memory to
-        be had) — the caller then takes its own path."""
+        attends over. Returns ``[B, q_heads, 1, dim]``, or ``None`` when the kernel does not take these inputs
+        (dtype, layout, head counts) or could not run (no scratch memory) — the caller then takes its own path."""
         batch, q_heads, _, dim = query.shape
-        _, block_size, kv_heads, _ = keys.shape
+        _, block_size, kv_heads, kv_dim = keys.shape
+        if not (
+            query.dtype == keys.dtype == values.dtype == torch.float32
+            and tables.dtype == lengths.dtype == torch.int64
+            and keys.shape == values.shape
+            and kv_dim == dim
+            and kv_heads >= 1
+            and q_heads % kv_heads == 0
+            and keys.is_contiguous()
+            and values.is_contiguous()
+            and tables.is_contiguous()
+            and lengths.is_contiguous()
+            and tables.shape[0] == lengths.shape[0] == batch
+        ):
+            return None
         query = query.contiguous()
-        if not (keys.is_contiguous() and values.is_contiguous() and tables.is_contiguous()):
-            raise ValueError("the kernel reads the pool's layers, tables and lengths as contiguous arrays")
         out = torch.empty_like(query)
         status = self._fn(
             query.data_ptr(),
@@ -102,30 +122,45 @@ def _cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "prism" / "native", Path(tempfile.gettempdir()) / "prism-native"]
 
 
-def _build(compiler: str) -> Path:
-    digest = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + _cpu_key().encode()
-    ).hexdigest()[:16]
+def _digest() -> str:
+    material = SOURCE.read_bytes() + " ".join(COMPILE + LINK).encode() + platform.machine().encode()
+    return hashlib.sha256(material + _cpu_key().encode()).hexdigest()[:16]
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+
+
+def _build_in(folder: Path, compiler: str, name: str) -> Path:
+    """The library in ``folder``, built there first if it is not; raises ``OSError`` / ``SubprocessError``."""
+    target = folder / name
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".so")  # unique, even across hosts
+    os.close(fd)
+    obj = partial[: -len(".so")] + ".o"
+    try:
+        _run([compiler, *COMPILE, "-c", "-o", obj, str(SOURCE)])
+        _run([compiler, *LINK, "-o", partial, obj, "-lm"])
+        os.replace(partial, target)  # atomic: another process sees no library or a whole one
+        return target
+    finally:
+        for leftover in (partial, obj):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+
+
+def _load(compiler: str) -> DecodeKernel:
+    """Build (or find) and load the library from the first cache folder that can hold and load it."""
+    name = f"paged_decode_attention-{_digest()}.so"
     errors = []
     for folder in _cache_dirs():
-        target = folder / f"paged_decode_attention-{digest}.so"
-        if target.exists():
-            return target
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f".{target.name}.{os.getpid()}"
-            subprocess.run(
-                [compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            os.replace(partial, target)  # atomic: another process sees no library or a whole one
-            return target
+            path = _build_in(folder, compiler, name)
+            return DecodeKernel(ctypes.CDLL(str(path)), path)  # (a noexec mount fails here: try the next folder)
         except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", None) or exc
-            errors.append(f"{folder}: {detail}")
+            errors.append(f"{folder}: {(getattr(exc, 'stderr', None) or str(exc)).strip()}")
     raise RuntimeError("; ".join(errors))
 
 
@@ -140,8 +175,7 @@ def load_decode_kernel() -> DecodeKernel | None:
         log.warning("no C compiler found: decode attention stays on PyTorch's per-sequence path (slower)")
         return None
     try:
-        path = _build(compiler)
-        return DecodeKernel(ctypes.CDLL(str(path)), path)
-    except (RuntimeError, OSError) as exc:
+        return _load(compiler)
+    except RuntimeError as exc:
         log.warning("native decode attention unavailable (%s): PyTorch's per-sequence path (slower)", exc)
         return None

@@ -13,8 +13,8 @@
  * (a pthread of ours running while PyTorch's workers spin-waited after a matmul made the kernel ~1.7x slower). The
  * caller (Python, through ctypes) does not hold the GIL here.
  *
- * Returns 0, or -1 when scratch memory could not be had (the output is then not to be trusted: the caller takes its
- * own path).
+ * Returns 0; -1 when scratch memory could not be had, -2 for head counts it does not take (query heads not a
+ * multiple of KV heads) — the output is then not to be trusted: the caller takes its own path.
  */
 #include <math.h>
 #include <omp.h>
@@ -97,6 +97,7 @@ static int attend_range(const step_t *s, int64_t begin, int64_t end) {
 int paged_decode_attention(const float *q, const float *k, const float *v, float *out, const int64_t *tables,
                            int64_t table_width, const int64_t *lengths, int64_t batch, int64_t q_heads,
                            int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int threads) {
+    if (kv_heads < 1 || q_heads % kv_heads != 0) return -2;
     const step_t step = {q, k, v, out, tables, lengths, table_width, q_heads, kv_heads, dim, block_size, scale};
     int64_t total = 0;
     for (int64_t i = 0; i < batch; i++) total += lengths[i];
