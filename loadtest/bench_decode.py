@@ -102,7 +102,7 @@ def _requests(lm: LoadedModel, n: int, tokens: int):
         media = process_images(lm, images)
         prompt = build_prompt(lm, [{"role": "user", "content": content}], media, 8192)
         merged = merge(lm, prompt, encode_media(lm, media))
-        out.append((f"r{i}", prefill(lm, merged, sampling, 16), sampling, media, content))
+        out.append((f"r{i}", prefill(lm, merged, sampling, 16), sampling, media, merged))
     return out
 
 
@@ -115,11 +115,11 @@ def _lm_weight_bytes(lm: LoadedModel) -> int:
 
 def _kv_bytes_per_token(lm: LoadedModel) -> int:
     layers, heads, dim = lm.kv_shape
-    return 2 * layers * heads * dim * torch.empty((), dtype=lm.dtype).element_size()
+    return 2 * layers * heads * dim * lm.dtype.itemsize
 
 
 def _lm_gemm_flops_per_token(lm: LoadedModel) -> int:
-    return 2 * _lm_weight_bytes(lm) // torch.empty((), dtype=lm.dtype).element_size()
+    return 2 * _lm_weight_bytes(lm) // lm.dtype.itemsize
 
 
 def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> dict:
@@ -242,11 +242,8 @@ def bench_prefill(lm: LoadedModel, requests, peak: float) -> dict:
     layers, _, dim = lm.kv_shape
     q_heads = lm.text_config.num_attention_heads
     seconds, flops, tokens = 0.0, 0, 0
-    for _, pre, sampling, media, content in requests:
+    for _, pre, sampling, _, merged in requests:
         n = pre.kv.num_tokens
-        merged = merge(
-            lm, build_prompt(lm, [{"role": "user", "content": content}], media, 8192), encode_media(lm, media)
-        )
         seconds += _timed(lambda merged=merged, sampling=sampling: prefill(lm, merged, sampling, 16))
         # weight GEMMs for every token (lm_head only for the last) + causal attention: QK^T and PV over n(n+1)/2 pairs
         head = 2 * lm.model.lm_head.weight.numel()

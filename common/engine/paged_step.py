@@ -13,6 +13,11 @@ def is_run(blocks: list[int]) -> bool:
     return all(b == blocks[0] + i for i, b in enumerate(blocks))
 
 
+def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
+    """``[len(tables), width]`` block ids, each table padded with its own first block (a valid id, never read)."""
+    return torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)
+
+
 def build_step_context(
     pool: KVPool, tables: list[list[int]], lengths: list[int], kernel: DecodeKernel | None = None
 ) -> PagedContext:
@@ -24,13 +29,10 @@ def build_step_context(
     runs = [t[0] if is_run(t) else None for t in tables]
     scattered = [i for i, r in enumerate(runs) if r is None]
     width = max((len(tables[i]) for i in scattered), default=1)
-    padded = torch.tensor([tables[i] + [tables[i][0]] * (width - len(tables[i])) for i in scattered], dtype=torch.long)
+    padded = _padded([tables[i] for i in scattered], width)
     slots = torch.arange(width * bs)
     mask = (slots[None, :] <= length[scattered][:, None]).view(len(scattered), 1, 1, width * bs)
-    block_tables = None
-    if kernel is not None:
-        longest = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [t[0]] * (longest - len(t)) for t in tables], dtype=torch.long)
+    block_tables = _padded(tables, max(len(t) for t in tables)) if kernel is not None else None
     return PagedContext(
         pool=pool,
         write_blocks=write_blocks,
@@ -38,7 +40,7 @@ def build_step_context(
         lengths=list(lengths),
         runs=runs,
         scattered=torch.tensor(scattered, dtype=torch.long),
-        tables=padded.view(len(scattered), width),
+        tables=padded,
         mask=mask,
         kernel=kernel,
         block_tables=block_tables,

@@ -88,7 +88,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         )
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
-        # (no thread or scratch memory for the kernel: this layer takes PyTorch's path, which the context also holds)
+        # (inputs the kernel does not take, or no scratch memory: this layer takes PyTorch's path, held here too)
     bs, heads, dim = pool.block_size, pool.keys.shape[3], pool.keys.shape[4]
     gqa = query.shape[1] != heads
     out = torch.empty_like(query)
