@@ -4,9 +4,10 @@
 is a :class:`PrismConfig` as a dict. Each served model gets its own four stage deployments (``Media``, ``Encode``,
 ``Prefill``, ``Decode``; suffixed ``-<served name>`` when the config lists several ``models``) and one ingress
 routes to them by the request's ``model``; with ``routing.affinity`` the encode and prefill deployments get the
-cache-affinity request router (:mod:`services.routing`). Each stage gets its own replicas, resources, queue bound
-and — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue
-depth. The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
+cache-affinity request router (:mod:`services.routing`), and decode always gets the router that sends a request to the
+replica holding its KV reservation (:mod:`services.decode_router`). Each stage gets its own replicas, resources,
+queue bound and — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its
+own queue depth. The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ray.serve.deployment import Application
 
 from common.config import PrismConfig, RoutingConfig, StageConfig, deployment_suffix
 from services.decode import DecodeDeployment
+from services.decode_router import PinnedRouter
 from services.encode import EncodeDeployment
 from services.ingress import IngressApp
 from services.media import MediaDeployment
@@ -28,7 +30,10 @@ from services.routing import AffinityRouter
 
 
 def _router(stage: str, routing: RoutingConfig) -> dict[str, Any]:
-    """The cache-affinity router for a stage the ingress calls by key (encode: media, prefill: prompt prefix)."""
+    """The cache-affinity router for a stage the ingress calls by key (encode: media, prefill: prompt prefix); for
+    decode the router that sends ``generate`` to the replica holding the request's KV reservation."""
+    if stage == "Decode":
+        return {"request_router_config": RequestRouterConfig(request_router_class=PinnedRouter)}
     key = {"Encode": "media", "Prefill": "prefix"}.get(stage)
     if key is None or not routing.affinity:
         return {}

@@ -11,6 +11,16 @@ A migrated stream (its first decode replica died after tokens were sent) arrives
 client already has. The engine rebuilds the sequence through them (:class:`DecodeEngine`, *Replay*) and the stream
 yields only what comes after — the start event as always, then the next token.
 
+**KV before prefill.** The ingress calls :meth:`DecodeDeployment.reserve` before it issues prefill: the request's
+blocks (prompt + ``max_tokens``, exact for text, an estimate for media) are leased from this replica's pool now, or
+the call waits in the pool's FIFO queue (bounded and deadline-aware: :class:`common.kv.admission.KVAdmission` refuses
+429 ``server_overloaded`` with a Retry-After from the pool's drain rate, or a wait past the deadline is a 504) —
+before any prefill work is spent on a request the pool cannot hold. It answers with this replica's id; the ingress
+puts it in the context (``decode_replica``) and the decode router (:mod:`services.decode_router`) sends ``generate``
+here, where :meth:`DecodeEngine.submit` claims the lease (resized to the exact need). A reservation nobody claims is
+dropped by :meth:`unreserve` (the ingress, when the chain failed or was cancelled first) or at its deadline (a sweep
+while any is held). Each decision is counted in ``prism_admission_total{stage="decode"}``.
+
 Trace: the start event carries every span so far plus ``decode.transfer`` (prefill done → this call starts, the
 transport's read included); the first token carries ``decode.queue`` (KV lease wait + import + first emission).
 """
@@ -26,6 +36,8 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.engine.decode import DecodeEngine, TokenEvent
+from common.errors import DeadlineExceeded, Overloaded
+from common.kv.admission import KVAdmission
 from common.kv.blocks import verify_handoff
 from common.kv.pool import KVPool
 from common.kv.transport import KVTransport, make_transport
@@ -33,6 +45,7 @@ from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import (
     DecodeEvent,
+    KVReservation,
     PrefillOutput,
     RequestContext,
     StreamAbort,
@@ -43,6 +56,19 @@ from common.protocol.sampling import SamplingParams
 from services.loopback import bind_replica
 from services.metrics import Metrics
 from services.runtime import EngineDriver
+
+RESERVATION_SWEEP_S = 1.0
+"""How often unclaimed reservations are checked against their deadlines while any is held."""
+
+
+def _replica_id() -> str | None:
+    """This replica's Serve id (what the decode router matches), ``None`` outside Serve (the monolith)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a replica
+        return None
 
 
 class DecodeDeployment:
@@ -66,6 +92,104 @@ class DecodeDeployment:
         self.transport = transport or make_transport(self.cfg.server.transport)
         self.metrics = Metrics("decode")
         self.metrics.keep_fresh(self._load)
+        adm = self.cfg.admission
+        self.kv_admission = KVAdmission(self.pool, adm.max_waiting, adm.retry_after_s)
+        self.replica_id = _replica_id()
+        self._reservations: dict[str, asyncio.Future[bool]] = {}  # reservations waiting for their blocks
+        self._sweeper: asyncio.Task | None = None
+
+    async def reserve(self, ctx: RequestContext, blocks: int, admitted: bool = False) -> KVReservation:
+        """Lease ``blocks`` for ``ctx``'s attempt before its prefill computes; answers once granted. Raises 429 (must
+        not wait, or no request slot would be left for its ``generate``), 504 (its deadline passed while it waited),
+        400 (over the per-request lease). ``admitted``: a migration's — it waits whatever the queue (refusing it would
+        end a stream the client is reading)."""
+        left = ctx.check_deadline("decode")
+        key, tags = ctx.key, {"tenant": ctx.tenant, "class": ctx.priority}
+        async with self.driver.lock:
+            try:
+                if not admitted:
+                    self._check_slots()
+                    self.kv_admission.check(blocks, left)
+                granted = self.engine.reserve(key, blocks, ctx.monotonic_deadline())
+            except Overloaded:
+                self.metrics.inc("prism_admission_total", result="refused", reason="budget_full", **tags)
+                raise
+            waiter = None if granted else asyncio.get_running_loop().create_future()
+            if waiter is not None:
+                self._reservations[key] = waiter
+        self._keep_sweeping()
+        self._load()
+        waited = 0.0
+        if waiter is not None:
+            start = time.monotonic()
+            try:
+                kept = await asyncio.wait_for(asyncio.shield(waiter), timeout=left)
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # granted in the instant the caller went away
+                    raise asyncio.CancelledError
+            except BaseException as exc:  # deadline, or the caller went away: give the place (or the grant) back
+                self._reservations.pop(key, None)
+                asyncio.get_running_loop().create_task(self._drop(key))
+                if isinstance(exc, TimeoutError):
+                    self.metrics.inc("prism_admission_total", result="refused", reason="deadline", **tags)
+                    raise DeadlineExceeded("deadline exceeded waiting for KV blocks in the decode stage") from None
+                raise
+            if not kept:  # dropped by the sweep at its deadline (or by the ingress, which no longer waits for it)
+                raise DeadlineExceeded("deadline exceeded waiting for KV blocks in the decode stage")
+            waited = time.monotonic() - start
+        self.metrics.inc("prism_admission_total", result="admitted", reason="waited" if waited else "immediate", **tags)
+        self.metrics.observe("prism_admission_wait_seconds", waited, **{"class": ctx.priority})
+        return KVReservation(self.replica_id, blocks, waited)
+
+    def _check_slots(self) -> None:
+        """Every reservation's ``generate`` must find a request slot on this replica, where the decode router sends
+        it and nowhere else. A reservation takes one slot at a time — its ``reserve`` call while it waits, then its
+        ``generate`` — and a stream one: refuse a reservation that would commit more than ``max_ongoing_requests``
+        less one (kept for ``unreserve`` and ``stats``). Otherwise waiting reservations could take every slot while the
+        granted ones' ``generate`` calls wait for one: each side waiting for the other."""
+        slots = self.cfg.deployments.decode.max_ongoing_requests
+        committed = len(self.queues) + self.engine.num_reserved
+        if committed + 2 > slots:
+            raise Overloaded(
+                f"the decode replica has {committed} of its {slots} request slots committed (streams and KV "
+                "reservations); retry later",
+                retry_after_s=self.kv_admission.retry_after_s(1),
+            )
+
+    async def unreserve(self, ctx: RequestContext) -> bool:
+        """Drop ``ctx``'s reservation if no ``generate`` claimed it (the ingress: its chain failed or was cancelled)."""
+        return await self._drop(ctx.key)
+
+    async def _drop(self, key: str) -> bool:
+        async with self.driver.lock:
+            dropped = self.engine.unreserve(key)
+        self._wake()
+        self._load()
+        return dropped
+
+    def _wake(self) -> None:
+        """Resolve the waiting reservations that the pool granted (True) or that were dropped meanwhile (False)."""
+        self.kv_admission.sample()
+        for key, waiter in list(self._reservations.items()):
+            granted = self.engine.reservation_granted(key)
+            if granted or not self.engine.is_reserved(key):
+                del self._reservations[key]
+                if not waiter.done():
+                    waiter.set_result(granted)
+
+    def _keep_sweeping(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Drop reservations whose deadline passed unclaimed (an ingress that died, a chain that never reached
+        decode); ends when none is held."""
+        while self.engine.num_reserved:
+            await asyncio.sleep(RESERVATION_SWEEP_S)
+            async with self.driver.lock:
+                self.engine.expire_reservations()
+            self._wake()
+            self._load()
 
     def _has_work(self) -> bool:
         return self.engine.has_work() or self.engine.num_waiting > 0
@@ -82,18 +206,20 @@ class DecodeDeployment:
             verify_handoff(out, ctx.key)  # never a stale or altered payload into the pool
             return out
 
-        prefilled = await asyncio.to_thread(fetch_checked)
-        self.fetches += 1
-        backend = self.transport.name
-        transfer = timeline.mark("decode.transfer", backend=backend, bytes=prefilled.kv.nbytes)
-        self.metrics.transfer(backend, "kv", prefilled.kv.nbytes, transfer.duration_s)
         key = ctx.key
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.queues[key] = queue
         tokens = len(replay)
-        try:
+        try:  # (from the fetch on: a hand-off refused before submit still frees this attempt's reservation)
+            prefilled = await asyncio.to_thread(fetch_checked)
+            self.fetches += 1
+            backend = self.transport.name
+            where = {"replica": self.replica_id} if self.replica_id is not None else {}
+            transfer = timeline.mark("decode.transfer", backend=backend, bytes=prefilled.kv.nbytes, **where)
+            self.metrics.transfer(backend, "kv", prefilled.kv.nbytes, transfer.duration_s)
             async with self.driver.lock:
                 self.engine.submit(key, prefilled, sampling, deadline=ctx.monotonic_deadline(), replay=replay)
+            self._wake()  # (a reservation made exact may let others in)
             self._load()
             self.driver.poke()
             yield StreamStart(tuple(prefilled.prompt_token_ids.tolist()), tuple(timeline.spans))
@@ -120,6 +246,7 @@ class DecodeDeployment:
             async with self.driver.lock:
                 if self.engine.cancel(key):  # still running: the caller went away
                     self.cancelled += 1
+            self._wake()
             self._load()
             if tokens > len(replay):
                 self.metrics.observe("prism_stage_work_seconds", time.time() - timeline.last)
@@ -129,10 +256,12 @@ class DecodeDeployment:
             queue = self.queues.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(event)
+        if self._reservations or events:
+            self._wake()  # finished sequences freed blocks: waiting reservations may be granted
 
     def _load(self) -> None:
         running, waiting = self.engine.num_running, self.engine.num_waiting
-        self.metrics.load(len(self.queues), running + waiting)
+        self.metrics.load(len(self.queues), running + waiting + self.engine.num_reserved)
         self.metrics.set("prism_kv_blocks_used", self.pool.used_blocks)
         self.metrics.set("prism_kv_blocks_free", self.pool.free_blocks)
 
@@ -145,12 +274,14 @@ class DecodeDeployment:
             "fetches": self.fetches,
             "replayed_tokens": self.engine.replayed,
             "replay_mismatches": self.engine.replay_mismatches,
+            "reserved": self.engine.num_reserved,
             "transport": self.transport.name,
             "pid": os.getpid(),  # (which replica answered: make chaos reads every replica's KV through this)
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {
-            "queue_depth": float(self.engine.num_running + self.engine.num_waiting),
-            "kv_used_fraction": self.pool.used_blocks / self.pool.num_blocks,
+            # (reservations are work on its way: streams to come and the blocks promised to them)
+            "queue_depth": float(self.engine.num_running + self.engine.num_waiting + self.engine.num_reserved),
+            "kv_used_fraction": self.pool.committed_blocks / self.pool.num_blocks,
         }

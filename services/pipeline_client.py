@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ray.serve.exceptions import RayServeException
@@ -56,9 +57,17 @@ from common.errors import (
 from common.media.loader import check_request
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
-from common.obs.trace import Span
+from common.obs.trace import Span, Traced
 from common.protocol.body import ascii_int
-from common.protocol.handoff import DecodeEvent, Priority, RequestContext, StreamAbort, StreamStart, StreamToken
+from common.protocol.handoff import (
+    DecodeEvent,
+    KVReservation,
+    Priority,
+    RequestContext,
+    StreamAbort,
+    StreamStart,
+    StreamToken,
+)
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
 from common.sched.affinity import RouteKeys, media_key, prefix_key
@@ -68,6 +77,8 @@ from common.stages.prompt import render_chat
 from services import route_log
 from services.lifecycle import CANCELLED, REPLICA_LOST, replica_lost
 from services.retry import with_retries
+
+log = logging.getLogger("prism.ingress")
 
 
 @dataclass
@@ -107,6 +118,10 @@ class _Migration:
     started: float
     after_tokens: int
     cause: str
+
+
+async def _result(response: Any) -> Any:
+    return await response
 
 
 def _cancel(chain: list[Any]) -> None:
@@ -204,9 +219,11 @@ class PipelineClient:
                     route=route,
                 )
 
+            kv_blocks = self._kv_estimate(refs, vector)
+
             def issue(replay: tuple[int, ...] = ()) -> Awaitable[tuple[list[Any], RequestContext, StreamStart]]:
                 return with_retries(
-                    lambda: self._attempt(req, sampling, context(), replay),
+                    lambda: self._attempt(req, sampling, context(), replay, kv_blocks),
                     deadline,
                     REPLICA_LOST,
                     max_attempts=self.cfg.server.max_chain_attempts,
@@ -218,6 +235,8 @@ class PipelineClient:
                 decision = route_log.take(stage, ctx.key)
                 if decision is not None:
                     trace.route(stage, **decision)
+            if ctx.decode_replica is not None:
+                trace.route("decode", ctx.reservation, ctx.decode_replica)
             trace.prompt_tokens = len(first.prompt_token_ids)
             self._charge_media(ticket, vector, first.spans)
         except BaseException:
@@ -284,29 +303,89 @@ class PipelineClient:
                 )
                 return
 
+    def _kv_estimate(self, refs: list[Any], vector: ResourceVector) -> int:
+        """KV blocks to reserve before prefill: exact for text; with media, each image counted as a small image's
+        visual tokens (exact for LLaVA) and each video as one token, until the decode stage resizes it."""
+        if not refs:
+            return vector.kv_blocks
+        small = self.frontend.small_image_tokens
+        visual = sum(small if ref.kind == "image" else 1 for ref in refs)
+        tokens = vector.text_tokens + visual + vector.max_output_tokens
+        eng = self.cfg.engine  # (over the lease limit is the media stage's to refuse, from the real count)
+        return min(-(-tokens // eng.kv_block_size), eng.max_lease_blocks)
+
     async def _attempt(
-        self, req: ChatCompletionRequest, sampling: SamplingParams, ctx: RequestContext, replay: tuple[int, ...] = ()
+        self,
+        req: ChatCompletionRequest,
+        sampling: SamplingParams,
+        ctx: RequestContext,
+        replay: tuple[int, ...] = (),
+        kv_blocks: int = 0,
     ) -> tuple[list[Any], RequestContext, StreamStart]:
         """Issue the whole chain (each stage's response passed to the next) and wait for the decode stream's start;
-        a failed attempt cancels every response of its chain. ``replay``: tokens already sent (a migration)."""
+        a failed attempt cancels every response of its chain. ``replay``: tokens already sent (a migration);
+        ``kv_blocks``: what to reserve on a decode replica before prefill (0: nothing)."""
         refs = req.media_refs()
         chain: list[Any] = []
         embeddings: Any = []
-        if refs:
-            media = self.media.process.remote(refs, ctx)
-            embeddings = self.encode.encode.remote(media, ctx)
-            chain += [media, embeddings]
-        pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, ctx)
-        stream = self.decode.generate.options(stream=True).remote(pre, sampling, ctx, replay)
-        chain += [pre, stream]
+        reserved = False
         try:
+            if refs:
+                media = self.media.process.remote(refs, ctx)
+                embeddings = self.encode.encode.remote(media, ctx)
+                chain += [media, embeddings]
+            ctx, reserved = await self._reserve(ctx, kv_blocks, bool(replay))  # (meanwhile media and encode work)
+            if reserved and not refs:  # prefill's timeline starts after the reservation, which the trace shows
+                now = time.time()
+                waited = Span("decode.reserve", ctx.sent_at, max(0.0, now - ctx.sent_at), {"blocks": kv_blocks})
+                embeddings = Traced([], (waited,), now)
+            pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, ctx)
+            stream = self.decode.generate.options(stream=True).remote(pre, sampling, ctx, replay)
+            chain += [pre, stream]
             first = await self._next(stream, ctx.deadline)
             if not isinstance(first, StreamStart):
                 raise HandoffError(f"the decode stream began with {type(first).__name__}, not its start")
             return chain, ctx, first
         except BaseException:
             _cancel(chain)
+            if reserved:  # a reservation no generate may claim now (one already claimed is the stream's to free)
+                self._unreserve(ctx)
             raise
+
+    async def _reserve(self, ctx: RequestContext, blocks: int, replay: bool) -> tuple[RequestContext, bool]:
+        """KV before prefill: lease the attempt's blocks on a decode replica (waits there, or 429 / 504 / 400) and
+        name that replica in the context, so the decode router sends ``generate`` to it. The blocks are exact for a
+        text-only request and an estimate for one with media (the decode replica resizes the lease to the prefilled
+        KV). A migration's (``replay``) waits whatever the queue. Returns the context and whether a reservation was
+        taken; off (``admission.reserve_kv``): none."""
+        if not self.cfg.admission.reserve_kv or blocks <= 0:
+            return ctx, False
+        response = self.decode.reserve.remote(ctx, blocks, replay)
+        try:
+            got: KVReservation = await asyncio.wait_for(_result(response), timeout=max(ctx.remaining_s(), 0.001))
+        except BaseException as exc:
+            _cancel([response])
+            # (an answer already on its way when this attempt gave up is a reservation nobody would give back)
+            asyncio.get_running_loop().create_task(self._give_back_late(response, ctx))
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded("deadline exceeded waiting for KV blocks in the decode stage") from None
+            raise
+        route = "waited" if got.waited_s > 0 else "reserved"
+        return replace(ctx, decode_replica=got.replica, reservation=route), True
+
+    async def _give_back_late(self, response: Any, ctx: RequestContext) -> None:
+        try:
+            got = await asyncio.wait_for(_result(response), timeout=30.0)
+        except BaseException:  # cancelled in time, refused, or gone: nothing is held
+            return
+        self._unreserve(replace(ctx, decode_replica=got.replica))
+
+    def _unreserve(self, ctx: RequestContext) -> None:
+        """Give an unclaimed reservation back (fire and forget: the decode replica also drops it at its deadline)."""
+        try:
+            self.decode.unreserve.remote(ctx)
+        except Exception:  # (Serve refusing the call must not hide the error that brought us here)
+            log.warning("could not give back the KV reservation of %s; it lapses at its deadline", ctx.key)
 
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
         """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure. A lost
@@ -369,6 +448,8 @@ class PipelineClient:
             self._migration_done(call, moving, "failed")
             raise
         call.chain, call.stream, call.ctx = chain, chain[-1], ctx
+        if ctx.decode_replica is not None:
+            call.trace.route("decode", ctx.reservation, ctx.decode_replica)
         return moving
 
     def _migration_done(self, call: Call, moving: _Migration, outcome: str) -> None:

@@ -19,9 +19,10 @@ response; with ``nixl`` a small descriptor does, the decode replica reads the KV
 and a poller frees it on the reader's notification or at the request's deadline. Prompt rendering and tokenisation
 run in a worker thread so the replica's event loop keeps accepting calls.
 
-Trace: ``prefill.transfer`` (encode done → this call starts: the embeddings' hand-off; for a text-only request,
-ingress sent → start), ``prefill.prompt`` (chat template + span validation + merge), ``prefill.queue`` (waiting for
-the engine's first chunk), ``prefill`` (the chunks; prompt tokens, prefix-cache hit, KV blocks as attributes).
+Trace: ``prefill.transfer`` (encode done → this call starts: the embeddings' hand-off; for a text-only request, from
+the end of the ingress's ``decode.reserve`` span — or from when it sent the call, without a reservation),
+``prefill.prompt`` (chat template + span validation + merge), ``prefill.queue`` (waiting for the engine's first
+chunk), ``prefill`` (the chunks; prompt tokens, prefix-cache hit, KV blocks as attributes).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class _Pending:
     outcome: Outcome
 
 
-def _context(pending: PendingRequest | None) -> RequestContext | None:
+def request_context(pending: PendingRequest | None) -> RequestContext | None:
     if pending is None:
         return None
     for arg in [*pending.args, *pending.kwargs.values()]:
@@ -77,7 +77,7 @@ class AffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ctx = _context(pending_request)
+        ctx = request_context(pending_request)
         route = ctx.route if ctx is not None else None
         key = getattr(route, self._key, None) if route is not None else None
         with self._lock:

@@ -8,6 +8,13 @@ and its first token (sampled by prefill) is emitted → **running**: every :meth
 past its deadline (``timeout`` event) or hit by a failed step (``error`` event) → its lease is released, which may
 admit waiting sequences. Sequences join and leave the batch at every step.
 
+**Reservations** (KV before prefill): the decode stage may take a sequence's lease before prefill computes it —
+:meth:`DecodeEngine.reserve` under the attempt's key, with the blocks the request is known to need — so a full pool
+holds the request back before any prefill work, not after. The sequence's :meth:`submit` then *claims* the lease:
+resized to the exact need (:meth:`KVPool.resize_lease`: more than it holds may have to wait), admitted at once when
+granted. A reservation nobody claims is dropped by :meth:`unreserve` (the chain failed or was cancelled before
+decode) or when its deadline passes (:meth:`expire_reservations`).
+
 A step writes each sequence's new key/value straight into its pool slot and attends over its block table
 (:mod:`common.kv.paged_attention`); a sequence takes a new block only when its last one is full, always inside its
 lease (reserved for prompt + ``max_tokens`` at submit), so a running sequence can never run out of KV.
@@ -110,6 +117,43 @@ class DecodeEngine:
         )
         self._running: OrderedDict[str, _Sequence] = OrderedDict()
         self._events: list[TokenEvent] = []
+        self._reserved: dict[str, float | None] = {}
+        """Reservations not yet claimed by a submit (granted or waiting in the pool's queue) → their deadline."""
+
+    # ---- reservations ---------------------------------------------------------------------------------------
+    def reserve(self, request_id: str, blocks: int, deadline: float | None = None) -> bool:
+        """Take (or queue) a lease of ``blocks`` for a sequence not prefilled yet; True if granted now. Raises
+        :class:`LeaseTooLarge` past the per-request limit."""
+        if request_id in self._reserved or request_id in self._pending or request_id in self._running:
+            raise ValueError(f"request {request_id} is already known to this engine")
+        granted = self.pool.request_lease(request_id, blocks) is not None
+        self._reserved[request_id] = deadline
+        return granted
+
+    def is_reserved(self, request_id: str) -> bool:
+        return request_id in self._reserved
+
+    def reservation_granted(self, request_id: str) -> bool:
+        return request_id in self._reserved and self.pool.granted(request_id)
+
+    def unreserve(self, request_id: str) -> bool:
+        """Drop a reservation no submit claimed (its blocks go to whoever waits); False if there is none."""
+        if self._reserved.pop(request_id, False) is False:
+            return False
+        self._release(request_id)
+        return True
+
+    def expire_reservations(self) -> list[str]:
+        """Drop the unclaimed reservations whose deadline passed; returns their ids."""
+        now = self.clock()
+        expired = [rid for rid, dl in self._reserved.items() if dl is not None and dl <= now]
+        for rid in expired:
+            self.unreserve(rid)
+        return expired
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
 
     # ---- queue management -----------------------------------------------------------------------------------
     def submit(
@@ -129,18 +173,29 @@ class DecodeEngine:
         if len(replay) >= sampling.max_tokens:
             raise ValueError(f"a replay of {len(replay)} tokens leaves nothing of max_tokens={sampling.max_tokens}")
         need = self.pool.blocks_for(pre.kv.num_tokens + sampling.max_tokens)
+        reserved = self._reserved.pop(request_id, False) is not False
         self._pending[request_id] = (pre, sampling, deadline, replay)
+        others: list[str] = []
         try:
-            lease = self.pool.request_lease(request_id, need)
+            if reserved:  # claim it: the estimate becomes the exact need
+                others = self.pool.resize_lease(request_id, need)
+            else:
+                self.pool.request_lease(request_id, need)
         except Exception:
             del self._pending[request_id]
+            self._release(request_id)  # (a claimed reservation that cannot be resized is dropped with it)
             raise
-        if lease is not None:
+        if self.pool.granted(request_id):
             self._admit(request_id)
+        for rid in others:  # (a lease made smaller lets the queue move)
+            if rid != request_id and rid in self._pending:
+                self._admit(rid)
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a sequence wherever it is and free its KV; True if it was known."""
+        """Drop a sequence wherever it is and free its KV (its reservation too, if it never claimed one); True if the
+        sequence was known (submitted)."""
         known = self._pending.pop(request_id, None) is not None or self._running.pop(request_id, None) is not None
+        self._reserved.pop(request_id, None)
         self._release(request_id)
         return known
 
@@ -157,7 +212,8 @@ class DecodeEngine:
 
     def _release(self, request_id: str) -> None:
         for granted in self.pool.release(request_id):
-            self._admit(granted)
+            if granted in self._pending:  # (a granted reservation waits for its submit: the stage is told apart)
+                self._admit(granted)
 
     def _admit(self, request_id: str) -> None:
         pre, sampling, deadline, replay = self._pending.pop(request_id)

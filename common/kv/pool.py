@@ -16,9 +16,14 @@ Accounting, as queues:
 * Inside its lease a request **allocates** blocks (reference count 1) — as one contiguous run when it can, so
   attention reads its KV through a view with no copy — or **shares** an existing block (a prefix-cache hit:
   reference count +1, no new capacity used).
+* A lease may be taken before its request's KV exists (the decode stage reserves it before prefill computes, on an
+  estimate) and resized when the KV arrives (:meth:`resize_lease`): a smaller need gives the difference back at once;
+  a larger one takes the difference if it is available, or gives the lease back and waits for the whole at the head
+  of the queue (never holding part of it while it waits: no deadlock); a lease still waiting keeps its place.
 * :meth:`release` (finish, cancel, timeout, error — the caller does not care which) drops every reference the lease
-  holds and the unused reservation, then grants waiting leases that now fit. When the head of the queue does not
-  fit, the pool first asks its reclaimer (the prefix cache) to give back blocks only the cache still references.
+  holds, the unused reservation or its place in the queue, then grants waiting leases that now fit. When the head of
+  the queue does not fit, the pool first asks its reclaimer (the prefix cache) to give back blocks only the cache
+  still references.
 
 :meth:`check_no_leaks` verifies that everything not held by an external owner (the prefix cache) is free.
 """
@@ -73,6 +78,8 @@ class KVPool:
         self._leases: dict[str, Lease] = {}
         self._waiting: OrderedDict[str, int] = OrderedDict()
         self._reclaimer: Callable[[int], int] | None = None
+        self.freed_total = 0
+        """Blocks that became free since the pool was made (a drain rate is measured from it)."""
 
     def set_reclaimer(self, reclaim: Callable[[int], int]) -> None:
         """``reclaim(n)`` frees up to n blocks held only by a cache; called when a lease would not fit."""
@@ -133,6 +140,62 @@ class KVPool:
         """Grant a lease now, or queue it (``None``); raise :class:`LeaseTooLarge` if it can never be granted."""
         if request_id in self._leases or request_id in self._waiting:
             raise ValueError(f"request {request_id} already holds or awaits a lease")
+        self._check_size(blocks)
+        self._waiting[request_id] = blocks
+        self._grant_waiting()
+        return self._leases.get(request_id)
+
+    def lease(self, request_id: str) -> Lease | None:
+        return self._leases.get(request_id)
+
+    def granted(self, request_id: str) -> bool:
+        """The request holds its lease (it is not waiting for one)."""
+        return request_id in self._leases
+
+    def resize_lease(self, request_id: str, blocks: int) -> list[str]:
+        """Make a lease that has allocated nothing yet (a reservation, held or waiting) ``blocks`` in all; returns the
+        request ids granted meanwhile (:meth:`granted` says whether this one is among the holders). Waiting: the new
+        amount keeps its place in the queue. Held and smaller: the difference goes back at once. Held and larger: the
+        difference is granted if it is available now; otherwise the lease is given back and the whole amount queued
+        at the head — it is older than everything waiting, and a request that waits holding nothing cannot deadlock
+        with others that wait holding part of what they need. Raise :class:`LeaseTooLarge` past the per-request
+        limit, ``KeyError`` if unknown, ``ValueError`` for a lease that has allocated blocks."""
+        self._check_size(blocks)
+        lease = self._leases.get(request_id)
+        if lease is None:
+            if request_id not in self._waiting:
+                raise KeyError(request_id)
+            self._waiting[request_id] = blocks
+        elif lease.allocated:
+            raise ValueError(f"request {request_id} has allocated blocks; its lease cannot be resized")
+        elif blocks <= lease.reserved or blocks - lease.reserved <= self.available_blocks:
+            lease.reserved = blocks
+        else:
+            del self._leases[request_id]
+            self._waiting[request_id] = blocks
+            self._waiting.move_to_end(request_id, last=False)
+        return self._grant_waiting()
+
+    @property
+    def waiting_blocks(self) -> int:
+        """Blocks the queued leases ask for."""
+        return sum(self._waiting.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def committed_blocks(self) -> int:
+        """Blocks in use plus those leases have reserved and not allocated yet."""
+        return self.used_blocks + self._unallocated_reservations
+
+    @property
+    def available_blocks(self) -> int:
+        """Free blocks no lease has reserved (what the head of the queue could be granted now)."""
+        return self.free_blocks - self._unallocated_reservations
+
+    def _check_size(self, blocks: int) -> None:
         if blocks > self.max_lease_blocks:
             raise LeaseTooLarge(
                 f"request needs {blocks} KV blocks ({blocks * self.block_size} tokens of prompt + output); "
@@ -140,12 +203,6 @@ class KVPool:
                 f"tokens)",
                 param="max_tokens",
             )
-        self._waiting[request_id] = blocks
-        self._grant_waiting()
-        return self._leases.get(request_id)
-
-    def lease(self, request_id: str) -> Lease | None:
-        return self._leases.get(request_id)
 
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._waiting
@@ -204,13 +261,13 @@ class KVPool:
         lease.blocks.extend(blocks)
 
     def release(self, request_id: str) -> list[str]:
-        """Drop a request's lease (or its place in the queue); returns request ids whose leases got granted."""
-        if self._waiting.pop(request_id, None) is not None:
-            return self._grant_waiting()
+        """Drop a request's lease or its place in the queue; returns request ids whose leases got granted."""
+        queued = self._waiting.pop(request_id, None) is not None
         lease = self._leases.pop(request_id, None)
-        if lease is None:
+        if lease is None and not queued:
             return []
-        self.unref(lease.blocks)
+        if lease is not None:
+            self.unref(lease.blocks)
         return self._grant_waiting()
 
     # ---- references held by other owners (prefix cache) -------------------------------------------------------
@@ -225,6 +282,7 @@ class KVPool:
                 raise RuntimeError(f"block {b} released twice")
             if self._refs[b] == 0:
                 self._is_free[b] = True
+                self.freed_total += 1
 
     def refcount(self, block: int) -> int:
         return int(self._refs[block])

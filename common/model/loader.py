@@ -10,6 +10,7 @@ results are read-only afterwards and shared by every stage in the process; stage
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,17 @@ class ModelFrontend:
 
     def placeholder_id(self, modality: Modality) -> int:
         return self.adapter.placeholder_token_id(self.config, self.tokenizer, modality)
+
+    @functools.cached_property
+    def small_image_tokens(self) -> int:
+        """Visual tokens of a tiny (28×28) image: what the ingress reserves decode KV for, per image, before the
+        media stage knows the real count — exact for a fixed-resolution family (LLaVA), about the smallest count for
+        Qwen2-VL (its processor scales small images up to ``min_pixels``). An estimate only: the decode stage resizes
+        the reservation to the prefilled KV."""
+        from PIL import Image
+
+        tiny = Image.new("RGB", (28, 28))
+        return int(self.adapter.process_image(self.image_processor, self.config, tiny).num_visual_tokens)
 
 
 @dataclass(frozen=True)

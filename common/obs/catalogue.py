@@ -104,8 +104,8 @@ METRICS: tuple[MetricSpec, ...] = (
     # ---- admission ---------------------------------------------------------------------------------------------
     _c(
         "prism_admission_total",
-        "Admission decisions by stage (ingress: tenant quota and per-request limits), tenant, traffic class, result "
-        "(admitted / refused) and reason.",
+        "Admission decisions by stage (ingress: tenant quota and per-request limits; decode: KV reserved before "
+        "prefill), tenant, traffic class, result (admitted / refused) and reason.",
         "stage",
         "tenant",
         "class",

@@ -214,7 +214,8 @@ def requests_dashboard() -> dict[str, Any]:
             )
         ],
         unit="reqps",
-        desc="ingress: per-request limits and tenant quotas; media / encode / prefill: the stage's budget "
+        desc="ingress: per-request limits and tenant quotas; media / encode / prefill: the stage's budget; decode: "
+        "its KV pool "
         "(budget_full: 429, deadline: would wait past it).",
     )
     lay.panel(

@@ -55,6 +55,12 @@ class RequestContext:
     completes it from the processed media."""
     route: RouteKeys | None = None
     """The cache-affinity keys the encode and prefill routers send this request by (:mod:`common.sched.affinity`)."""
+    decode_replica: str | None = None
+    """The decode replica that holds this attempt's KV reservation: the decode router sends its ``generate`` there
+    (``None``: none taken, any replica)."""
+    reservation: str = "none"
+    """How the KV reservation went: ``reserved`` at once, ``waited`` for blocks, ``none`` taken (the trace's
+    ``routing.decode`` outcome)."""
 
     @property
     def batch(self) -> bool:
@@ -79,6 +85,17 @@ class RequestContext:
     def monotonic_deadline(self) -> float:
         """The deadline on this process's monotonic clock (what the engines schedule by)."""
         return time.monotonic() + self.remaining_s()
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """A decode replica's answer to a KV reservation (:meth:`services.decode.DecodeDeployment.reserve`)."""
+
+    replica: str | None
+    """The replica that holds it (``None`` outside Serve: the monolith's one decode stage)."""
+    blocks: int
+    waited_s: float
+    """Time it waited in the pool's queue (0: granted at once)."""
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,10 @@ class AdmissionConfig(BaseModel):
     and a worker thread of their own (with ``prefill_token_budget`` / 4 and a prefix cache of its own of
     ``prefix_cache_blocks`` / 4, in addition to the long lane's), so they never wait behind a large image prompt's
     chunks. 0: one engine for everything."""
+    reserve_kv: bool = True
+    """Lease each request's KV blocks on a decode replica before prefill computes (the ingress asks decode first; a
+    full pool holds the request back, or refuses it with 429, before any prefill work). Off: decode leases when the
+    prefilled KV arrives, as a fallback does when the reserving replica is gone."""
     batch_delay_s: float = Field(default=10.0, ge=0)
     """Batch-class requests rank as if they arrived this many seconds later than interactive ones."""
     retry_after_s: float = Field(default=1.0, gt=0)

@@ -78,6 +78,21 @@ def _stream_with_trace(client, messages, max_tokens=8):
     return ttft, trace, usage
 
 
+def test_a_text_request_shows_its_kv_reservation_before_prefill(client):
+    """Text only: the ingress reserves decode KV before it issues prefill — ``decode.reserve`` sits between the
+    ingress span and prefill's, contiguous with both, and the request decodes on the replica that holds it."""
+    _, trace, _ = _stream_with_trace(client, _messages("Just text, please."))
+    names = [s["name"] for s in trace["spans"]]
+    text_path = ["ingress", "decode.reserve", *TTFT_PATH[TTFT_PATH.index("prefill.transfer") :]]
+    assert names == [*text_path, "decode"], names
+    for prev, nxt in itertools.pairwise(trace["spans"][: len(text_path)]):
+        assert abs(prev["start_ms"] + prev["duration_ms"] - nxt["start_ms"]) < 0.01, (prev, nxt)
+    s = _spans(trace)
+    assert s["decode.reserve"]["attrs"]["blocks"] == math.ceil((trace["prompt_tokens"] + 8) / 16)
+    route = trace["cache"]["routing"]["decode"]
+    assert route["outcome"] in ("reserved", "waited") and route["replica"] == s["decode.transfer"]["attrs"]["replica"]
+
+
 def _spans(trace) -> dict[str, dict]:
     return {s["name"]: s for s in trace["spans"]}
 

@@ -158,3 +158,49 @@ def test_kv_lease_over_the_limit_is_refused_before_prefill_computes(tenants):
         assert stats("Prefill")["computed_tokens"] == before_prefill
         fits = _post(http, base, BETA, _body("hello", [_image_url(320, 240, 9)], max_tokens=8))
     assert fits.status_code == 200 and stats("Prefill")["computed_tokens"] > before_prefill
+
+
+def test_a_full_decode_pool_holds_a_request_back_before_prefill_computes(tenants):
+    """KV before prefill on the real app: while the decode pool is reserved in full (two chains that have not reached
+    prefill), a text request is refused (429 with Retry-After, or 504 when the pool's drain rate let it wait) or waits
+    — with no prefill work done for it — and is answered once a reservation is given back; nothing stays reserved."""
+    from ray import serve
+
+    from common.protocol.handoff import RequestContext
+
+    base, stats = tenants
+    decode = serve.get_deployment_handle("Decode", app_name=APP)
+    fillers = [RequestContext(f"filler-{i}", "test", time.time() + 60, time.time()) for i in range(2)]
+    for ctx in fillers:
+        decode.reserve.remote(ctx, 32).result(timeout_s=30)  # the pool's 64 blocks, 32 (the lease cap) each
+    before = stats("Prefill")["computed_tokens"]
+    answers: dict[str, httpx.Response] = {}
+
+    def ask(name: str, deadline_ms: int) -> None:
+        with httpx.Client(timeout=60) as http:
+            headers = {"Authorization": f"Bearer {BETA}", "X-Prism-Deadline-Ms": str(deadline_ms)}
+            answers[name] = http.post(f"{base}/v1/chat/completions", json=_body("hello there"), headers=headers)
+
+    ask("short", 800)
+    refused = answers["short"]
+    assert refused.status_code in (429, 504), refused.text
+    assert refused.json()["error"]["code"] == (
+        "server_overloaded" if refused.status_code == 429 else "deadline_exceeded"
+    )
+    assert refused.status_code == 504 or int(refused.headers["retry-after"]) >= 1
+    waiter = threading.Thread(target=ask, args=("patient", 30_000))
+    waiter.start()
+    for _ in range(100):  # until its reservation waits behind the two
+        if stats("Decode")["reserved"] == 3:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert waiter.is_alive() and stats("Decode")["reserved"] == 3
+    assert stats("Prefill")["computed_tokens"] == before  # neither request cost prefill anything
+    decode.unreserve.remote(fillers[0]).result(timeout_s=30)
+    waiter.join(timeout=30)
+    assert answers["patient"].status_code == 200, answers["patient"].text
+    assert stats("Prefill")["computed_tokens"] > before
+    decode.unreserve.remote(fillers[1]).result(timeout_s=30)
+    after = stats("Decode")
+    assert after["reserved"] == 0 and after["kv_blocks_used"] == 0

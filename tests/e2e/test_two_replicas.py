@@ -121,6 +121,26 @@ def test_a_few_images_asked_again_in_shuffled_order_hit_the_encoder_cache(affini
     assert hits / repeats >= 0.9, f"{hits} of {repeats} repeats hit the encoder cache"
 
 
+def test_each_request_decodes_on_the_replica_that_reserved_its_kv(affinity):
+    """The ingress reserves a request's KV on a decode replica before prefill; the decode router sends ``generate``
+    to that replica (the trace's ``routing.decode`` = the replica named by decode's ``decode.transfer`` span) — also
+    with many calls in the router at once (a FIFO router would hand one call's replica to another)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i: int) -> dict:
+        return _ask(affinity, _image(2000 + i) if i % 3 == 0 else None, f"Pinned question {i}?")
+
+    with ThreadPoolExecutor(4) as pool:  # (the ingress admits 4 at a time in this cluster's config)
+        traces = list(pool.map(ask, range(24)))
+    reserved = Counter()
+    for trace in traces:
+        route = trace["cache"]["routing"]["decode"]
+        (transfer,) = [s for s in trace["spans"] if s["name"] == "decode.transfer"]
+        assert route["outcome"] in ("reserved", "waited") and transfer["attrs"]["replica"] == route["replica"], trace
+        reserved[route["replica"]] += 1
+    assert len(reserved) == 2, reserved  # (24 requests, each to one of 2 replicas at random: both, all but surely)
+
+
 @pytest.fixture(scope="module")
 def decode(affinity):
     """One decode replica's stats (whichever Serve picks; asked before any replica is killed)."""
@@ -189,6 +209,6 @@ def test_a_stream_survives_the_loss_of_its_decode_replica(affinity, decode):
     # the replacement replica comes up; no decode replica holds KV, and the survivor replayed exactly
     seen = decode_stats(APP)
     assert len(seen) == 2 and killed not in seen, seen
-    assert all(s["kv_blocks_used"] == 0 and s["running"] == 0 for s in seen.values()), seen
+    assert all(s["kv_blocks_used"] == 0 and s["running"] == 0 and s["reserved"] == 0 for s in seen.values()), seen
     assert sum(s["replayed_tokens"] for s in seen.values()) >= moved["after_tokens"]
     assert all(s["replay_mismatches"] == 0 for s in seen.values()), seen

@@ -41,6 +41,12 @@ async def _ask(app, body=BODY, stream=False, traced=False, settle=False) -> http
     return response
 
 
+def _nothing_held(decode) -> None:
+    """No sequence, no reservation, no lease, no block left in the decode stage."""
+    assert not decode.engine.num_running and not decode.engine.num_waiting and not decode.engine.num_reserved
+    decode.pool.check_no_leaks()
+
+
 @pytest.fixture(scope="module")
 def apps(model_cache):
     fake = FakeTransport()
@@ -80,7 +86,7 @@ def test_handoff_fault_is_a_typed_500_and_frees_everything(apps, fault):
     assert failed.status_code == 500
     assert failed.json()["error"]["code"] == "invalid_handoff"
     decode = fake_app.state.stages[3]
-    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+    _nothing_held(decode)
     ok = asyncio.run(_ask(fake_app))
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 12
 
@@ -267,7 +273,7 @@ def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after, unreach
     assert app.state.counted.migrations() == {"resumed": 1}
     assert decode.engine.replayed == max(0, after - 1)
     assert decode.engine.replay_mismatches == 0
-    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+    _nothing_held(decode)
 
 
 def test_migrations_are_bounded(losing):
@@ -285,7 +291,7 @@ def test_migrations_are_bounded(losing):
     assert app.state.counted.migrations() == {"resumed": 2, "refused": 1}
     decode = app.state.stages[3]
     assert decode.engine.replayed == 2 + 4 and decode.engine.replay_mismatches == 0
-    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+    _nothing_held(decode)
 
 
 def test_a_loss_after_the_deadline_is_a_504_not_a_migration(losing, monkeypatch):
@@ -303,7 +309,7 @@ def test_a_loss_after_the_deadline_is_a_504_not_a_migration(losing, monkeypatch)
     assert got.status_code == 504 and got.json()["error"]["code"] == "deadline_exceeded"
     assert app.state.counted.migrations() == {"refused": 1}
     decode = app.state.stages[3]
-    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+    _nothing_held(decode)
 
 
 @pytest.mark.parametrize("after", [0, 5], ids=["before-the-start", "mid-stream"])
@@ -326,7 +332,7 @@ def test_an_upstream_replica_lost_under_the_decode_call_is_a_replica_loss(losing
     expected = {} if after == 0 else {"resumed": 1}  # before the start: a retried attempt, not a migration
     assert app.state.counted.migrations() == expected
     decode = app.state.stages[3]
-    assert decode.pool.used_blocks == 0 and not decode.engine.num_running
+    _nothing_held(decode)
 
 
 def test_a_tenant_at_its_cap_is_refused_before_its_body_is_read(model_cache):
@@ -352,3 +358,52 @@ def test_a_tenant_at_its_cap_is_refused_before_its_body_is_read(model_cache):
     judged = asyncio.run(post_garbage())
     assert judged.status_code == 400
     assert quotas.in_flight() == {"default": 0}
+
+
+def test_kv_is_reserved_before_prefill_computes(model_cache):
+    """A full decode pool holds a request back before any prefill work: refused 429 with Retry-After when it cannot
+    wait (the prefill stage computed nothing for it), or waiting until blocks free (still nothing computed), then
+    answered; an image request the media stage refuses gives its reservation back. Nothing is left held."""
+    from common.protocol.handoff import RequestContext
+
+    config = {**_config(model_cache), "engine": {"kv_pool_blocks": 16, "max_prompt_tokens": 100}}
+    app = build(config, transport=FakeTransport())
+    _, _, prefill, decode = app.state.stages
+
+    async def computed() -> int:
+        return (await prefill.stats())["computed_tokens"]
+
+    async def post(http, body, deadline_ms):
+        return await http.post("/v1/chat/completions", json=body, headers={"x-prism-deadline-ms": str(deadline_ms)})
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=60) as http:
+            fillers = [RequestContext(f"filler-{i}", "t", time.time() + 60, time.time()) for i in range(2)]
+            for ctx in fillers:  # two requests whose chains have not reached prefill yet hold the whole pool
+                await decode.reserve(ctx, 8)
+            before = await computed()
+            refused = await post(http, BODY, 500)  # it would wait ~1 s (no drain rate yet): past its deadline
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "server_overloaded"
+            assert "KV blocks" in refused.json()["error"]["message"] and int(refused.headers["retry-after"]) >= 1
+            assert await computed() == before
+            waiting = asyncio.ensure_future(post(http, BODY, 10_000))
+            for _ in range(200):  # until its reservation waits in the pool's queue
+                if decode.pool.num_waiting:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            assert not waiting.done() and decode.pool.num_waiting == 1 and await computed() == before
+            await decode.unreserve(fillers[0])  # one chain failed: its blocks go to the waiting request
+            answered = await asyncio.wait_for(waiting, 30)
+            assert answered.status_code == 200 and await computed() > before
+            await decode.unreserve(fillers[1])
+            image = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+            content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is this?"}]
+            too_long = await post(http, {**BODY, "messages": [{"role": "user", "content": content}]}, 10_000)
+            assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "prompt_too_long"
+            await asyncio.sleep(0.1)  # (the ingress gives the reservation back without waiting for the answer)
+        _nothing_held(decode)
+
+    asyncio.run(scenario())
