@@ -7,7 +7,7 @@ die with it). Clients send a steady mix — text and small images, half of them 
 seconds apart, one replica of media, then encode, prefill and decode (``SIGKILL`` of the replica's process; Serve
 starts a replacement). Then the load stops and it prints, as JSON, what the clients saw: requests by status, streams
 that ended with a finish reason, failures by stage killed before them, the longest gap without a completed request,
-and the KV blocks still in use on every decode replica once the load drained.
+and the KV blocks still in use (and KV reservations still held) on every decode replica once the load drained.
 
     make chaos [CHAOS_FLAGS="--clients 4 --gap 6 --model prism-tiny-llava"]
 
@@ -188,9 +188,10 @@ def decode_stats(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[int
     return seen
 
 
-def kv_in_use(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[str, int]:
-    """KV blocks used per decode replica, by PID."""
-    return {str(pid): int(s["kv_blocks_used"]) for pid, s in decode_stats(app, replicas, timeout).items()}
+def kv_in_use(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[str, dict[str, int]]:
+    """KV blocks used and KV reservations held (unclaimed) per decode replica, by PID."""
+    stats = decode_stats(app, replicas, timeout)
+    return {str(pid): {"blocks": int(s["kv_blocks_used"]), "reserved": int(s["reserved"])} for pid, s in stats.items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
