@@ -13,8 +13,9 @@ yields only what comes after — the start event as always, then the next token.
 
 **KV before prefill.** The ingress calls :meth:`DecodeDeployment.reserve` before it issues prefill: the request's
 blocks (prompt + ``max_tokens``, exact for text, an estimate for media) are leased from this replica's pool now, or
-the call waits in the pool's FIFO queue (bounded and deadline-aware: :class:`common.kv.admission.KVAdmission` refuses
-429 ``server_overloaded`` with a Retry-After from the pool's drain rate, or a wait past the deadline is a 504) —
+the call waits in the pool's queue (arrival order, batch class ``admission.batch_delay_s`` behind; bounded and
+deadline-aware: :class:`common.kv.admission.KVAdmission` refuses 429 ``server_overloaded`` with a Retry-After from
+the pool's drain rate, or a wait past the deadline is a 504) —
 before any prefill work is spent on a request the pool cannot hold. It answers with this replica's id; the ingress
 puts it in the context (``decode_replica``) and the decode router (:mod:`services.decode_router`) sends ``generate``
 here, where :meth:`DecodeEngine.submit` claims the lease (resized to the exact need). A reservation nobody claims is
@@ -110,7 +111,10 @@ class DecodeDeployment:
                 if not admitted:
                     self._check_slots()
                     self.kv_admission.check(blocks, left)
-                granted = self.engine.reserve(key, blocks, ctx.monotonic_deadline())
+                # (the rank of every stage budget without the size term: the KV queue keeps arrival order within a
+                # class, so a large request is never overtaken by small ones; batch behind interactive for a while)
+                rank = ctx.sent_at + (self.cfg.admission.batch_delay_s if ctx.batch else 0.0)
+                granted = self.engine.reserve(key, blocks, ctx.monotonic_deadline(), rank)
             except Overloaded:
                 self.metrics.inc("prism_admission_total", result="refused", reason="budget_full", **tags)
                 raise

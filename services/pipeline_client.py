@@ -16,6 +16,10 @@ text-only request, whose prompt and KV limits are checked here), then the tenant
 ``tenant_quota_exceeded``). The quota's ticket is charged the media stage's pixels, patches and visual tokens when
 they reach the ingress with the stream's start, and released when the request closes, however it closes.
 
+**KV before prefill.** Each attempt reserves the request's decode KV before it issues prefill (media and encode run
+meanwhile): :mod:`services.kv_reserver`. The reserving replica is named in the attempt's context, where the decode
+router sends ``generate``; an attempt that fails before its stream claimed the reservation gives it back.
+
 Each attempt carries one :class:`RequestContext` (id, attempt, tenant, deadline, priority, ``sent_at``, the vector)
 to every stage, and the client keeps every stage response of the attempt: a failed attempt, a 504 or a client gone
 cancels the whole chain (media, encode, prefill, decode), not only the decode stream.
@@ -37,10 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.exceptions import RayServeException
@@ -61,7 +64,6 @@ from common.obs.trace import Span, Traced
 from common.protocol.body import ascii_int
 from common.protocol.handoff import (
     DecodeEvent,
-    KVReservation,
     Priority,
     RequestContext,
     StreamAbort,
@@ -75,10 +77,9 @@ from common.sched.quota import TenantQuotas, Ticket
 from common.sched.resources import ResourceVector, check_limits
 from common.stages.prompt import render_chat
 from services import route_log
+from services.kv_reserver import KVReserver
 from services.lifecycle import CANCELLED, REPLICA_LOST, replica_lost
 from services.retry import with_retries
-
-log = logging.getLogger("prism.ingress")
 
 
 @dataclass
@@ -120,10 +121,6 @@ class _Migration:
     cause: str
 
 
-async def _result(response: Any) -> Any:
-    return await response
-
-
 def _cancel(chain: list[Any]) -> None:
     for response in reversed(chain):  # decode first: it frees KV at once
         try:
@@ -153,6 +150,7 @@ class PipelineClient:
         self.encode: DeploymentHandle = encode
         self.prefill: DeploymentHandle = prefill
         self.decode: DeploymentHandle = decode
+        self.kv = KVReserver(cfg, frontend, decode)
 
     def deadline(self, budget_ms: str | int | None) -> float:
         server = self.cfg.server
@@ -219,7 +217,7 @@ class PipelineClient:
                     route=route,
                 )
 
-            kv_blocks = self._kv_estimate(refs, vector)
+            kv_blocks = self.kv.estimate(refs, vector)
 
             def issue(replay: tuple[int, ...] = ()) -> Awaitable[tuple[list[Any], RequestContext, StreamStart]]:
                 return with_retries(
@@ -303,17 +301,6 @@ class PipelineClient:
                 )
                 return
 
-    def _kv_estimate(self, refs: list[Any], vector: ResourceVector) -> int:
-        """KV blocks to reserve before prefill: exact for text; with media, each image counted as a small image's
-        visual tokens (exact for LLaVA) and each video as one token, until the decode stage resizes it."""
-        if not refs:
-            return vector.kv_blocks
-        small = self.frontend.small_image_tokens
-        visual = sum(small if ref.kind == "image" else 1 for ref in refs)
-        tokens = vector.text_tokens + visual + vector.max_output_tokens
-        eng = self.cfg.engine  # (over the lease limit is the media stage's to refuse, from the real count)
-        return min(-(-tokens // eng.kv_block_size), eng.max_lease_blocks)
-
     async def _attempt(
         self,
         req: ChatCompletionRequest,
@@ -334,7 +321,7 @@ class PipelineClient:
                 media = self.media.process.remote(refs, ctx)
                 embeddings = self.encode.encode.remote(media, ctx)
                 chain += [media, embeddings]
-            ctx, reserved = await self._reserve(ctx, kv_blocks, bool(replay))  # (meanwhile media and encode work)
+            ctx, reserved = await self.kv.reserve(ctx, kv_blocks, bool(replay))  # (meanwhile media and encode work)
             if reserved and not refs:  # prefill's timeline starts after the reservation, which the trace shows
                 now = time.time()
                 waited = Span("decode.reserve", ctx.sent_at, max(0.0, now - ctx.sent_at), {"blocks": kv_blocks})
@@ -349,43 +336,8 @@ class PipelineClient:
         except BaseException:
             _cancel(chain)
             if reserved:  # a reservation no generate may claim now (one already claimed is the stream's to free)
-                self._unreserve(ctx)
+                self.kv.give_back(ctx)
             raise
-
-    async def _reserve(self, ctx: RequestContext, blocks: int, replay: bool) -> tuple[RequestContext, bool]:
-        """KV before prefill: lease the attempt's blocks on a decode replica (waits there, or 429 / 504 / 400) and
-        name that replica in the context, so the decode router sends ``generate`` to it. The blocks are exact for a
-        text-only request and an estimate for one with media (the decode replica resizes the lease to the prefilled
-        KV). A migration's (``replay``) waits whatever the queue. Returns the context and whether a reservation was
-        taken; off (``admission.reserve_kv``): none."""
-        if not self.cfg.admission.reserve_kv or blocks <= 0:
-            return ctx, False
-        response = self.decode.reserve.remote(ctx, blocks, replay)
-        try:
-            got: KVReservation = await asyncio.wait_for(_result(response), timeout=max(ctx.remaining_s(), 0.001))
-        except BaseException as exc:
-            _cancel([response])
-            # (an answer already on its way when this attempt gave up is a reservation nobody would give back)
-            asyncio.get_running_loop().create_task(self._give_back_late(response, ctx))
-            if isinstance(exc, TimeoutError):
-                raise DeadlineExceeded("deadline exceeded waiting for KV blocks in the decode stage") from None
-            raise
-        route = "waited" if got.waited_s > 0 else "reserved"
-        return replace(ctx, decode_replica=got.replica, reservation=route), True
-
-    async def _give_back_late(self, response: Any, ctx: RequestContext) -> None:
-        try:
-            got = await asyncio.wait_for(_result(response), timeout=30.0)
-        except BaseException:  # cancelled in time, refused, or gone: nothing is held
-            return
-        self._unreserve(replace(ctx, decode_replica=got.replica))
-
-    def _unreserve(self, ctx: RequestContext) -> None:
-        """Give an unclaimed reservation back (fire and forget: the decode replica also drops it at its deadline)."""
-        try:
-            self.decode.unreserve.remote(ctx)
-        except Exception:  # (Serve refusing the call must not hide the error that brought us here)
-            log.warning("could not give back the KV reservation of %s; it lapses at its deadline", ctx.key)
 
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
         """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure. A lost

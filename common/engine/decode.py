@@ -121,12 +121,12 @@ class DecodeEngine:
         """Reservations not yet claimed by a submit (granted or waiting in the pool's queue) → their deadline."""
 
     # ---- reservations ---------------------------------------------------------------------------------------
-    def reserve(self, request_id: str, blocks: int, deadline: float | None = None) -> bool:
-        """Take (or queue) a lease of ``blocks`` for a sequence not prefilled yet; True if granted now. Raises
-        :class:`LeaseTooLarge` past the per-request limit."""
+    def reserve(self, request_id: str, blocks: int, deadline: float | None = None, rank: float | None = None) -> bool:
+        """Take (or queue, by ``rank``: :meth:`KVPool.request_lease`) a lease of ``blocks`` for a sequence not
+        prefilled yet; True if granted now. Raises :class:`LeaseTooLarge` past the per-request limit."""
         if request_id in self._reserved or request_id in self._pending or request_id in self._running:
             raise ValueError(f"request {request_id} is already known to this engine")
-        granted = self.pool.request_lease(request_id, blocks) is not None
+        granted = self.pool.request_lease(request_id, blocks, rank) is not None
         self._reserved[request_id] = deadline
         return granted
 

@@ -2,7 +2,7 @@
 
 The decode stage's budget is its KV pool: a request reserves its blocks (prompt + ``max_tokens``) before prefill
 computes (:meth:`common.engine.decode.DecodeEngine.reserve`). A reservation that fits is granted at once; one that
-does not waits in the pool's FIFO lease queue — unless :meth:`KVAdmission.check` refuses it first with 429
+does not waits in the pool's lease queue — unless :meth:`KVAdmission.check` refuses it first with 429
 ``server_overloaded``:
 
 * the queue already holds ``max_waiting`` leases (reservations, prefilled sequences waiting for their lease);

@@ -10,12 +10,16 @@ Accounting, as queues:
 
 * A request first takes a **lease**: a reservation of the blocks it may need (prompt + max output). A lease is
   capped at ``max_lease_fraction`` of the pool; a bigger request is refused at once (400 ``kv_lease_exceeded``),
-  since it could never run. A lease that does not fit now waits in a FIFO queue; leases are granted strictly in
-  arrival order as blocks free up, so a large request at the head cannot be starved by a stream of small ones (and
-  it always fits eventually: it is at most a fraction of the pool).
+  since it could never run. A lease that does not fit now waits in a queue; leases are granted strictly in queue
+  order as blocks free up, so a large request at the head cannot be starved by a stream of small ones (and it always
+  fits eventually: it is at most a fraction of the pool).
 * Inside its lease a request **allocates** blocks (reference count 1) — as one contiguous run when it can, so
   attention reads its KV through a view with no copy — or **shares** an existing block (a prefix-cache hit:
   reference count +1, no new capacity used).
+* The queue is in *rank* order — arrival order unless a lease carries a rank (the decode stage's reservations:
+  arrival, plus ``admission.batch_delay_s`` for batch-class traffic, as every stage budget ranks classes); one without
+  a rank ranks by the time it asked. So interactive requests go ahead of batch ones that arrived less than the delay
+  before them, and a batch request is never held longer than that by them. Nothing overtakes the head.
 * A lease may be taken before its request's KV exists (the decode stage reserves it before prefill computes, on an
   estimate) and resized when the KV arrives (:meth:`resize_lease`): a smaller need gives the difference back at once;
   a larger one takes the difference if it is available, or gives the lease back and waits for the whole at the head
@@ -30,6 +34,8 @@ Accounting, as queues:
 
 from __future__ import annotations
 
+import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +68,7 @@ class KVPool:
         kv_shape: tuple[int, int, int],
         dtype: torch.dtype,
         max_lease_fraction: float = 0.5,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0 or not 0 < max_lease_fraction <= 1:
             raise ValueError("num_blocks, block_size > 0 and 0 < max_lease_fraction ≤ 1")
@@ -77,6 +84,8 @@ class KVPool:
         self._is_free = np.ones(num_blocks, dtype=bool)
         self._leases: dict[str, Lease] = {}
         self._waiting: OrderedDict[str, int] = OrderedDict()
+        self._ranks: dict[str, float] = {}  # of the waiting leases
+        self.clock = clock
         self._reclaimer: Callable[[int], int] | None = None
         self.freed_total = 0
         """Blocks that became free since the pool was made (a drain rate is measured from it)."""
@@ -136,14 +145,23 @@ class KVPool:
         return -(-tokens // self.block_size)
 
     # ---- leases ---------------------------------------------------------------------------------------------
-    def request_lease(self, request_id: str, blocks: int) -> Lease | None:
-        """Grant a lease now, or queue it (``None``); raise :class:`LeaseTooLarge` if it can never be granted."""
+    def request_lease(self, request_id: str, blocks: int, rank: float | None = None) -> Lease | None:
+        """Grant a lease now, or queue it (``None``) by ``rank`` (default: now, on the pool's clock); raise
+        :class:`LeaseTooLarge` if it can never be granted."""
         if request_id in self._leases or request_id in self._waiting:
             raise ValueError(f"request {request_id} already holds or awaits a lease")
         self._check_size(blocks)
-        self._waiting[request_id] = blocks
+        self._enqueue(request_id, blocks, self.clock() if rank is None else rank)
         self._grant_waiting()
         return self._leases.get(request_id)
+
+    def _enqueue(self, request_id: str, blocks: int, rank: float) -> None:
+        """Queue behind every lease of the same or a lower rank, ahead of the rest (the queue is short: at most the
+        decode stage's ``max_waiting`` and the sequences waiting for their lease)."""
+        self._waiting[request_id] = blocks
+        self._ranks[request_id] = rank
+        for later in [rid for rid in self._waiting if self._ranks[rid] > rank]:
+            self._waiting.move_to_end(later)
 
     def lease(self, request_id: str) -> Lease | None:
         return self._leases.get(request_id)
@@ -172,8 +190,7 @@ class KVPool:
             lease.reserved = blocks
         else:
             del self._leases[request_id]
-            self._waiting[request_id] = blocks
-            self._waiting.move_to_end(request_id, last=False)
+            self._enqueue(request_id, blocks, -math.inf)  # (behind only others that gave their lease back)
         return self._grant_waiting()
 
     @property
@@ -216,8 +233,9 @@ class KVPool:
                 self._reclaimer(short)
                 short = blocks - (self.free_blocks - self._unallocated_reservations)
             if short > 0:
-                break  # FIFO: nobody overtakes the head, so the head cannot starve
+                break  # nobody overtakes the head, so the head cannot starve
             del self._waiting[rid]
+            del self._ranks[rid]
             self._leases[rid] = Lease(request_id=rid, reserved=blocks)
             granted.append(rid)
         return granted
@@ -263,6 +281,7 @@ class KVPool:
     def release(self, request_id: str) -> list[str]:
         """Drop a request's lease or its place in the queue; returns request ids whose leases got granted."""
         queued = self._waiting.pop(request_id, None) is not None
+        self._ranks.pop(request_id, None)
         lease = self._leases.pop(request_id, None)
         if lease is None and not queued:
             return []

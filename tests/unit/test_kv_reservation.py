@@ -79,6 +79,28 @@ def test_a_waiting_reservation_keeps_its_place_when_resized_and_release_drops_it
     pool.check_no_leaks()
 
 
+def test_the_queue_ranks_batch_class_behind_interactive_for_its_delay_and_never_longer():
+    now = [1000.0]
+    import torch
+
+    pool = KVPool(8, 4, SHAPE, torch.float32, max_lease_fraction=1.0, clock=lambda: now[0])
+    pool.request_lease("running", 8)
+    delay = 10.0
+    assert pool.request_lease("batch", 4, rank=1000.0 + delay) is None  # a batch-class reservation
+    assert pool.request_lease("inter", 4, rank=1005.0) is None  # interactive, 5 s later: still ahead of it
+    assert pool.request_lease("late", 4, rank=1020.0 + 0) is None  # interactive, past the delay: behind it
+    now[0] = 1021.0
+    assert pool.request_lease("plain", 2) is None  # no rank: the time it asked
+    assert list(pool._waiting) == ["inter", "batch", "late", "plain"]
+    assert pool.release("running") == ["inter", "batch"]
+    pool.resize_lease("inter", 6)  # grows past what is available: back to the head, holding nothing
+    assert list(pool._waiting) == ["inter", "late", "plain"] and not pool.granted("inter")
+    for rid in ("batch", "inter", "late", "plain"):
+        pool.release(rid)
+    pool.check_no_leaks()
+    assert not pool._ranks
+
+
 # ---- the admission rule ----------------------------------------------------------------------------------------
 class _Clock:
     def __init__(self) -> None:
@@ -258,5 +280,29 @@ def test_reservations_never_commit_more_request_slots_than_the_replica_has(model
         for rid in ("r1", "r2", "r3", "r4"):
             assert await d.unreserve(_ctx(rid, 30))
         assert d.engine.num_reserved == 0 and d.pool.available_blocks == 64
+
+    asyncio.run(scenario())
+
+
+def test_the_deployment_grants_an_interactive_reservation_before_a_batch_one_that_came_first(deployment):
+    async def scenario() -> None:
+        d = deployment
+        fillers = [_ctx(f"full-{i}", 30) for i in range(2)]
+        for ctx in fillers:
+            await d.reserve(ctx, 8)
+        now = time.time()
+        batch = RequestContext("batch", "t", now + 30, now, priority="batch")
+        inter = RequestContext("inter", "t", now + 30, now + 0.01)
+        waiting = [asyncio.ensure_future(d.reserve(c, 8)) for c in (batch, inter)]
+        await asyncio.sleep(0.05)
+        assert list(d.pool._waiting) == ["inter", "batch"]
+        await d.unreserve(fillers[0])
+        await asyncio.sleep(0.05)
+        assert waiting[1].done() and not waiting[0].done()
+        await d.unreserve(fillers[1])
+        await asyncio.wait_for(waiting[0], 5)
+        for ctx in (batch, inter):
+            assert await d.unreserve(ctx)
+        assert d.engine.num_reserved == 0 and d.pool.available_blocks == 16
 
     asyncio.run(scenario())

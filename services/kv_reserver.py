@@ -1,0 +1,89 @@
+"""The ingress's side of "KV before prefill": reserve a request's decode KV, and give back what no stream claimed.
+
+For each attempt of a request's chain, :class:`services.pipeline_client.PipelineClient` asks :meth:`KVReserver.reserve`
+for the blocks :meth:`KVReserver.estimate` gives (prompt + ``max_tokens``: exact for a text-only request; with media,
+each image counted as a small image's visual tokens — exact for a fixed-resolution family like LLaVA — and each video
+as one token) *before* it issues prefill. The decode deployment (:meth:`services.decode.DecodeDeployment.reserve`)
+grants them at once, holds the call in its pool's queue, or refuses (429 / 504 / 400: raised here as they came). The
+answer names the replica, which goes into the attempt's context (``decode_replica``, and how it went in
+``reservation``) so the decode router sends ``generate`` there; the sequence claims the lease when its KV arrives.
+
+Giving back: an attempt that fails or is cancelled before its stream claimed the reservation calls
+:meth:`KVReserver.give_back` (fire and forget; the replica drops unclaimed reservations at their deadline anyway). An
+answer already on its way when the ingress stopped waiting for it (deadline, caller gone) is awaited in the
+background and given back too, so a grant that raced the give-up is not held until the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Any
+
+from common.config import PrismConfig
+from common.errors import DeadlineExceeded
+from common.model.loader import ModelFrontend
+from common.protocol.handoff import KVReservation, RequestContext
+from common.sched.resources import ResourceVector
+
+log = logging.getLogger("prism.ingress")
+
+LATE_ANSWER_S = 30.0
+"""How long an abandoned reservation call's answer is awaited so that a grant it carries can be given back."""
+
+
+async def _result(response: Any) -> Any:
+    return await response
+
+
+class KVReserver:
+    def __init__(self, cfg: PrismConfig, frontend: ModelFrontend, decode: Any) -> None:
+        """``decode``: the model's decode deployment handle."""
+        self.cfg, self.frontend, self.decode = cfg, frontend, decode
+
+    def estimate(self, refs: list[Any], vector: ResourceVector) -> int:
+        """KV blocks to reserve for a request with media ``refs`` whose ingress vector is ``vector`` (see the module
+        docstring); never over the per-request lease (over it is the media stage's to refuse, from the real count)."""
+        if not refs:
+            return vector.kv_blocks
+        small = self.frontend.small_image_tokens
+        visual = sum(small if ref.kind == "image" else 1 for ref in refs)
+        tokens = vector.text_tokens + visual + vector.max_output_tokens
+        eng = self.cfg.engine
+        return min(-(-tokens // eng.kv_block_size), eng.max_lease_blocks)
+
+    async def reserve(self, ctx: RequestContext, blocks: int, replay: bool) -> tuple[RequestContext, bool]:
+        """Reserve ``blocks`` for the attempt ``ctx`` (a migration's — ``replay`` — waits whatever the decode queue);
+        returns the context naming the replica, and whether a reservation was taken (none when
+        ``admission.reserve_kv`` is off)."""
+        if not self.cfg.admission.reserve_kv or blocks <= 0:
+            return ctx, False
+        response = self.decode.reserve.remote(ctx, blocks, replay)
+        try:
+            got: KVReservation = await asyncio.wait_for(_result(response), timeout=max(ctx.remaining_s(), 0.001))
+        except BaseException as exc:
+            try:
+                response.cancel()
+            except Exception:  # (Serve's cancel() re-raises the error of a call that already failed)
+                pass
+            asyncio.get_running_loop().create_task(self._give_back_late(response, ctx))
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded("deadline exceeded waiting for KV blocks in the decode stage") from None
+            raise
+        outcome = "waited" if got.waited_s > 0 else "reserved"
+        return replace(ctx, decode_replica=got.replica, reservation=outcome), True
+
+    async def _give_back_late(self, response: Any, ctx: RequestContext) -> None:
+        try:
+            got = await asyncio.wait_for(_result(response), timeout=LATE_ANSWER_S)
+        except BaseException:  # cancelled in time, refused, or gone: nothing is held
+            return
+        self.give_back(replace(ctx, decode_replica=got.replica))
+
+    def give_back(self, ctx: RequestContext) -> None:
+        """Drop the attempt's reservation if no stream claimed it (a claimed one is the stream's to free)."""
+        try:
+            self.decode.unreserve.remote(ctx)
+        except Exception:  # (Serve refusing the call must not hide the error that brought the caller here)
+            log.warning("could not give back the KV reservation of %s; it lapses at its deadline", ctx.key)
