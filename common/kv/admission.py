@@ -19,14 +19,13 @@ full queue refuses only a reservation that would have to wait.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable
 
 from common.errors import Overloaded
 from common.kv.pool import KVPool
-from common.sched.gate import DRAIN_WINDOW_S, MAX_RETRY_AFTER_S
+from common.sched.gate import DRAIN_WINDOW_S, drain_wait_s, retry_after
 
 
 class KVAdmission:
@@ -56,13 +55,10 @@ class KVAdmission:
     def expected_wait_s(self, blocks: int) -> float:
         """Seconds until ``blocks`` more would be granted behind the queue; 0 if they fit now."""
         excess = self.pool.waiting_blocks + blocks - self.pool.available_blocks
-        if excess <= 0:
-            return 0.0
-        rate = self.drain_rate()
-        return self.default_retry_after if rate is None else excess / rate
+        return drain_wait_s(excess, self.drain_rate() if excess > 0 else None, self.default_retry_after)
 
     def retry_after_s(self, blocks: int) -> float:
-        return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(self.expected_wait_s(blocks))))
+        return retry_after(self.expected_wait_s(blocks))
 
     def check(self, blocks: int, left_s: float) -> None:
         """Raise :class:`Overloaded` if a reservation of ``blocks`` must not wait (see the module docstring)."""

@@ -46,6 +46,19 @@ def rank(arrival: float, size: int, aging_per_s: float, batch: bool, batch_delay
     return arrival + size / aging_per_s + (batch_delay_s if batch else 0.0)
 
 
+def drain_wait_s(excess: float, rate: float | None, default_s: float) -> float:
+    """Seconds to drain ``excess`` units at ``rate`` units per second (``default_s`` while there is no rate yet);
+    0 when nothing is in excess."""
+    if excess <= 0:
+        return 0.0
+    return default_s if rate is None else excess / rate
+
+
+def retry_after(expected_s: float) -> float:
+    """A Retry-After from an expected wait: whole seconds, at least 1, at most ``MAX_RETRY_AFTER_S``."""
+    return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(expected_s)))
+
+
 @dataclass(order=True)
 class _Waiter:
     rank: float
@@ -105,13 +118,10 @@ class BudgetGate:
         waiters when ``None``); 0 if it fits now."""
         ahead = sum(w.amount for w in self._heap if not w.future.done() and (rank_ is None or w.rank <= rank_))
         excess = self.used + ahead + amount - self.capacity
-        if excess <= 0:
-            return 0.0
-        rate = self.drain_rate()
-        return self.default_retry_after if rate is None else excess / rate
+        return drain_wait_s(excess, self.drain_rate() if excess > 0 else None, self.default_retry_after)
 
     def retry_after_s(self, amount: int) -> float:
-        return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(self.expected_wait_s(amount))))
+        return retry_after(self.expected_wait_s(amount))
 
     # ---- admit / release ------------------------------------------------------------------------------------
     async def acquire(self, amount: int, deadline: float, rank_: float) -> Grant:

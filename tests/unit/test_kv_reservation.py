@@ -158,11 +158,16 @@ def test_a_reserved_sequence_says_exactly_what_an_unreserved_one_says(tiny_llava
     pool.check_no_leaks()
 
 
+def _one(lm, i: int, images: int):
+    """A prefilled request of 8 greedy tokens, its sampling and the KV blocks it needs (16-token blocks)."""
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    pre = _prefilled(lm, i, images, sampling)
+    return pre, sampling, -(-(pre.kv.num_tokens + 8) // 16)
+
+
 def test_a_full_pool_holds_reservations_back_until_blocks_free_and_unclaimed_ones_go_back(tiny_llava):
     lm = tiny_llava
-    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
-    pre = _prefilled(lm, 0, 0, sampling)
-    need = KVPool(1, 16, lm.kv_shape, lm.dtype).blocks_for(pre.kv.num_tokens + 8)
+    pre, sampling, need = _one(lm, 0, images=0)
     now = [0.0]
     pool = KVPool(2 * need, 16, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
     engine = DecodeEngine(lm, pool, clock=lambda: now[0])
@@ -187,9 +192,7 @@ def test_a_full_pool_holds_reservations_back_until_blocks_free_and_unclaimed_one
 
 def test_a_claim_that_needs_more_than_its_reservation_waits_without_holding_it(tiny_llava):
     lm = tiny_llava
-    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
-    pre = _prefilled(lm, 1, 1, sampling)
-    need = KVPool(1, 16, lm.kv_shape, lm.dtype).blocks_for(pre.kv.num_tokens + 8)
+    pre, sampling, need = _one(lm, 1, images=1)
     pool = KVPool(need + 1, 16, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
     engine = DecodeEngine(lm, pool)
     assert engine.reserve("small", 1)  # an estimate under the real need
