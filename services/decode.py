@@ -103,17 +103,18 @@ class DecodeDeployment:
         """Lease ``blocks`` for ``ctx``'s attempt before its prefill computes; answers once granted. Raises 429 (must
         not wait, or no request slot would be left for its ``generate``), 504 (its deadline passed while it waited),
         400 (over the per-request lease). ``admitted``: a migration's — it waits whatever the queue (refusing it would
-        end a stream the client is reading)."""
+        end a stream the client is reading); only the request-slot rule refuses it, and the ingress then migrates
+        without a reservation."""
         left = ctx.check_deadline("decode")
         key, tags = ctx.key, {"tenant": ctx.tenant, "class": ctx.priority}
         async with self.driver.lock:
             try:
-                if not admitted:
-                    self._check_slots()
-                    self.kv_admission.check(blocks, left)
                 # (the rank of every stage budget without the size term: the KV queue keeps arrival order within a
                 # class, so a large request is never overtaken by small ones; batch behind interactive for a while)
                 rank = ctx.sent_at + (self.cfg.admission.batch_delay_s if ctx.batch else 0.0)
+                self._check_slots()
+                if not admitted:
+                    self.kv_admission.check(blocks, left, rank)
                 granted = self.engine.reserve(key, blocks, ctx.monotonic_deadline(), rank)
             except Overloaded:
                 self.metrics.inc("prism_admission_total", result="refused", reason="budget_full", **tags)
@@ -167,9 +168,14 @@ class DecodeDeployment:
     async def _drop(self, key: str) -> bool:
         async with self.driver.lock:
             dropped = self.engine.unreserve(key)
+        self._after_release()
+        return dropped
+
+    def _after_release(self) -> None:
+        """Blocks came back on the event loop: wake the reservations granted, step the sequences admitted."""
         self._wake()
         self._load()
-        return dropped
+        self.driver.poke()
 
     def _wake(self) -> None:
         """Resolve the waiting reservations that the pool granted (True) or that were dropped meanwhile (False)."""
@@ -187,16 +193,19 @@ class DecodeDeployment:
 
     async def _sweep(self) -> None:
         """Drop reservations whose deadline passed unclaimed (an ingress that died, a chain that never reached
-        decode); ends when none is held."""
-        while self.engine.num_reserved:
+        decode) and time out sequences that waited for their lease past their deadline; ends when neither is left."""
+        while self.engine.num_reserved or self.engine.num_waiting:
             await asyncio.sleep(RESERVATION_SWEEP_S)
             async with self.driver.lock:
                 self.engine.expire_reservations()
-            self._wake()
-            self._load()
+                self.engine.expire_waiting()
+            self._after_release()
 
     def _has_work(self) -> bool:
-        return self.engine.has_work() or self.engine.num_waiting > 0
+        # Only running sequences and undelivered events need steps: a sequence waiting for its lease is admitted by
+        # whatever frees blocks (a step, or a cancel / unreserve / expiry here, which poke the driver), and timed out
+        # by the sweep when nothing runs — stepping for it would spin while reservations hold the pool.
+        return self.engine.has_work()
 
     async def generate(
         self, pre: Traced[Any] | Any, sampling: SamplingParams, ctx: RequestContext, replay: tuple[int, ...] = ()
@@ -226,6 +235,8 @@ class DecodeDeployment:
             self._wake()  # (a reservation made exact may let others in)
             self._load()
             self.driver.poke()
+            if self.engine.num_waiting:
+                self._keep_sweeping()  # (waiting for its lease: timed out by the sweep if nothing steps)
             yield StreamStart(tuple(prefilled.prompt_token_ids.tolist()), tuple(timeline.spans))
             while True:
                 event = await queue.get()
@@ -250,8 +261,7 @@ class DecodeDeployment:
             async with self.driver.lock:
                 if self.engine.cancel(key):  # still running: the caller went away
                     self.cancelled += 1
-            self._wake()
-            self._load()
+            self._after_release()
             if tokens > len(replay):
                 self.metrics.observe("prism_stage_work_seconds", time.time() - timeline.last)
 

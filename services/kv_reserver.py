@@ -6,7 +6,9 @@ each image counted as a small image's visual tokens — exact for a fixed-resolu
 as one token) *before* it issues prefill. The decode deployment (:meth:`services.decode.DecodeDeployment.reserve`)
 grants them at once, holds the call in its pool's queue, or refuses (429 / 504 / 400: raised here as they came). The
 answer names the replica, which goes into the attempt's context (``decode_replica``, and how it went in
-``reservation``) so the decode router sends ``generate`` there; the sequence claims the lease when its KV arrives.
+``reservation``) so the decode router sends ``generate`` there; the sequence claims the lease when its KV arrives. A
+migration's reservation waits whatever the queue; if the replica has no request slot left for it, the migration goes
+on without one (its sequence leases when its KV arrives, as with ``admission.reserve_kv`` off).
 
 Giving back: an attempt that fails or is cancelled before its stream claimed the reservation calls
 :meth:`KVReserver.give_back` (fire and forget; the replica drops unclaimed reservations at their deadline anyway). An
@@ -22,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from common.config import PrismConfig
-from common.errors import DeadlineExceeded
+from common.errors import DeadlineExceeded, Overloaded
 from common.model.loader import ModelFrontend
 from common.protocol.handoff import KVReservation, RequestContext
 from common.sched.resources import ResourceVector
@@ -30,7 +32,8 @@ from common.sched.resources import ResourceVector
 log = logging.getLogger("prism.ingress")
 
 LATE_ANSWER_S = 30.0
-"""How long an abandoned reservation call's answer is awaited so that a grant it carries can be given back."""
+"""How long past the request's deadline an abandoned reservation call's answer is awaited, so that a grant it carries
+can be given back (the replica drops it at the deadline anyway)."""
 
 
 async def _result(response: Any) -> Any:
@@ -62,6 +65,13 @@ class KVReserver:
         response = self.decode.reserve.remote(ctx, blocks, replay)
         try:
             got: KVReservation = await asyncio.wait_for(_result(response), timeout=max(ctx.remaining_s(), 0.001))
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # answered in the instant the caller went away
+                raise asyncio.CancelledError
+        except Overloaded:
+            if replay:  # a migration the replica has no request slot for: it leases when its KV arrives instead
+                return ctx, False
+            raise
         except BaseException as exc:
             try:
                 response.cancel()
@@ -76,7 +86,7 @@ class KVReserver:
 
     async def _give_back_late(self, response: Any, ctx: RequestContext) -> None:
         try:
-            got = await asyncio.wait_for(_result(response), timeout=LATE_ANSWER_S)
+            got = await asyncio.wait_for(_result(response), timeout=max(ctx.remaining_s(), 0.0) + LATE_ANSWER_S)
         except BaseException:  # cancelled in time, refused, or gone: nothing is held
             return
         self.give_back(replace(ctx, decode_replica=got.replica))

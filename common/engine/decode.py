@@ -291,9 +291,15 @@ class DecodeEngine:
 
     def _expire(self) -> None:
         now = self.clock()
-        expired = [rid for rid, (_, _, dl, _) in self._pending.items() if dl is not None and dl <= now]
-        expired += [rid for rid, seq in self._running.items() if seq.deadline is not None and seq.deadline <= now]
-        for rid in expired:
+        self.expire_waiting()
+        for rid in [rid for rid, seq in self._running.items() if seq.deadline is not None and seq.deadline <= now]:
+            self._abort(rid, "timeout")
+
+    def expire_waiting(self) -> None:
+        """Time out the sequences waiting for their lease whose deadline passed (each a ``timeout`` event, returned
+        by the next :meth:`step`) — :meth:`step` does it too, but with nothing running nobody steps."""
+        now = self.clock()
+        for rid in [rid for rid, (_, _, dl, _) in self._pending.items() if dl is not None and dl <= now]:
             self._abort(rid, "timeout")
 
     def _abort(self, request_id: str, reason: EngineFinish) -> None:

@@ -6,9 +6,9 @@ does not waits in the pool's lease queue — unless :meth:`KVAdmission.check` re
 ``server_overloaded``:
 
 * the queue already holds ``max_waiting`` leases (reservations, prefilled sequences waiting for their lease);
-* the wait it can expect — the blocks queued ahead plus its own, beyond what is available now, at the rate blocks
-  have been freed over the last ``DRAIN_WINDOW_S`` seconds — ends past its deadline (a 429 now rather than a 504
-  later).
+* the wait it can expect — the blocks queued ahead of its rank plus its own, beyond what is available now, at the
+  rate capacity has come back over the last ``DRAIN_WINDOW_S`` seconds — ends past its deadline (a 429 now rather
+  than a 504 later).
 
 Retry-After is that expected wait, rounded up, between 1 and ``MAX_RETRY_AFTER_S`` (the configured value while no
 block has been freed yet to measure a rate from). The rate is sampled from the pool's ``freed_total`` counter each
@@ -52,24 +52,27 @@ class KVAdmission:
             return None
         return (f1 - f0) / max(t1 - t0, 1.0)
 
-    def expected_wait_s(self, blocks: int) -> float:
-        """Seconds until ``blocks`` more would be granted behind the queue; 0 if they fit now."""
-        excess = self.pool.waiting_blocks + blocks - self.pool.available_blocks
+    def expected_wait_s(self, blocks: int, rank: float | None = None) -> float:
+        """Seconds until ``blocks`` more would be granted behind what is queued ahead of ``rank`` (all of the queue
+        when ``None``); 0 if they fit now."""
+        ahead = self.pool.waiting_ahead(rank)[1] if rank is not None else self.pool.waiting_blocks
+        excess = ahead + blocks - self.pool.available_blocks
         return drain_wait_s(excess, self.drain_rate() if excess > 0 else None, self.default_retry_after)
 
     def retry_after_s(self, blocks: int) -> float:
         return retry_after(self.expected_wait_s(blocks))
 
-    def check(self, blocks: int, left_s: float) -> None:
-        """Raise :class:`Overloaded` if a reservation of ``blocks`` must not wait (see the module docstring)."""
+    def check(self, blocks: int, left_s: float, rank: float | None = None) -> None:
+        """Raise :class:`Overloaded` if a reservation of ``blocks`` ranked ``rank`` must not wait (see the module
+        docstring)."""
         pool = self.pool
-        if pool.num_waiting >= self.max_waiting and self.expected_wait_s(blocks) > 0:
+        expected = self.expected_wait_s(blocks, rank)
+        if pool.num_waiting >= self.max_waiting and expected > 0:
             raise Overloaded(
                 f"the decode stage's KV pool is full ({pool.used_blocks} of {pool.num_blocks} blocks in use, "
                 f"{pool.num_waiting} requests waiting for KV); retry later",
                 retry_after_s=self.retry_after_s(blocks),
             )
-        expected = self.expected_wait_s(blocks)
         if expected >= left_s:
             raise Overloaded(
                 f"the decode stage would take about {expected:.1f}s to free {blocks} KV blocks for this request "

@@ -19,7 +19,8 @@ Accounting, as queues:
 * The queue is in *rank* order — arrival order unless a lease carries a rank (the decode stage's reservations:
   arrival, plus ``admission.batch_delay_s`` for batch-class traffic, as every stage budget ranks classes); one without
   a rank ranks by the time it asked. So interactive requests go ahead of batch ones that arrived less than the delay
-  before them, and a batch request is never held longer than that by them. Nothing overtakes the head.
+  before them, and a batch request is never held longer than that by them. Nothing ranked later overtakes the head
+  (a lease already held may still grow into blocks that are available: it is older than everything waiting).
 * A lease may be taken before its request's KV exists (the decode stage reserves it before prefill computes, on an
   estimate) and resized when the KV arrives (:meth:`resize_lease`): a smaller need gives the difference back at once;
   a larger one takes the difference if it is available, or gives the lease back and waits for the whole at the head
@@ -88,7 +89,8 @@ class KVPool:
         self.clock = clock
         self._reclaimer: Callable[[int], int] | None = None
         self.freed_total = 0
-        """Blocks that became free since the pool was made (a drain rate is measured from it)."""
+        """Capacity given back since the pool was made, in blocks: blocks that became free, and reservations released
+        or shrunk unused (a drain rate is measured from it)."""
 
     def set_reclaimer(self, reclaim: Callable[[int], int]) -> None:
         """``reclaim(n)`` frees up to n blocks held only by a cache; called when a lease would not fit."""
@@ -175,9 +177,10 @@ class KVPool:
         request ids granted meanwhile (:meth:`granted` says whether this one is among the holders). Waiting: the new
         amount keeps its place in the queue. Held and smaller: the difference goes back at once. Held and larger: the
         difference is granted if it is available now; otherwise the lease is given back and the whole amount queued
-        at the head — it is older than everything waiting, and a request that waits holding nothing cannot deadlock
-        with others that wait holding part of what they need. Raise :class:`LeaseTooLarge` past the per-request
-        limit, ``KeyError`` if unknown, ``ValueError`` for a lease that has allocated blocks."""
+        ahead of every lease that never held one (behind earlier give-backs) — it is older than they are, and a
+        request that waits holding nothing cannot deadlock with others that wait holding part of what they need.
+        Raise :class:`LeaseTooLarge` past the per-request limit, ``KeyError`` if unknown, ``ValueError`` for a lease
+        that has allocated blocks."""
         self._check_size(blocks)
         lease = self._leases.get(request_id)
         if lease is None:
@@ -187,11 +190,18 @@ class KVPool:
         elif lease.allocated:
             raise ValueError(f"request {request_id} has allocated blocks; its lease cannot be resized")
         elif blocks <= lease.reserved or blocks - lease.reserved <= self.available_blocks:
+            self.freed_total += max(0, lease.reserved - blocks)
             lease.reserved = blocks
         else:
             del self._leases[request_id]
+            self.freed_total += lease.reserved
             self._enqueue(request_id, blocks, -math.inf)  # (behind only others that gave their lease back)
         return self._grant_waiting()
+
+    def waiting_ahead(self, rank: float) -> tuple[int, int]:
+        """(leases, blocks) queued that rank at or before ``rank``: what a lease of that rank would wait behind."""
+        ahead = [self._waiting[rid] for rid in self._waiting if self._ranks[rid] <= rank]
+        return len(ahead), sum(ahead)
 
     @property
     def waiting_blocks(self) -> int:
@@ -286,6 +296,7 @@ class KVPool:
         if lease is None and not queued:
             return []
         if lease is not None:
+            self.freed_total += lease.reserved - lease.allocated  # (the allocated part counts as its blocks free)
             self.unref(lease.blocks)
         return self._grant_waiting()
 

@@ -52,7 +52,7 @@ def test_a_reservation_that_must_grow_waits_holding_nothing_at_the_head_of_the_q
     for rid in ("b", "c"):
         pool.release(rid)
     pool.check_no_leaks()
-    assert pool.freed_total == 0  # (nothing was ever allocated: reservations hold no blocks)
+    assert pool.freed_total == 8 + 8 + 12 + 4  # capacity given back: b's 8 to grow, then each reservation, unused
 
 
 def test_a_waiting_reservation_keeps_its_place_when_resized_and_release_drops_it():
@@ -75,7 +75,7 @@ def test_a_waiting_reservation_keeps_its_place_when_resized_and_release_drops_it
     with pytest.raises(ValueError):
         pool.resize_lease("big", 3)  # blocks in use: not a reservation any more
     pool.release("big")
-    assert pool.freed_total == 2
+    assert pool.freed_total == 4 + 2 + 1 + 4  # a, w1, w2 unused; big: 2 blocks freed + 2 reserved unused
     pool.check_no_leaks()
 
 
@@ -134,6 +134,7 @@ def test_admission_refuses_what_would_wait_past_its_deadline_with_a_retry_after_
     with pytest.raises(Overloaded) as full:
         adm.check(1, left_s=60.0)  # two already wait: the queue is full
     assert "2 requests waiting" in str(full.value)
+    assert adm.expected_wait_s(1, rank=-1.0) == pytest.approx(1 / 4)  # ranked ahead of both: only its own block
     clock.t += 3600  # the window forgets old releases: back to the configured value
     assert adm.drain_rate() is None and adm.retry_after_s(8) == 1.0
     clock.t += 2.0  # after the pause, the rate is what was freed since it ended, not averaged over the pause
@@ -262,8 +263,8 @@ def test_the_deployment_grants_waits_refuses_and_times_out(deployment):
 
 def test_reservations_never_commit_more_request_slots_than_the_replica_has(model_cache):
     """Each reservation's ``generate`` must find a slot on its replica: with 4 slots (one kept for control calls),
-    three reservations are the most; a fourth is refused 429 — unless it is a migration's, which waits whatever the
-    queue."""
+    three reservations are the most; a fourth is refused 429, a migration's too (the ingress then migrates without
+    one)."""
     from services.decode import DecodeDeployment
 
     config = {
@@ -279,8 +280,9 @@ def test_reservations_never_commit_more_request_slots_than_the_replica_has(model
         with pytest.raises(Overloaded) as refused:
             await d.reserve(_ctx("r4", 30), 2)
         assert "request slots" in str(refused.value)
-        await d.reserve(_ctx("r4", 30), 2, admitted=True)
-        for rid in ("r1", "r2", "r3", "r4"):
+        with pytest.raises(Overloaded):
+            await d.reserve(_ctx("r4", 30), 2, admitted=True)
+        for rid in ("r1", "r2", "r3"):
             assert await d.unreserve(_ctx(rid, 30))
         assert d.engine.num_reserved == 0 and d.pool.available_blocks == 64
 
@@ -307,5 +309,49 @@ def test_the_deployment_grants_an_interactive_reservation_before_a_batch_one_tha
         for ctx in (batch, inter):
             assert await d.unreserve(ctx)
         assert d.engine.num_reserved == 0 and d.pool.available_blocks == 16
+
+    asyncio.run(scenario())
+
+
+def test_a_sequence_waiting_for_its_lease_with_nothing_running_times_out_without_steps(tiny_llava):
+    """The decode driver steps only for running sequences: one waiting behind reservations is timed out by
+    ``expire_waiting`` (the stage's sweep), its ``timeout`` event delivered by the next step."""
+    lm = tiny_llava
+    pre, sampling, need = _one(lm, 2, images=0)
+    now = [0.0]
+    pool = KVPool(need, 16, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
+    engine = DecodeEngine(lm, pool, clock=lambda: now[0])
+    assert engine.reserve("holder", need, deadline=100.0)
+    engine.submit("late", pre, sampling, deadline=5.0)
+    assert engine.num_waiting == 1 and not engine.has_work()  # nothing to step for
+    now[0] = 6.0
+    engine.expire_waiting()
+    assert engine.has_work() and [(e.request_id, e.finish_reason) for e in engine.step()] == [("late", "timeout")]
+    assert engine.unreserve("holder")
+    pool.check_no_leaks()
+
+
+def test_a_migration_without_a_request_slot_goes_on_without_a_reservation():
+    """The ingress side: a refused reservation is a 429 for a new request, but a migration (``replay``) proceeds
+    without one — its sequence leases when its KV arrives."""
+    from common.config import PrismConfig
+    from services.kv_reserver import KVReserver
+
+    class _Refusing:
+        class reserve:  # (the handle's method)
+            @staticmethod
+            def remote(*args):
+                async def refused():
+                    raise Overloaded("no request slot", retry_after_s=1)
+
+                return asyncio.ensure_future(refused())
+
+    reserver = KVReserver(PrismConfig(), None, _Refusing())
+
+    async def scenario() -> None:
+        ctx = _ctx("m", 30)
+        assert await reserver.reserve(ctx, 4, replay=True) == (ctx, False)
+        with pytest.raises(Overloaded):
+            await reserver.reserve(ctx, 4, replay=False)
 
     asyncio.run(scenario())
