@@ -54,6 +54,7 @@ from common.protocol.handoff import (
     StreamToken,
 )
 from common.protocol.sampling import SamplingParams
+from common.sched.gate import rank
 from services.loopback import bind_replica
 from services.metrics import Metrics
 from services.runtime import EngineDriver
@@ -111,11 +112,12 @@ class DecodeDeployment:
             try:
                 # (the rank of every stage budget without the size term: the KV queue keeps arrival order within a
                 # class, so a large request is never overtaken by small ones; batch behind interactive for a while)
-                rank = ctx.sent_at + (self.cfg.admission.batch_delay_s if ctx.batch else 0.0)
+                adm = self.cfg.admission
+                order = rank(ctx.sent_at, 0, adm.aging_tokens_per_s, ctx.batch, adm.batch_delay_s)
                 self._check_slots()
                 if not admitted:
-                    self.kv_admission.check(blocks, left, rank)
-                granted = self.engine.reserve(key, blocks, ctx.monotonic_deadline(), rank)
+                    self.kv_admission.check(blocks, left, order)
+                granted = self.engine.reserve(key, blocks, ctx.monotonic_deadline(), order)
             except Overloaded:
                 self.metrics.inc("prism_admission_total", result="refused", reason="budget_full", **tags)
                 raise
@@ -168,11 +170,12 @@ class DecodeDeployment:
     async def _drop(self, key: str) -> bool:
         async with self.driver.lock:
             dropped = self.engine.unreserve(key)
-        self._after_release()
+        self._pool_changed()
         return dropped
 
-    def _after_release(self) -> None:
-        """Blocks came back on the event loop: wake the reservations granted, step the sequences admitted."""
+    def _pool_changed(self) -> None:
+        """Leases changed on the event loop (blocks back, a claim resized): wake the reservations granted, step the
+        sequences admitted."""
         self._wake()
         self._load()
         self.driver.poke()
@@ -199,7 +202,7 @@ class DecodeDeployment:
             async with self.driver.lock:
                 self.engine.expire_reservations()
                 self.engine.expire_waiting()
-            self._after_release()
+            self._pool_changed()
 
     def _has_work(self) -> bool:
         # Only running sequences and undelivered events need steps: a sequence waiting for its lease is admitted by
@@ -232,9 +235,7 @@ class DecodeDeployment:
             self.metrics.transfer(backend, "kv", prefilled.kv.nbytes, transfer.duration_s)
             async with self.driver.lock:
                 self.engine.submit(key, prefilled, sampling, deadline=ctx.monotonic_deadline(), replay=replay)
-            self._wake()  # (a reservation made exact may let others in)
-            self._load()
-            self.driver.poke()
+            self._pool_changed()  # (its own first token; a reservation made exact may let others in)
             if self.engine.num_waiting:
                 self._keep_sweeping()  # (waiting for its lease: timed out by the sweep if nothing steps)
             yield StreamStart(tuple(prefilled.prompt_token_ids.tolist()), tuple(timeline.spans))
@@ -261,7 +262,7 @@ class DecodeDeployment:
             async with self.driver.lock:
                 if self.engine.cancel(key):  # still running: the caller went away
                     self.cancelled += 1
-            self._after_release()
+            self._pool_changed()
             if tokens > len(replay):
                 self.metrics.observe("prism_stage_work_seconds", time.time() - timeline.last)
 

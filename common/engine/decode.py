@@ -187,9 +187,7 @@ class DecodeEngine:
             raise
         if self.pool.granted(request_id):
             self._admit(request_id)
-        for rid in others:  # (a lease made smaller lets the queue move)
-            if rid != request_id and rid in self._pending:
-                self._admit(rid)
+        self._admit_granted(others)  # (a lease made smaller lets the queue move)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a sequence wherever it is and free its KV (its reservation too, if it never claimed one); True if the
@@ -211,9 +209,14 @@ class DecodeEngine:
         return bool(self._running or self._events)
 
     def _release(self, request_id: str) -> None:
-        for granted in self.pool.release(request_id):
-            if granted in self._pending:  # (a granted reservation waits for its submit: the stage is told apart)
-                self._admit(granted)
+        self._admit_granted(self.pool.release(request_id))
+
+    def _admit_granted(self, granted: list[str]) -> None:
+        """Admit the prefilled sequences among leases the pool just granted (a granted reservation waits for its
+        submit: the stage is told apart)."""
+        for rid in granted:
+            if rid in self._pending:
+                self._admit(rid)
 
     def _admit(self, request_id: str) -> None:
         pre, sampling, deadline, replay = self._pending.pop(request_id)

@@ -19,6 +19,7 @@ full queue refuses only a reservation that would have to wait.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,9 +56,8 @@ class KVAdmission:
     def expected_wait_s(self, blocks: int, rank: float | None = None) -> float:
         """Seconds until ``blocks`` more would be granted behind what is queued ahead of ``rank`` (all of the queue
         when ``None``); 0 if they fit now."""
-        ahead = self.pool.waiting_ahead(rank)[1] if rank is not None else self.pool.waiting_blocks
-        excess = ahead + blocks - self.pool.available_blocks
-        return drain_wait_s(excess, self.drain_rate() if excess > 0 else None, self.default_retry_after)
+        excess = self.pool.blocks_ahead(math.inf if rank is None else rank) + blocks - self.pool.available_blocks
+        return drain_wait_s(excess, self.drain_rate(), self.default_retry_after)
 
     def retry_after_s(self, blocks: int) -> float:
         return retry_after(self.expected_wait_s(blocks))
@@ -71,12 +71,13 @@ class KVAdmission:
             raise Overloaded(
                 f"the decode stage's KV pool is full ({pool.used_blocks} of {pool.num_blocks} blocks in use, "
                 f"{pool.num_waiting} requests waiting for KV); retry later",
-                retry_after_s=self.retry_after_s(blocks),
+                retry_after_s=retry_after(expected),
             )
         if expected >= left_s:
+            ahead = pool.blocks_ahead(math.inf if rank is None else rank)
             raise Overloaded(
                 f"the decode stage would take about {expected:.1f}s to free {blocks} KV blocks for this request "
-                f"({pool.available_blocks} of {pool.num_blocks} available, {pool.waiting_blocks} queued ahead); its "
+                f"({pool.available_blocks} of {pool.num_blocks} available, {ahead} queued ahead); its "
                 f"deadline is in {max(left_s, 0):.1f}s",
-                retry_after_s=self.retry_after_s(blocks),
+                retry_after_s=retry_after(expected),
             )

@@ -198,15 +198,15 @@ class KVPool:
             self._enqueue(request_id, blocks, -math.inf)  # (behind only others that gave their lease back)
         return self._grant_waiting()
 
-    def waiting_ahead(self, rank: float) -> tuple[int, int]:
-        """(leases, blocks) queued that rank at or before ``rank``: what a lease of that rank would wait behind."""
-        ahead = [self._waiting[rid] for rid in self._waiting if self._ranks[rid] <= rank]
-        return len(ahead), sum(ahead)
+    def blocks_ahead(self, rank: float = math.inf) -> int:
+        """Blocks the leases queued at or before ``rank`` ask for: what a lease of that rank would wait behind (the
+        whole queue by default)."""
+        return sum(blocks for rid, blocks in self._waiting.items() if self._ranks[rid] <= rank)
 
     @property
     def waiting_blocks(self) -> int:
         """Blocks the queued leases ask for."""
-        return sum(self._waiting.values())
+        return self.blocks_ahead()
 
     @property
     def num_waiting(self) -> int:
@@ -238,10 +238,10 @@ class KVPool:
         granted = []
         while self._waiting:
             rid, blocks = next(iter(self._waiting.items()))
-            short = blocks - (self.free_blocks - self._unallocated_reservations)
+            short = blocks - self.available_blocks
             if short > 0 and self._reclaimer is not None:
                 self._reclaimer(short)
-                short = blocks - (self.free_blocks - self._unallocated_reservations)
+                short = blocks - self.available_blocks
             if short > 0:
                 break  # nobody overtakes the head, so the head cannot starve
             del self._waiting[rid]
@@ -277,7 +277,7 @@ class KVPool:
     def take_unreserved(self, n: int) -> list[int]:
         """Up to ``n`` blocks outside any lease (reference count 1), only from capacity no lease has reserved —
         caches use this, so they never eat into what a running request was promised."""
-        spare = self.free_blocks - self._unallocated_reservations - sum(self._waiting.values())
+        spare = self.available_blocks - self.waiting_blocks
         return self._take(self._lowest_free(max(0, min(n, spare))))
 
     def share(self, lease: Lease, blocks: list[int]) -> None:

@@ -118,7 +118,7 @@ class BudgetGate:
         waiters when ``None``); 0 if it fits now."""
         ahead = sum(w.amount for w in self._heap if not w.future.done() and (rank_ is None or w.rank <= rank_))
         excess = self.used + ahead + amount - self.capacity
-        return drain_wait_s(excess, self.drain_rate() if excess > 0 else None, self.default_retry_after)
+        return drain_wait_s(excess, self.drain_rate(), self.default_retry_after)
 
     def retry_after_s(self, amount: int) -> float:
         return retry_after(self.expected_wait_s(amount))
