@@ -8,7 +8,7 @@ STAMP    := $(VENV)/.prism-installed
 TORCH    := torch==2.13.0
 # The CPU torch wheel lies on local disk on these machines; elsewhere pip takes it from the index.
 WHEELS   := $(wildcard /opt/wheels)
-PIP      := $(PY) -m pip install --disable-pip-version-check -q $(if $(WHEELS),--find-links $(WHEELS))
+PIP      := $(PY) -m pip install --disable-pip-version-check --no-cache-dir -q $(if $(WHEELS),--find-links $(WHEELS))
 MODEL    ?= prism-tiny-llava
 CONFIG   ?= ray_configs/local_cpu.yaml
 SERVE_FLAGS ?=
