@@ -31,7 +31,7 @@ demo: venv
 	$(PY) -m services.cli demo --model $(MODEL)
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: venv
 	$(VENV)/bin/ruff check .
