@@ -33,13 +33,14 @@ from common.protocol.body import decode_json
 from common.sched.quota import TenantQuotas
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
+from services.call_stream import Call
 from services.grpc_errors import grpc_abort
 from services.http_body import read_json
 from services.lifecycle import InFlight, RequestLifecycle
 from services.loopback import bind_replica
 from services.observer import RequestObserver
 from services.openai_format import chunk, completion_body, error_body, error_response, sse, usage
-from services.pipeline_client import Call, PipelineClient, count_admission, header_priority
+from services.pipeline_client import PipelineClient, count_admission, header_priority
 from services.proto import prism_pb2
 
 api = FastAPI(title="Prism", docs_url=None, redoc_url=None)

@@ -110,7 +110,7 @@ class RequestLifecycle:
         self.observer, self.places, self.traced = observer, places, traced
         self.trace: RequestTrace = observer.start(protocol)
         self.call: Any = None
-        """The request's :class:`services.pipeline_client.Call` once its chain is issued (its stream is cancelled on
+        """The request's :class:`services.call_stream.Call` once its chain is issued (its stream is cancelled on
         close)."""
         self.outcome: Outcome | None = None
         self.error: PrismError | None = None

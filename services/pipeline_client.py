@@ -7,8 +7,9 @@ Serve handles — media → encode → prefill → decode — passing each stage
 embeddings and KV go replica to replica through the object store (or NIXL) and never through the ingress. It waits
 for the decode stream's :class:`StreamStart` (the prompt's token ids), so every stage's error surfaces before a
 protocol commits to a status; a chain that lost a replica before that point is issued again (bounded, jittered —
-:mod:`services.retry`) under a new attempt number. :meth:`PipelineClient.tokens` then yields
-``(token_id, finish_reason)`` from the typed decode events under the deadline.
+:mod:`services.retry`) under a new attempt number. The :class:`services.call_stream.Call` it returns is read by
+:meth:`PipelineClient.tokens` / :meth:`PipelineClient.collect` (:class:`services.call_stream.CallStream`: the typed
+decode events under the deadline, and decode migration when the decode replica is lost mid-stream).
 
 Admission at the ingress, in the order the costs appear (:mod:`common.sched`): the body's counts and parameters, then
 the prompt's text tokens (the request's :class:`ResourceVector` as far as the ingress can know it — complete for a
@@ -24,14 +25,6 @@ Each attempt carries one :class:`RequestContext` (id, attempt, tenant, deadline,
 to every stage, and the client keeps every stage response of the attempt: a failed attempt, a 504 or a client gone
 cancels the whole chain (media, encode, prefill, decode), not only the decode stream.
 
-**Decode migration.** When the decode replica of a started call is lost (the stream raises a replica-lost error),
-:meth:`PipelineClient.tokens` issues the chain again as a new attempt — the prompt's prefill as before (embeddings
-from the encoder cache or encoded again) — with the tokens the client already received as the decode call's
-``replay``: the live replica rebuilds the sequence through them with ordinary decode steps and the stream goes on from
-the next token, with no error, no repeat and no gap in what the client receives (:mod:`common.engine.decode`,
-*Replay*). At most ``server.max_migrations`` per request, never past its deadline; counted in
-``prism_migrations_total{outcome}`` and listed in the trace.
-
 Every call carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (the context's
 ``sent_at``), the stages' spans arrive with the stream's start event and first token (with where the encode and
 prefill routers sent the calls, by the :class:`RouteKeys` made here), and every token is stamped as it arrives here.
@@ -42,34 +35,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from ray.serve.exceptions import RayServeException
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 
 from common.cache.scope import cache_scope
 from common.config import PrismConfig
-from common.errors import (
-    DeadlineExceeded,
-    HandoffError,
-    InvalidRequestError,
-    PrismError,
-)
+from common.errors import HandoffError, InvalidRequestError, PrismError
 from common.media.loader import check_request
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
 from common.obs.trace import Span, Traced
 from common.protocol.body import ascii_int
-from common.protocol.handoff import (
-    DecodeEvent,
-    Priority,
-    RequestContext,
-    StreamAbort,
-    StreamStart,
-    StreamToken,
-)
+from common.protocol.handoff import Priority, RequestContext, StreamStart
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
 from common.sched.affinity import RouteKeys, media_key, prefix_key
@@ -77,56 +56,10 @@ from common.sched.quota import TenantQuotas, Ticket
 from common.sched.resources import ResourceVector, check_limits
 from common.stages.prompt import render_chat
 from services import route_log
+from services.call_stream import Call, CallStream, cancel_chain, next_event
 from services.kv_reserver import KVReserver
-from services.lifecycle import CANCELLED, REPLICA_LOST, replica_lost
+from services.lifecycle import REPLICA_LOST
 from services.retry import with_retries
-
-
-@dataclass
-class Call:
-    ctx: RequestContext
-    """The context of the attempt whose chain answered."""
-    frontend: ModelFrontend
-    """The model it runs on (tokenizer for the text, served name)."""
-    req: ChatCompletionRequest
-    sampling: SamplingParams
-    stream: DeploymentResponseGenerator
-    prompt_ids: list[int]
-    trace: RequestTrace
-    chain: list[Any]
-    """Every stage response of the attempt (media, encode, prefill, the decode stream): cancelled together."""
-    release: Any
-    """Gives the tenant's quota back (idempotent)."""
-    reissue: Callable[[tuple[int, ...]], Awaitable[tuple[list[Any], RequestContext, StreamStart]]] | None = None
-    """Issues the chain again as a new attempt whose decode call replays the given tokens (decode migration)."""
-    kv_blocks: int = 0
-    migrations: int = 0
-
-    @property
-    def rid(self) -> str:
-        return self.ctx.request_id
-
-    def close(self) -> None:
-        """Cancel whatever of the chain still runs and give the quota back; safe to call more than once."""
-        try:
-            _cancel(self.chain)
-        finally:
-            self.release()
-
-
-@dataclass(frozen=True)
-class _Migration:
-    started: float
-    after_tokens: int
-    cause: str
-
-
-def _cancel(chain: list[Any]) -> None:
-    for response in reversed(chain):  # decode first: it frees KV at once
-        try:
-            response.cancel()
-        except Exception:  # Serve's cancel() re-raises the error of a call that already failed: nothing to cancel
-            pass
 
 
 class PipelineClient:
@@ -151,6 +84,7 @@ class PipelineClient:
         self.prefill: DeploymentHandle = prefill
         self.decode: DeploymentHandle = decode
         self.kv = KVReserver(cfg, frontend, decode)
+        self.streams = CallStream(cfg.server.max_migrations, metrics)
 
     def deadline(self, budget_ms: str | int | None) -> float:
         server = self.cfg.server
@@ -240,7 +174,7 @@ class PipelineClient:
         except BaseException:
             self.quotas.release(ticket)
             if chain is not None:
-                _cancel(chain)
+                cancel_chain(chain)
             raise
         return Call(
             ctx,
@@ -329,120 +263,23 @@ class PipelineClient:
             pre = self.prefill.prefill.remote(req.template_messages(), embeddings, sampling, ctx)
             stream = self.decode.generate.options(stream=True).remote(pre, sampling, ctx, replay)
             chain += [pre, stream]
-            first = await self._next(stream, ctx.deadline)
+            first = await next_event(stream, ctx.deadline)
             if not isinstance(first, StreamStart):
                 raise HandoffError(f"the decode stream began with {type(first).__name__}, not its start")
             return chain, ctx, first
         except BaseException:
-            _cancel(chain)
+            cancel_chain(chain)
             if reserved:  # a reservation no generate may claim now (one already claimed is the stream's to free)
                 self.kv.give_back(ctx)
             raise
 
-    async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
-        """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure. A lost
-        decode replica is replaced by a migration (up to ``server.max_migrations``), unseen by the caller."""
-        sent: list[int] = []
-        moving: _Migration | None = None  # a migration whose stream has not produced a new token yet
-        while True:
-            try:
-                event = await self._next(call.stream, call.ctx.deadline)
-                if isinstance(event, StreamAbort):
-                    if event.reason == "timeout":
-                        raise DeadlineExceeded("deadline exceeded during decode")
-                    raise PrismError("decode failed; see the decode replica's log")
-                if not isinstance(event, StreamToken):
-                    raise HandoffError(f"the decode stream sent {type(event).__name__} where a token was due")
-            except CANCELLED:
-                raise
-            except BaseException as exc:
-                if moving is not None:  # the rebuilt stream failed before its first new token
-                    self._migration_done(call, moving, "failed")
-                    moving = None
-                if not isinstance(exc, REPLICA_LOST):
-                    raise
-                moving = await self._migrate(call, tuple(sent), exc)
-                continue
-            if moving is not None:
-                self._migration_done(call, moving, "resumed")
-                moving = None
-            else:  # (a migrated stream's spans would repeat stages the trace has; its entry says what it cost)
-                call.trace.absorb(event.spans)
-            call.trace.token()
-            if event.finish_reason is not None:
-                call.kv_blocks = event.kv_blocks
-            sent.append(event.token_id)
-            yield event.token_id, event.finish_reason
-            if event.finish_reason is not None:
-                return
-
-    async def _migrate(self, call: Call, sent: tuple[int, ...], lost: BaseException) -> _Migration:
-        """Continue ``call`` on a live decode replica after its own was lost: the chain again, replaying ``sent``;
-        returns once the new stream started. Re-raises ``lost`` when migration is off or spent (504 when the
-        deadline leaves no time)."""
-        if time.time() >= call.ctx.deadline:
-            self._count_migration("refused")
-            raise DeadlineExceeded("deadline exceeded when the decode replica was lost") from lost
-        if call.reissue is None or call.migrations >= self.cfg.server.max_migrations:
-            self._count_migration("refused")
-            raise lost
-        call.migrations += 1
-        _cancel(call.chain)  # whatever of the lost attempt still runs (a replica merely unreachable frees its KV)
-        moving = _Migration(time.time(), len(sent), type(lost).__name__)
-        try:
-            chain, ctx, first = await call.reissue(sent)
-            if list(first.prompt_token_ids) != call.prompt_ids:
-                _cancel(chain)
-                raise HandoffError("a migrated stream's prompt differs from the original attempt's")
-        except CANCELLED:
-            raise
-        except BaseException:
-            self._migration_done(call, moving, "failed")
-            raise
-        call.chain, call.stream, call.ctx = chain, chain[-1], ctx
-        if ctx.decode_replica is not None:
-            call.trace.route("decode", ctx.reservation, ctx.decode_replica)
-        return moving
-
-    def _migration_done(self, call: Call, moving: _Migration, outcome: str) -> None:
-        """Record a migration once its outcome is known: ``resumed`` at the rebuilt stream's first new token (so its
-        time covers the chain, the replay and the lease wait), ``failed`` if it ended before that."""
-        call.trace.migrated(moving.after_tokens, time.time() - moving.started, moving.cause, outcome)
-        self._count_migration(outcome)
-
-    def _count_migration(self, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.inc("prism_migrations_total", outcome=outcome)
+    def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
+        """``(token_id, finish_reason)`` of a started call (:meth:`services.call_stream.CallStream.tokens`)."""
+        return self.streams.tokens(call)
 
     async def collect(self, call: Call) -> tuple[list[int], str]:
-        """Every token of a non-streaming call and its finish reason; the stream is closed either way."""
-        out: list[int] = []
-        finish: str | None = None
-        try:
-            async for token, reason in self.tokens(call):
-                out.append(token)
-                finish = reason
-        finally:
-            _cancel(call.chain)
-        return out, finish or "stop"
-
-    async def _next(self, stream: DeploymentResponseGenerator, deadline: float) -> DecodeEvent:
-        left = deadline - time.time()
-        if left <= 0:
-            stream.cancel()
-            raise DeadlineExceeded("deadline exceeded")
-        try:
-            return await asyncio.wait_for(stream.__anext__(), timeout=left)
-        except TimeoutError:
-            stream.cancel()
-            raise DeadlineExceeded("deadline exceeded while the request was in flight") from None
-        except StopAsyncIteration:
-            raise PrismError("decode stream ended unexpectedly") from None
-        except RayServeException as exc:  # an upstream replica of the chain died: a replica loss like any other
-            lost = replica_lost(exc)
-            if lost is None:
-                raise
-            raise lost from None
+        """Every token of a non-streaming call and its finish reason (:meth:`CallStream.collect`)."""
+        return await self.streams.collect(call)
 
 
 def count_admission(metrics: Any, tenant: str, priority: str, result: str, reason: str) -> None:

@@ -213,7 +213,7 @@ def losing(model_cache):
     can be told to lose streams."""
     app = build(_config(model_cache), transport=FakeTransport())
     client = app.state.ingress.clients["prism-tiny-llava"]
-    client.metrics = app.state.counted = _Counted()
+    client.metrics = client.streams.metrics = app.state.counted = _Counted()
     real = client.decode
 
     def lose(after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False) -> _LosingDecode:
@@ -298,11 +298,11 @@ def test_a_loss_after_the_deadline_is_a_504_not_a_migration(losing, monkeypatch)
     """No time left when the replica is lost: 504 ``deadline_exceeded`` (not a 503), counted as refused."""
     import types
 
-    import services.pipeline_client as pc
+    import services.call_stream as cs
 
     app, lose = losing
     late = {"by": 0.0}
-    monkeypatch.setattr(pc, "time", types.SimpleNamespace(time=lambda: time.time() + late["by"]))
+    monkeypatch.setattr(cs, "time", types.SimpleNamespace(time=lambda: time.time() + late["by"]))
     lose(after=3).on_loss = lambda: late.update(by=10_000.0)  # the loss is seen only past the deadline
 
     got = asyncio.run(_ask(app, {**BODY, "max_tokens": 16}, settle=True))

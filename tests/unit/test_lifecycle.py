@@ -22,7 +22,7 @@ class _Stream:
 
 
 class _Call:
-    """The shape of :class:`services.pipeline_client.Call` the lifecycle uses: ``close`` cancels the chain."""
+    """The shape of :class:`services.call_stream.Call` the lifecycle uses: ``close`` cancels the chain."""
 
     def __init__(self) -> None:
         self.stream, self.kv_blocks = _Stream(), 3

@@ -1,0 +1,206 @@
+"""A started call in the ingress: its decode stream read under the deadline, decode migration, and closing.
+
+:meth:`services.pipeline_client.PipelineClient.begin` returns a :class:`Call` once the decode stream of its chain has
+sent its :class:`StreamStart`. From there :class:`CallStream` reads it: :meth:`CallStream.tokens` yields
+``(token_id, finish_reason)`` from the typed decode events until the sequence finishes (504 at the deadline, a typed
+error on an abort or a malformed stream), :meth:`CallStream.collect` gathers them for a non-streaming response.
+:meth:`Call.close` — called once by the request's lifecycle, however it ends — cancels every stage response of the
+chain (decode first, so its KV is freed at once) and gives the tenant's quota back.
+
+**Decode migration.** When the decode replica of a started call is lost (the stream raises a replica-lost error),
+:meth:`CallStream.tokens` issues the chain again as a new attempt (``Call.reissue``: the prompt's prefill as before,
+embeddings from the encoder cache or encoded again) with the tokens the client already received as the decode call's
+``replay``: the live replica rebuilds the sequence through them with ordinary decode steps and the stream goes on from
+the next token, with no error, no repeat and no gap in what the client receives (:mod:`common.engine.decode`,
+*Replay*). At most ``server.max_migrations`` per request, never past its deadline (504); each counted in
+``prism_migrations_total{outcome}`` when its outcome is known (``resumed`` at the rebuilt stream's first new token,
+``failed``, ``refused``) and listed in the request's trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentResponseGenerator
+
+from common.errors import DeadlineExceeded, HandoffError, PrismError
+from common.model.loader import ModelFrontend
+from common.obs.request_trace import RequestTrace
+from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
+from common.protocol.openai import ChatCompletionRequest
+from common.protocol.sampling import SamplingParams
+from services.lifecycle import CANCELLED, REPLICA_LOST, replica_lost
+
+Reissue = Callable[[tuple[int, ...]], Awaitable[tuple[list[Any], RequestContext, StreamStart]]]
+"""Issues a call's chain again as a new attempt whose decode call replays the given tokens; returns the new chain,
+its context and its stream's start."""
+
+
+@dataclass
+class Call:
+    ctx: RequestContext
+    """The context of the attempt whose chain answered."""
+    frontend: ModelFrontend
+    """The model it runs on (tokenizer for the text, served name)."""
+    req: ChatCompletionRequest
+    sampling: SamplingParams
+    stream: DeploymentResponseGenerator
+    prompt_ids: list[int]
+    trace: RequestTrace
+    chain: list[Any]
+    """Every stage response of the attempt (media, encode, prefill, the decode stream): cancelled together."""
+    release: Any
+    """Gives the tenant's quota back (idempotent)."""
+    reissue: Reissue | None = None
+    """For decode migration; ``None``: the call cannot be migrated."""
+    kv_blocks: int = 0
+    migrations: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.ctx.request_id
+
+    def close(self) -> None:
+        """Cancel whatever of the chain still runs and give the quota back; safe to call more than once."""
+        try:
+            cancel_chain(self.chain)
+        finally:
+            self.release()
+
+
+def cancel_chain(chain: list[Any]) -> None:
+    """Cancel every stage response of a chain; never raises."""
+    for response in reversed(chain):  # decode first: it frees KV at once
+        try:
+            response.cancel()
+        except Exception:  # Serve's cancel() re-raises the error of a call that already failed: nothing to cancel
+            pass
+
+
+async def next_event(stream: DeploymentResponseGenerator, deadline: float) -> DecodeEvent:
+    """The decode stream's next event before ``deadline`` (504 and the stream cancelled after it); a chain whose
+    upstream replica died surfaces as the replica-lost error it is, not as Serve's wrapper of it."""
+    left = deadline - time.time()
+    if left <= 0:
+        stream.cancel()
+        raise DeadlineExceeded("deadline exceeded")
+    try:
+        return await asyncio.wait_for(stream.__anext__(), timeout=left)
+    except TimeoutError:
+        stream.cancel()
+        raise DeadlineExceeded("deadline exceeded while the request was in flight") from None
+    except StopAsyncIteration:
+        raise PrismError("decode stream ended unexpectedly") from None
+    except RayServeException as exc:  # an upstream replica of the chain died: a replica loss like any other
+        lost = replica_lost(exc)
+        if lost is None:
+            raise
+        raise lost from None
+
+
+@dataclass(frozen=True)
+class _Migration:
+    started: float
+    after_tokens: int
+    cause: str
+
+
+class CallStream:
+    """Reads started calls (one per ingress model client); ``metrics``: the ingress's
+    :class:`services.metrics.Metrics`, where migrations are counted (``None``: not counted)."""
+
+    def __init__(self, max_migrations: int, metrics: Any = None) -> None:
+        self.max_migrations = max_migrations
+        self.metrics = metrics
+
+    async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
+        """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure. A lost
+        decode replica is replaced by a migration (up to ``max_migrations``), unseen by the caller."""
+        sent: list[int] = []
+        moving: _Migration | None = None  # a migration whose stream has not produced a new token yet
+        while True:
+            try:
+                event = await next_event(call.stream, call.ctx.deadline)
+                if isinstance(event, StreamAbort):
+                    if event.reason == "timeout":
+                        raise DeadlineExceeded("deadline exceeded during decode")
+                    raise PrismError("decode failed; see the decode replica's log")
+                if not isinstance(event, StreamToken):
+                    raise HandoffError(f"the decode stream sent {type(event).__name__} where a token was due")
+            except CANCELLED:
+                raise
+            except BaseException as exc:
+                if moving is not None:  # the rebuilt stream failed before its first new token
+                    self._migration_done(call, moving, "failed")
+                    moving = None
+                if not isinstance(exc, REPLICA_LOST):
+                    raise
+                moving = await self._migrate(call, tuple(sent), exc)
+                continue
+            if moving is not None:
+                self._migration_done(call, moving, "resumed")
+                moving = None
+            else:  # (a migrated stream's spans would repeat stages the trace has; its entry says what it cost)
+                call.trace.absorb(event.spans)
+            call.trace.token()
+            if event.finish_reason is not None:
+                call.kv_blocks = event.kv_blocks
+            sent.append(event.token_id)
+            yield event.token_id, event.finish_reason
+            if event.finish_reason is not None:
+                return
+
+    async def collect(self, call: Call) -> tuple[list[int], str]:
+        """Every token of a non-streaming call and its finish reason; the stream is closed either way."""
+        out: list[int] = []
+        finish: str | None = None
+        try:
+            async for token, reason in self.tokens(call):
+                out.append(token)
+                finish = reason
+        finally:
+            cancel_chain(call.chain)
+        return out, finish or "stop"
+
+    async def _migrate(self, call: Call, sent: tuple[int, ...], lost: BaseException) -> _Migration:
+        """Continue ``call`` on a live decode replica after its own was lost: the chain again, replaying ``sent``;
+        returns once the new stream started. Re-raises ``lost`` when migration is off or spent (504 when the
+        deadline leaves no time)."""
+        if time.time() >= call.ctx.deadline:
+            self._count("refused")
+            raise DeadlineExceeded("deadline exceeded when the decode replica was lost") from lost
+        if call.reissue is None or call.migrations >= self.max_migrations:
+            self._count("refused")
+            raise lost
+        call.migrations += 1
+        cancel_chain(call.chain)  # whatever of the lost attempt still runs (a replica merely unreachable frees its KV)
+        moving = _Migration(time.time(), len(sent), type(lost).__name__)
+        try:
+            chain, ctx, first = await call.reissue(sent)
+            if list(first.prompt_token_ids) != call.prompt_ids:
+                cancel_chain(chain)
+                raise HandoffError("a migrated stream's prompt differs from the original attempt's")
+        except CANCELLED:
+            raise
+        except BaseException:
+            self._migration_done(call, moving, "failed")
+            raise
+        call.chain, call.stream, call.ctx = chain, chain[-1], ctx
+        if ctx.decode_replica is not None:
+            call.trace.route("decode", ctx.reservation, ctx.decode_replica)
+        return moving
+
+    def _migration_done(self, call: Call, moving: _Migration, outcome: str) -> None:
+        """Record a migration once its outcome is known: ``resumed`` at the rebuilt stream's first new token (so its
+        time covers the chain, the replay and the lease wait), ``failed`` if it ended before that."""
+        call.trace.migrated(moving.after_tokens, time.time() - moving.started, moving.cause, outcome)
+        self._count(outcome)
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("prism_migrations_total", outcome=outcome)
