@@ -111,12 +111,12 @@ class _Migration:
 
 
 class CallStream:
-    """Reads started calls (one per ingress model client); ``metrics``: the ingress's
-    :class:`services.metrics.Metrics`, where migrations are counted (``None``: not counted)."""
+    """Reads started calls (one per ingress model client); ``count(outcome)`` counts a migration's outcome in
+    ``prism_migrations_total`` (the client's, which knows its metrics)."""
 
-    def __init__(self, max_migrations: int, metrics: Any = None) -> None:
+    def __init__(self, max_migrations: int, count: Callable[[str], None]) -> None:
         self.max_migrations = max_migrations
-        self.metrics = metrics
+        self._count = count
 
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
         """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure. A lost
@@ -200,7 +200,3 @@ class CallStream:
         time covers the chain, the replay and the lease wait), ``failed`` if it ended before that."""
         call.trace.migrated(moving.after_tokens, time.time() - moving.started, moving.cause, outcome)
         self._count(outcome)
-
-    def _count(self, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.inc("prism_migrations_total", outcome=outcome)

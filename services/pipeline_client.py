@@ -84,7 +84,7 @@ class PipelineClient:
         self.prefill: DeploymentHandle = prefill
         self.decode: DeploymentHandle = decode
         self.kv = KVReserver(cfg, frontend, decode)
-        self.streams = CallStream(cfg.server.max_migrations, metrics)
+        self.streams = CallStream(cfg.server.max_migrations, self._count_migration)
 
     def deadline(self, budget_ms: str | int | None) -> float:
         server = self.cfg.server
@@ -207,6 +207,10 @@ class PipelineClient:
     def _count(self, tenant: str, priority: str, result: str, reason: str) -> None:
         if self.metrics is not None:
             count_admission(self.metrics, tenant, priority, result, reason)
+
+    def _count_migration(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("prism_migrations_total", outcome=outcome)
 
     def _tokens_and_route(self, req: ChatCompletionRequest, tenant: str) -> tuple[int, RouteKeys | None]:
         """Tokens of the prompt rendered with one placeholder per media item (each expands to its visual tokens in

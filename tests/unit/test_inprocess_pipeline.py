@@ -213,7 +213,7 @@ def losing(model_cache):
     can be told to lose streams."""
     app = build(_config(model_cache), transport=FakeTransport())
     client = app.state.ingress.clients["prism-tiny-llava"]
-    client.metrics = client.streams.metrics = app.state.counted = _Counted()
+    client.metrics = app.state.counted = _Counted()
     real = client.decode
 
     def lose(after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False) -> _LosingDecode:
