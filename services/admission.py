@@ -1,4 +1,5 @@
-"""A stage replica's admission: its :class:`BudgetGate` (:mod:`common.sched.gate`) plus the metrics of each decision.
+"""A stage replica's admission: its :class:`BudgetGate` (:mod:`common.admission.budget`) plus the metrics of each
+decision.
 
 The media, encode and prefill deployments each hold one, over their own unit (pixels, patches, prompt tokens). A
 request is ranked by when the ingress sent it, its size (shortest first, with aging) and its class (batch behind
@@ -14,11 +15,11 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+from common.admission.budget import BudgetGate, Grant, rank
+from common.config import AdmissionConfig
 from common.errors import DeadlineExceeded, Overloaded
 from common.protocol.handoff import RequestContext
-from common.sched.gate import BudgetGate, Grant, rank
-from common.sched.resources import AdmissionConfig
-from common.sched.stop import Stop
+from common.stop import Stop
 from services.metrics import Metrics
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ yields only what comes after — the start event as always, then the next token.
 **KV before prefill.** The ingress calls :meth:`DecodeDeployment.reserve` before it issues prefill: the request's
 blocks (prompt + ``max_tokens``, exact for text, an estimate for media) are leased from this replica's pool now, or
 the call waits in the pool's queue (arrival order, batch class ``admission.batch_delay_s`` behind; bounded and
-deadline-aware: :class:`common.kv.admission.KVAdmission` refuses 429 ``server_overloaded`` with a Retry-After from
+deadline-aware: :class:`common.admission.kv.KVAdmission` refuses 429 ``server_overloaded`` with a Retry-After from
 the pool's drain rate, or a wait past the deadline is a 504) —
 before any prefill work is spent on a request the pool cannot hold. It answers with this replica's id; the ingress
 puts it in the context (``decode_replica``) and the decode router (:mod:`services.decode_router`) sends ``generate``
@@ -35,10 +35,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from common.admission.budget import rank
+from common.admission.kv import KVAdmission
 from common.config import PrismConfig
 from common.engine.decode import DecodeEngine, TokenEvent
 from common.errors import DeadlineExceeded, Overloaded
-from common.kv.admission import KVAdmission
 from common.kv.blocks import verify_handoff
 from common.kv.pool import KVPool
 from common.kv.transport import KVTransport, make_transport
@@ -54,7 +55,6 @@ from common.protocol.handoff import (
     StreamToken,
 )
 from common.protocol.sampling import SamplingParams
-from common.sched.gate import rank
 from services.loopback import bind_replica
 from services.metrics import Metrics
 from services.runtime import EngineDriver

@@ -25,12 +25,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from common.admission.quota import TenantQuotas
 from common.auth import KeyStore
 from common.config import PrismConfig
 from common.errors import InvalidRequestError, ModelNotFound, PrismError, RequestTooLarge, TenantQuotaExceeded
 from common.model.loader import load_frontend
 from common.protocol.body import decode_json
-from common.sched.quota import TenantQuotas
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
 from services.call_stream import Call
@@ -53,7 +53,7 @@ class IngressDeployment:
         self.cfg = PrismConfig.model_validate(config)
         self.keys = KeyStore(self.cfg.server)
         server = self.cfg.server
-        # Each ingress replica enforces its share of every tenant quota (see common.sched.quota on the accuracy).
+        # Each ingress replica enforces its share of every tenant quota (see common.admission.quota on the accuracy).
         share = 1.0 / self.cfg.deployments.ingress.max_replicas
         self.quotas = TenantQuotas(self.cfg.admission, share, server.retry_after_s)
         self.observer = RequestObserver(self.cfg.observability)

@@ -27,7 +27,7 @@ from common.config import PrismConfig
 from common.errors import DeadlineExceeded, Overloaded
 from common.model.loader import ModelFrontend
 from common.protocol.handoff import KVReservation, RequestContext
-from common.sched.resources import ResourceVector
+from common.protocol.vector import ResourceVector
 
 log = logging.getLogger("prism.ingress")
 

@@ -23,19 +23,20 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from common.admission.limits import check_limits
 from common.cache.processor_cache import ProcessorCache
 from common.cache.tally import TalliedCache
 from common.config import PrismConfig
 from common.errors import InvalidRequestError
-from common.media.loader import CheckedMedia, LoadTimings, MediaRef
+from common.media.loader import CheckedMedia, LoadTimings
 from common.media.stage import MediaStage
 from common.model.loader import load_frontend
 from common.obs.keyed_hash import keyed_hash
 from common.obs.trace import Timeline, Traced
-from common.protocol.handoff import ProcessedMedia, RequestContext
-from common.sched.resources import ResourceVector, check_limits
-from common.sched.stop import Stop
+from common.protocol.handoff import MediaRef, ProcessedMedia, RequestContext
+from common.protocol.vector import ResourceVector
 from common.stages.process import process_loaded
+from common.stop import Stop
 from services.admission import StageAdmission
 from services.loopback import bind_replica
 from services.metrics import Metrics

@@ -40,6 +40,8 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
+from common.admission.limits import check_limits
+from common.admission.quota import TenantQuotas, Ticket
 from common.cache.scope import cache_scope
 from common.config import PrismConfig
 from common.errors import HandoffError, InvalidRequestError, PrismError
@@ -48,12 +50,11 @@ from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
 from common.obs.trace import Span, Traced
 from common.protocol.body import ascii_int
-from common.protocol.handoff import Priority, RequestContext, StreamStart
+from common.protocol.handoff import Priority, RequestContext, RouteKeys, StreamStart
 from common.protocol.openai import ChatCompletionRequest, parse_chat_request
 from common.protocol.sampling import SamplingParams
-from common.sched.affinity import RouteKeys, media_key, prefix_key
-from common.sched.quota import TenantQuotas, Ticket
-from common.sched.resources import ResourceVector, check_limits
+from common.protocol.vector import ResourceVector
+from common.sched.affinity import media_key, prefix_key
 from common.stages.prompt import render_chat
 from services import route_log
 from services.call_stream import Call, CallStream, cancel_chain, next_event

@@ -6,10 +6,11 @@ offline batch job (``tests/batch``).
 
 from __future__ import annotations
 
-from common.media.config import MediaConfig
+from common.config.media import MediaConfig
 from common.media.fetch import MediaFetcher
-from common.media.loader import MediaRef, load_media
+from common.media.loader import load_media
 from common.model.loader import LoadedModel
+from common.protocol.handoff import MediaRef
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode
 from common.reference.prefill import prefill

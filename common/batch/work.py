@@ -25,10 +25,10 @@ from common.engine.decode import DecodeEngine
 from common.engine.prefill import PrefillEngine
 from common.errors import InvalidRequestError, PrismError
 from common.kv.pool import KVPool
-from common.media.loader import LoadTimings, MediaRef
+from common.media.loader import LoadTimings
 from common.media.stage import MediaStage
 from common.model.loader import load_frontend, load_model
-from common.protocol.handoff import ProcessedMedia, VisualEmbeddings
+from common.protocol.handoff import MediaRef, ProcessedMedia, VisualEmbeddings
 from common.protocol.sampling import SamplingParams
 from common.stages.encode import encode_media
 from common.stages.merge import merge

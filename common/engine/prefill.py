@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from common.admission.budget import rank
 from common.cache.scope import cache_scope
 from common.engine.chunking import next_chunk_end, usable_prefix_blocks
 from common.kv.blocks import export_kv, to_torch
@@ -41,7 +42,6 @@ from common.kv.prefix_hash import block_hashes
 from common.model.loader import LoadedModel
 from common.protocol.handoff import KVBlocks, MergedInputs, PrefillOutput
 from common.protocol.sampling import SamplingParams
-from common.sched.gate import rank
 from common.stages.sampler import sample_token
 
 

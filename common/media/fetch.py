@@ -33,6 +33,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
+from common.config.media import RASTER_MIME, VIDEO_MIME, MediaConfig
 from common.errors import (
     InvalidMedia,
     InvalidMediaURL,
@@ -42,9 +43,8 @@ from common.errors import (
     MediaFetchUnavailable,
     MediaTooLarge,
 )
-from common.media.config import RASTER_MIME, VIDEO_MIME, MediaConfig
 from common.media.netguard import address_allowed, parse_networks
-from common.sched.stop import NEVER, Stop
+from common.stop import NEVER, Stop
 
 Resolver = Callable[[str, int], list[str]]
 """(host, port) → IP address strings. Injected in tests; :func:`system_resolver` otherwise."""

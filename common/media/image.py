@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFile, ImageOps
 
+from common.config.media import MediaConfig
 from common.errors import InvalidMedia, MediaTooLarge
-from common.media.config import MediaConfig
 from common.media.sniff import count_frames
 
 

@@ -23,23 +23,14 @@ from typing import Literal
 
 from PIL import Image
 
+from common.config.media import RASTER_MIME, VIDEO_MIME, MediaConfig
 from common.errors import InvalidMedia, MediaFetchBlocked, MediaTooLarge, TooManyMediaItems
-from common.media.config import RASTER_MIME, VIDEO_MIME, MediaConfig
 from common.media.fetch import MediaFetcher
 from common.media.image import decode_image, inspect_image
 from common.media.sniff import sniff
 from common.media.video import decode_video, inspect_video
-from common.sched.stop import NEVER, Stop
-
-
-@dataclass(frozen=True)
-class MediaRef:
-    """One media item as the client referenced it."""
-
-    kind: Literal["image", "video"]
-    url: str
-    fps: float | None = None
-    max_frames: int | None = None
+from common.protocol.handoff import MediaRef
+from common.stop import NEVER, Stop
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.media.config import MediaConfig
+from common.config.media import MediaConfig
 from common.media.fetch import MediaFetcher, Resolver, system_resolver
 from common.media.image import check_pillow_guard
-from common.media.loader import CheckedMedia, LoadedMedia, LoadTimings, MediaRef, decode_media, fetch_media, load_media
-from common.sched.stop import NEVER, Stop
+from common.media.loader import CheckedMedia, LoadedMedia, LoadTimings, decode_media, fetch_media, load_media
+from common.protocol.handoff import MediaRef
+from common.stop import NEVER, Stop
 
 
 class MediaStage:

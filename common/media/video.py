@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import av
 from PIL import Image
 
+from common.config.media import MediaConfig, VideoPolicy
 from common.errors import InvalidMedia, MediaTooLarge
-from common.media.config import MediaConfig, VideoPolicy
-from common.sched.stop import NEVER, Stop
+from common.stop import NEVER, Stop
 
 _DEMUXER = {"MP4": "mov", "MATROSKA": "matroska"}
 

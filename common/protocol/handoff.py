@@ -28,12 +28,30 @@ import numpy as np
 
 from common.errors import DeadlineExceeded
 from common.obs.trace import Span
-from common.sched.affinity import RouteKeys
-from common.sched.resources import ResourceVector
+from common.protocol.vector import ResourceVector
 
 Modality = Literal["image", "video"]
 FinishReason = Literal["stop", "length"]
 Priority = Literal["interactive", "batch"]
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """One media item as the client referenced it (the ingress → the media stage)."""
+
+    kind: Modality
+    url: str
+    fps: float | None = None
+    max_frames: int | None = None
+
+
+@dataclass(frozen=True)
+class RouteKeys:
+    """What the stages' routers route by (:mod:`common.sched.affinity` makes them); ``None`` where a request has no
+    such key (a text-only prompt's media)."""
+
+    media: str | None = None
+    prefix: str | None = None
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from common.config import ServerConfig
 from common.errors import InvalidRequestError
-from common.media.loader import MediaRef
 from common.protocol.body import check_parameters, check_shape
+from common.protocol.handoff import MediaRef
 from common.protocol.sampling import SamplingParams, stop_problem
 
 

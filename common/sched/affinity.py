@@ -36,7 +36,6 @@ import hashlib
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 Outcome = Literal["owner", "new", "moved", "spilled", "none"]
@@ -44,14 +43,6 @@ Outcome = Literal["owner", "new", "moved", "spilled", "none"]
 left); ``spilled``: its replica was over the load bound or refused the call; ``none``: no key (least busy replica)."""
 
 SAMPLE_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class RouteKeys:
-    """What the stages' routers route by; ``None`` where a request has no such key (a text-only prompt's media)."""
-
-    media: str | None = None
-    prefix: str | None = None
 
 
 def media_key(scope: str, url: str) -> str:

@@ -1,6 +1,6 @@
 """Encoder batching by shape bucket and patch budget, with aging and traffic class.
 
-Items wait in one pool. The next batch starts from the item of lowest *rank* (:func:`common.sched.gate.rank`, the
+Items wait in one pool. The next batch starts from the item of lowest *rank* (:func:`common.admission.budget.rank`, the
 same rule as the encode gate and the prefill lanes): its arrival + ``patches / aging_rate`` seconds, + ``batch_delay_s``
 for batch traffic. Small images go first (they finish fast and unblock their requests' prefill), but a large image
 is overtaken only by work that arrived less than ``patches / aging_rate`` seconds after it — it is never starved; a
@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from common.admission.budget import rank
 from common.protocol.handoff import ProcessedMedia
-from common.sched.gate import rank
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ def _reference_texts(config_path: Path, manifest: Path) -> dict[str, str]:
     """What the online path answers for each good clip (temperature 0): the in-process reference, which the deployed
     Qwen2-VL app matches token for token (tests/e2e/test_video.py)."""
     from common.batch.manifest import read_manifest
-    from common.media.loader import MediaRef
     from common.model.loader import load_model
+    from common.protocol.handoff import MediaRef
     from common.protocol.sampling import SamplingParams
     from common.stages.stops import visible_text
     from services.batch import load_config

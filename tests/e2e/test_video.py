@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from common.config import ModelConfig
-from common.media.loader import MediaRef
 from common.model.loader import load_model
+from common.protocol.handoff import MediaRef
 from common.protocol.sampling import SamplingParams
 from tests.e2e.conftest import API_KEY
 from tests.mediakit import video_bytes

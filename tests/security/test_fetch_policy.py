@@ -11,8 +11,8 @@ import os
 import httpx
 import pytest
 
+from common.config.media import ENV_PRIVATE_NETWORKS, MediaConfig
 from common.errors import InvalidMediaURL, MediaFetchBlocked, PrismError
-from common.media.config import ENV_PRIVATE_NETWORKS, MediaConfig
 from common.media.fetch import MediaFetcher
 from tests.mediakit import MediaServer, Route, png_bytes
 

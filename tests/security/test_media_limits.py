@@ -11,13 +11,14 @@ import time
 import pytest
 from PIL import Image
 
+from common.config.media import MediaConfig, VideoPolicy
 from common.errors import PrismError
 from common.media import image as image_mod
-from common.media.config import MediaConfig, VideoPolicy
 from common.media.fetch import MediaFetcher
 from common.media.image import check_pillow_guard
-from common.media.loader import MediaRef, check_request, load_media
-from common.sched.stop import Stop
+from common.media.loader import check_request, load_media
+from common.protocol.handoff import MediaRef
+from common.stop import Stop
 from tests.mediakit import (
     MediaServer,
     Route,

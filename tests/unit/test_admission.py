@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from common.admission.limits import check_limits
+from common.admission.quota import TenantQuotas
+from common.config import AdmissionConfig, Rate, TenantQuota
 from common.errors import InvalidRequestError, MediaTooLarge, TenantQuotaExceeded
 from common.media.synthetic import synthetic_image
-from common.sched.quota import TenantQuotas
-from common.sched.resources import AdmissionConfig, Rate, ResourceVector, TenantQuota, check_limits
+from common.protocol.vector import ResourceVector
 from common.stages.process import process_images
 from common.stages.prompt import build_prompt, render_chat
 
@@ -20,7 +22,16 @@ def _content(n_images: int, text: str) -> list[dict]:
 def _vector(lm, n_images: int, size=(448, 448), text="hi", max_tokens=16) -> ResourceVector:
     media = process_images(lm, [synthetic_image(*size, seed=i) for i in range(n_images)])
     prompt = build_prompt(lm, _content(n_images, text), media, 100_000)
-    return ResourceVector.of(prompt, media, max_tokens, 16)
+    return _of(prompt, media, max_tokens)
+
+
+def _of(prompt, media, max_tokens: int) -> ResourceVector:
+    """The whole vector of a built prompt (what the prefill stage sees): its text tokens as the ingress counts them,
+    completed by the media as the media stage does."""
+    visual = sum(s.prompt_token_length for s in prompt.spans)
+    text = len(prompt.token_ids) - visual
+    at_ingress = ResourceVector.at_ingress(text + len(media), len(media), max_tokens, 16)
+    return at_ingress.with_media(media, 16, visual_tokens=visual)
 
 
 def test_vector_measures_media_not_just_text(tiny_qwen):
@@ -43,7 +54,8 @@ def test_ingress_vector_completed_by_the_media_stage_is_the_prompt_prefill_build
     completed = at_ingress.with_media(media, 16)
     assert completed.media_bytes == at_ingress.media_bytes == 0  # the ingress saw no data URL
     assert at_ingress.with_media(media, 16, media_bytes=5_000).media_bytes == 5_000  # what the media stage fetched
-    built = ResourceVector.of(build_prompt(lm, messages, media, 100_000), media, 32, 16)
+    prompt = build_prompt(lm, messages, media, 100_000)
+    built = _of(prompt, media, 32)
     assert completed.prompt_tokens == built.prompt_tokens and completed.kv_blocks == built.kv_blocks
     assert at_ingress.prompt_tokens <= completed.prompt_tokens  # the ingress's figure is a lower bound
     text_only = ResourceVector.at_ingress(rendered, 0, 32, 16)

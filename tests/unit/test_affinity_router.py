@@ -9,8 +9,7 @@ import time
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
-from common.protocol.handoff import RequestContext
-from common.sched.affinity import RouteKeys
+from common.protocol.handoff import RequestContext, RouteKeys
 from services import route_log
 from services.routing import AffinityRouter
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from common.admission.budget import BudgetGate, rank
 from common.errors import DeadlineExceeded, Overloaded
-from common.sched.gate import BudgetGate, rank
 
 
 class Clock:

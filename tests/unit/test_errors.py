@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from common import errors
-from common.media.config import MediaConfig
+from common.config.media import MediaConfig
 from common.media.stage import MediaStage
 
 EXPECTED = {

@@ -339,7 +339,7 @@ def test_a_tenant_at_its_cap_is_refused_before_its_body_is_read(model_cache):
     """The tenant is known from the headers: at its cap of requests in flight it gets 429 ``tenant_quota_exceeded``
     without the body being read — a body that is not even JSON gets the 429, not a 400 — and, with room again, the
     same body is judged (400)."""
-    from common.sched.resources import ResourceVector
+    from common.protocol.vector import ResourceVector
 
     config = {**_config(model_cache), "admission": {"default_tenant": {"max_in_flight": 1}}}
     app = build(config, transport=FakeTransport())

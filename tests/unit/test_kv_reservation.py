@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from common.admission.kv import KVAdmission
 from common.engine.decode import DecodeEngine
 from common.errors import DeadlineExceeded, Overloaded
-from common.kv.admission import KVAdmission
 from common.kv.pool import KVPool, LeaseTooLarge
 from common.protocol.handoff import RequestContext
 from common.protocol.sampling import SamplingParams

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.media.config import MediaConfig, VideoPolicy
+from common.config.media import MediaConfig, VideoPolicy
 from common.media.fetch import MediaFetcher
-from common.media.loader import MediaRef, load_media
+from common.media.loader import load_media
 from common.media.sniff import sniff
 from common.media.video import decode_video, effective_sampling
+from common.protocol.handoff import MediaRef
 from tests.mediakit import exif_rotated_jpeg, gif_bytes, jpeg_bytes, png_bytes, video_bytes
 
 

@@ -7,10 +7,11 @@ import pytest
 
 from common.cache.lru import ByteLRU
 from common.cache.processor_cache import ProcessorCache
-from common.media.config import MediaConfig
+from common.config.media import MediaConfig
 from common.media.fetch import MediaFetcher
-from common.media.loader import MediaRef, load_media
+from common.media.loader import load_media
 from common.media.synthetic import synthetic_image
+from common.protocol.handoff import MediaRef
 from common.stages.process import process_images
 from tests.mediakit import MediaServer, Route, png_bytes
 

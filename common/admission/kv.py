@@ -13,8 +13,8 @@ does not waits in the pool's lease queue — unless :meth:`KVAdmission.check` re
 Retry-After is that expected wait, rounded up, between 1 and ``MAX_RETRY_AFTER_S`` (the configured value while no
 block has been freed yet to measure a rate from). The rate is sampled from the pool's ``freed_total`` counter each
 time :meth:`KVAdmission.sample` is called (the decode stage does after every step and every decision), so it needs
-no hook in the pool. The rules and constants of the other stages' budgets (:mod:`common.sched.gate`), except that a
-full queue refuses only a reservation that would have to wait.
+no hook in the pool. The rules and constants of the other stages' budgets (:mod:`common.admission.budget`), except
+that a full queue refuses only a reservation that would have to wait.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from common.admission.budget import DRAIN_WINDOW_S, drain_wait_s, retry_after
 from common.errors import Overloaded
 from common.kv.pool import KVPool
-from common.sched.gate import DRAIN_WINDOW_S, drain_wait_s, retry_after
 
 
 class KVAdmission:

@@ -30,8 +30,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.config import AdmissionConfig, Rate, TenantQuota
 from common.errors import TenantQuotaExceeded
-from common.sched.resources import AdmissionConfig, Rate, ResourceVector, TenantQuota
+from common.protocol.vector import ResourceVector
 
 BUDGETS = ("requests", "prompt_tokens", "pixels", "patches")
 

@@ -1,0 +1,105 @@
+"""``deployments:`` — replicas, resources and queue bounds of each deployment, with per-stage defaults."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, model_validator
+
+from common.config.base import Strict
+
+
+class StageConfig(Strict):
+    """Replicas, resources and queue bounds of one deployment."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Autoscaling floor (and the replica count when ``max_replicas == min_replicas``)."""
+    max_replicas: int = Field(default=1, ge=1)
+    """Autoscaling ceiling; above ``min_replicas`` the stage autoscales on its own queue depth."""
+    target_queue_per_replica: float = Field(default=4.0, gt=0)
+    """Queue depth (in the stage's own unit) one replica should carry before another is added."""
+    downscale_delay_s: float = Field(default=30.0, ge=0)
+    """How long the queue must stay low before a replica is removed (no flapping)."""
+    num_cpus: float = Field(default=0.25, ge=0)
+    """CPUs reserved per replica."""
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs per replica."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources per replica: pins the stage to the nodes (worker groups) that advertise them."""
+    max_ongoing_requests: int = Field(default=32, ge=1)
+    """Requests a replica works on at once."""
+    max_queued_requests: int = Field(default=64, ge=-1)
+    """Requests waiting for a replica before callers get 429 (-1: unbounded)."""
+    cpu_nice: int = Field(default=0, ge=0, le=19)
+    """OS scheduling niceness the replica's threads are raised to (never lowered: Ray starts workers at 15). Where
+    stages share CPU cores (a CPU-only node; media replicas beside the LM engines' host threads), a higher value on
+    the throughput stages (media, encode) gives the latency path (ingress, prefill, decode) the cores first, so a
+    flood of large images cannot slow short requests through the CPU scheduler. 0 leaves the priority alone."""
+
+    @model_validator(mode="after")
+    def _range(self) -> StageConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be ≥ min_replicas")
+        return self
+
+
+# Per-stage defaults (a config that sets only some fields of a stage keeps the others' stage defaults). The stage
+# budgets (`admission:`) bound the work inside a replica; `max_ongoing_requests` is set well above Serve's default so
+# requests waiting for room in a budget (ranked there) rarely fill the replica and leave the calls behind them in
+# Serve's router queue, which is first come, first served.
+
+
+class MediaStageConfig(StageConfig):
+    max_ongoing_requests: int = Field(default=128, ge=1)
+    """Requests a replica works on at once (the pixel budget bounds what decodes)."""
+    cpu_nice: int = Field(default=19, ge=0, le=19)
+    """OS niceness: media decoding yields the cores to the latency path (see :class:`StageConfig`)."""
+
+
+class EncodeStageConfig(StageConfig):
+    max_ongoing_requests: int = Field(default=128, ge=1)
+    """Requests a replica works on at once (the patch budget bounds what encodes)."""
+    cpu_nice: int = Field(default=18, ge=0, le=19)
+    """OS niceness: the encoder yields the cores to the latency path (see :class:`StageConfig`)."""
+
+
+class PrefillStageConfig(StageConfig):
+    max_ongoing_requests: int = Field(default=128, ge=1)
+    """Requests a replica works on at once (the token budget bounds what computes)."""
+    long_lane_nice: int = Field(default=18, ge=0, le=19)
+    """OS niceness of the thread that prefills prompts with media or over ``admission.lane_max_prompt_tokens``;
+    the low-latency lane's thread keeps the replica's own (see :class:`StageConfig`)."""
+
+
+class DecodeStageConfig(StageConfig):
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    """Sequences a replica streams at once."""
+
+
+def deployment_suffix(served_name: str) -> str:
+    """A served model's name as the suffix of its deployments' names (letters, digits, ``_`` and ``-`` only)."""
+    return "-" + re.sub(r"[^A-Za-z0-9_-]", "_", served_name)
+
+
+class ModelStages(Strict):
+    """The four stage deployments that serve one model."""
+
+    media: MediaStageConfig = MediaStageConfig()
+    encode: EncodeStageConfig = EncodeStageConfig()
+    prefill: PrefillStageConfig = PrefillStageConfig()
+    decode: DecodeStageConfig = DecodeStageConfig()
+
+
+class IngressStageConfig(StageConfig):
+    num_cpus: float = Field(default=0.1, ge=0)
+    """CPUs reserved per replica."""
+    max_ongoing_requests: int = Field(default=512, ge=1)
+    """Requests a replica works on at once (keep it above ``server.max_in_flight_per_ingress``)."""
+    max_queued_requests: int = Field(default=128, ge=-1)
+    """Requests waiting for a replica before callers get Serve's own 429 (-1: unbounded)."""
+
+
+class DeploymentsConfig(ModelStages):
+    """Every deployment of a one-model application: the ingress and the model's stages."""
+
+    ingress: IngressStageConfig = IngressStageConfig()

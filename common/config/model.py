@@ -1,0 +1,34 @@
+"""``model:`` — which model to serve and how to load it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from common.config.base import Strict
+
+
+class ModelConfig(Strict):
+    """Which model to serve and how to load it."""
+
+    model: str = "prism-tiny-llava"
+    """An embedded model name (``prism-tiny-llava``, ``prism-tiny-qwen2vl``, ``prism-small-*``) or a local HF
+    checkpoint directory of a supported family."""
+    served_name: str | None = None
+    """Name clients use in the ``model`` field; defaults to ``model`` (or the directory's name)."""
+    cache_dir: str = "~/.cache/prism/models"
+    """Where embedded models are built on first use."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights/activation dtype; ``auto`` takes the checkpoint's own dtype."""
+    torch_threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads for this process; set it to the replica's CPU share so replicas don't fight."""
+
+    @property
+    def name(self) -> str:
+        """The name clients use (what :func:`common.model.loader.load_frontend` serves it as)."""
+        if self.served_name:
+            return self.served_name
+        path = Path(self.model).expanduser()
+        return path.resolve().name if path.is_dir() else self.model

@@ -1,0 +1,89 @@
+"""``server:`` — the HTTP/gRPC front door: API keys, deadlines, body and request-shape limits, retries."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, field_validator
+
+from common.config.base import Strict
+
+_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _check_tenants(keys: dict[str, str]) -> dict[str, str]:
+    for n, tenant in enumerate(keys.values(), 1):
+        if not _TENANT.match(tenant):  # never quoted: a map written the wrong way round has a key here
+            raise ValueError(f"the tenant name of entry {n} must be 1-64 letters, digits, '_', '.' or '-'")
+    return keys
+
+
+class ServerConfig(Strict):
+    """HTTP/gRPC front door."""
+
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    """API key → tenant (letters, digits, ``_ . -``). Neither this nor ``api_keys_file``: no authentication, every
+    request is tenant ``default``. (Where the proxies listen is the Serve config's ``http_options`` /
+    ``grpc_options``, not Prism's.)"""
+    api_keys_file: str | None = Field(default=None, min_length=1)
+    """A JSON/YAML file mapping API key → tenant (e.g. a mounted Kubernetes Secret), merged with ``api_keys``; keys
+    kept out of the Serve config itself. Set: authentication is on even while the file holds no key (everyone is
+    refused), and the file is re-read when it changes (key rotation without a restart, see :mod:`common.auth`)."""
+    api_keys_reload_s: float = Field(default=5.0, ge=0)
+    """How often, at most, an ingress replica checks ``api_keys_file`` for a change (a ``stat``; 0: on every
+    request). A rotated key takes effect, and a removed one stops working, within this long."""
+    default_deadline_ms: int = Field(default=120_000, ge=1)
+    """Budget of a request that sends no ``X-Prism-Deadline-Ms``."""
+    max_deadline_ms: int = Field(default=600_000, ge=1)
+    """Largest budget a client may ask for."""
+    retry_after_s: int = Field(default=1, ge=1)
+    """Retry-After on 429."""
+    max_in_flight_per_ingress: int = Field(default=256, ge=1)
+    """Requests one ingress replica carries at once; more get 429 with an OpenAI error body (keep it below the
+    ingress's ``max_ongoing_requests`` so Serve's own, body-less backpressure is only the last line of defence)."""
+    transport: Literal["object_store", "nixl"] = "object_store"
+    """How embeddings and KV move between stages."""
+    max_body_bytes: int | None = Field(default=None, ge=1024)
+    """Largest request body (HTTP) or message (gRPC) accepted, in bytes; bigger ones get 413 ``request_too_large``
+    while they are read — in Serve's HTTP proxy already (:mod:`services.proxy_guard`). ``None``: what the other limits
+    allow — ``media.max_request_bytes`` of images as base64 data URLs, plus ``max_text_chars`` of text at up to 8
+    bytes each as JSON escapes, plus 1 MiB for the JSON around them (≈ 87 MiB with the defaults)."""
+    max_json_depth: int = Field(default=32, ge=8, le=256)
+    """Deepest JSON nesting accepted in a request body (400 ``json_too_deep``)."""
+    max_messages: int = Field(default=256, ge=1)
+    """Messages in one request (400 ``too_many_messages``)."""
+    max_content_parts: int = Field(default=64, ge=1)
+    """Content parts in one message (400 ``too_many_content_parts``)."""
+    max_text_chars: int = Field(default=131_072, ge=1)
+    """Characters of text across all messages, checked before tokenising (400 ``text_too_long``)."""
+    max_chain_attempts: int = Field(default=3, ge=1, le=10)
+    """Times the ingress issues a request's stage chain when a replica is lost before the first token id comes
+    back (jittered backoff between attempts; never past the deadline). A typed error is never retried."""
+    max_migrations: int = Field(default=2, ge=0, le=10)
+    """Times one request's decode stream may move to a live replica after its own was lost mid-generation (the
+    chain is issued again and the tokens already sent are replayed, so the client sees neither error nor repeat).
+    0: a lost decode replica fails its requests (503, or an error event in a stream)."""
+
+    @field_validator("api_keys")
+    @classmethod
+    def _tenants(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_tenants(v)
+
+
+def read_keys_file(path: str) -> dict[str, str]:
+    """API key → tenant from a JSON/YAML file; ``OSError`` when it cannot be read, ``ValueError`` when malformed. An
+    empty file holds no keys."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:  # its message quotes the offending line, which may hold a key: say where only
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ValueError(f"{path} is not valid JSON/YAML{where}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise ValueError(f"{path} must map API keys (strings) to tenant names")
+    return _check_tenants(raw)
