@@ -2,7 +2,8 @@
 
 They run on the model whose vision tower matters (``prism-small-qwen2vl``: its encoder is a large part of a cold
 request's TTFT, where ``prism-small-llava``'s is not), in a Prism application of its own with **2 encode and 2 prefill
-replicas**, so the affinity routers (:mod:`services.routing`) decide whether a repeat finds its cache. Run ``i``:
+replicas**, so the affinity routers (:mod:`services.routers.affinity`) decide whether a repeat finds its cache. Run
+``i``:
 
 1. a **cold** load — unique medium images, light open-loop load (every cache misses);
 2. the hot set **primed** — each of :data:`HOT_IMAGES` medium images asked once, untimed;

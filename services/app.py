@@ -4,8 +4,8 @@
 is a :class:`PrismConfig` as a dict. Each served model gets its own four stage deployments (``Media``, ``Encode``,
 ``Prefill``, ``Decode``; suffixed ``-<served name>`` when the config lists several ``models``) and one ingress
 routes to them by the request's ``model``; with ``routing.affinity`` the encode and prefill deployments get the
-cache-affinity request router (:mod:`services.routing`), and decode always gets the router that sends a request to the
-replica holding its KV reservation (:mod:`services.decode_router`). Each stage gets its own replicas, resources,
+cache-affinity request router (:mod:`services.routers.affinity`), and decode always gets the router that sends a request
+to the replica holding its KV reservation (:mod:`services.routers.pinned`). Each stage gets its own replicas, resources,
 queue bound and — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its
 own queue depth. The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
 """
@@ -20,13 +20,13 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 
 from common.config import PrismConfig, RoutingConfig, StageConfig, deployment_suffix
-from services.decode import DecodeDeployment
-from services.decode_router import PinnedRouter
-from services.encode import EncodeDeployment
-from services.ingress import IngressApp
-from services.media import MediaDeployment
-from services.prefill import PrefillDeployment
-from services.routing import AffinityRouter
+from services.ingress.server import IngressApp
+from services.routers.affinity import AffinityRouter
+from services.routers.pinned import PinnedRouter
+from services.stages.decode import DecodeDeployment
+from services.stages.encode import EncodeDeployment
+from services.stages.media import MediaDeployment
+from services.stages.prefill import PrefillDeployment
 
 
 def _router(stage: str, routing: RoutingConfig) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any
             "upscale_delay_s": 0.0,
             "downscale_delay_s": 0.0,  # the policy applies its own downscale delay
             "policy": {
-                "policy_function": "services.autoscaling:QueueDepthPolicy",
+                "policy_function": "services.platform.autoscaling:QueueDepthPolicy",
                 "policy_kwargs": {
                     "target_per_replica": stage.target_queue_per_replica,
                     "downscale_delay_s": stage.downscale_delay_s,

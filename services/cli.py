@@ -5,7 +5,7 @@
   and serves until interrupted; then stops the head it started. This is ``make serve``. The head listens on
   loopback only (GCS, raylet, object manager, workers and each Serve replica's gRPC server, client server,
   metrics); the HTTP and gRPC proxies listen on the Serve config's ``http_options.host`` (127.0.0.1 in the local
-  configs; see :mod:`services.loopback`): that is why Ray's token authentication can stay off here
+  configs; see :mod:`services.platform.loopback`): that is why Ray's token authentication can stay off here
   (``RAY_AUTH_MODE`` from the environment still wins).
 * ``python -m services.cli demo [--model NAME] [--images N] [--repeat K]`` — loads (building if needed) a model and
   runs requests through every stage in this process, printing the answer and per-stage timings (median of K runs);
@@ -71,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupt)
 
     from common.config import PrismConfig
-    from services.proxy_guard import ray_env
+    from services.platform.proxy_guard import ray_env
 
     raw = yaml.safe_load(open(args.config))
     body_limit = 0
@@ -80,8 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
         for sub in cfg.served():  # built here once, not by every replica at once
             print(f"model {sub.model.name}: {resolve_model_dir(sub.model.model, sub.model.cache_dir)}", flush=True)
         body_limit = max(body_limit, cfg.body_limit)
-    # The proxies bound request bodies before the ingress sees a byte (services/proxy_guard.py); they inherit this
-    # environment from the head.
+    # The proxies bound request bodies before the ingress sees a byte (services/platform/proxy_guard.py); they inherit
+    # this environment from the head.
     env = {**os.environ, **ray_env(body_limit or PrismConfig().body_limit)}
     env.update(loopback_env(raw))
     # Safe with the local configs: Ray listens on loopback only, and so do the proxies (http_options.host 127.0.0.1)
@@ -124,8 +124,8 @@ def loopback_env(serve_config: dict) -> dict[str, str]:
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes the node for a single-machine cluster (what it does on macOS and
     Windows by default): its address stays 127.0.0.1 and every Ray server binds it. No other node can join, which
     is what a local ``make serve`` wants. Each replica's inter-deployment gRPC server binds the node address too, and
-    Serve's gRPC proxy the HTTP proxy's host (:mod:`services.loopback`)."""
-    from services.loopback import ENV_GRPC_HOST, ENV_REPLICA_GRPC_HOST
+    Serve's gRPC proxy the HTTP proxy's host (:mod:`services.platform.loopback`)."""
+    from services.platform.loopback import ENV_GRPC_HOST, ENV_REPLICA_GRPC_HOST
 
     host = (serve_config.get("http_options") or {}).get("host") or "127.0.0.1"  # Serve's own default host
     return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", ENV_REPLICA_GRPC_HOST: "127.0.0.1", ENV_GRPC_HOST: str(host)}

@@ -80,7 +80,7 @@ def serving_pids(session: int) -> list[int]:
     the Ray head it started — ``ray start`` daemons, workers, Ray's helpers, wherever they were reparented — which
     all inherit ``ray start``'s environment, marked by ``PRISM_REPLICA_GRPC_HOST`` (another Ray on this machine,
     started without it, is not this app's)."""
-    from services.loopback import ENV_REPLICA_GRPC_HOST
+    from services.platform.loopback import ENV_REPLICA_GRPC_HOST
 
     marker = f"{ENV_REPLICA_GRPC_HOST}=".encode()
     found = []

@@ -9,7 +9,7 @@ from common.config.base import Strict
 
 class RoutingConfig(Strict):
     """Cache-affinity routing of the encode and prefill calls (:mod:`common.sched.affinity`,
-    :mod:`services.routing`)."""
+    :mod:`services.routers.affinity`)."""
 
     affinity: bool = True
     """Send a media item's encode call, and a prompt's prefill call, to the replica whose cache holds them (bounded

@@ -48,8 +48,8 @@ class ServerConfig(Strict):
     """How embeddings and KV move between stages."""
     max_body_bytes: int | None = Field(default=None, ge=1024)
     """Largest request body (HTTP) or message (gRPC) accepted, in bytes; bigger ones get 413 ``request_too_large``
-    while they are read — in Serve's HTTP proxy already (:mod:`services.proxy_guard`). ``None``: what the other limits
-    allow — ``media.max_request_bytes`` of images as base64 data URLs, plus ``max_text_chars`` of text at up to 8
+    while they are read — in Serve's HTTP proxy already (:mod:`services.platform.proxy_guard`). ``None``: what the other
+    limits allow — ``media.max_request_bytes`` of images as base64 data URLs, plus ``max_text_chars`` of text at up to 8
     bytes each as JSON escapes, plus 1 MiB for the JSON around them (≈ 87 MiB with the defaults)."""
     max_json_depth: int = Field(default=32, ge=8, le=256)
     """Deepest JSON nesting accepted in a request body (400 ``json_too_deep``)."""

@@ -1,9 +1,9 @@
 """Every metric Prism exports, declared once: name, kind, help text, tag keys and histogram buckets.
 
-The services create Ray metric objects from these declarations (:mod:`services.metrics`); the Grafana dashboards are
-checked against them (every PromQL expression must name a declared metric and only its labels), and the e2e test
-checks the metrics endpoint exposes each one after real traffic. Ray's Prometheus exporter prefixes every name with
-``ray_`` (``prism_kv_blocks_used`` is scraped as ``ray_prism_kv_blocks_used``) and Serve adds the ``application``,
+The services create Ray metric objects from these declarations (:mod:`services.platform.metrics`); the Grafana
+dashboards are checked against them (every PromQL expression must name a declared metric and only its labels), and the
+e2e test checks the metrics endpoint exposes each one after real traffic. Ray's Prometheus exporter prefixes every name
+with ``ray_`` (``prism_kv_blocks_used`` is scraped as ``ray_prism_kv_blocks_used``) and Serve adds the ``application``,
 ``deployment`` and ``replica`` labels to metrics recorded inside a replica (:data:`SERVE_TAGS`).
 """
 
@@ -84,7 +84,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _g("prism_stage_in_flight", "Requests inside a replica of the stage.", "stage"),
     _g(
         "prism_stage_queue_depth",
-        "The stage's autoscaling signal, in its own unit (see services.autoscaling).",
+        "The stage's autoscaling signal, in its own unit (see services.platform.autoscaling).",
         "stage",
     ),
     _h(

@@ -107,7 +107,7 @@ class RequestContext:
 
 @dataclass(frozen=True)
 class KVReservation:
-    """A decode replica's answer to a KV reservation (:meth:`services.decode.DecodeDeployment.reserve`)."""
+    """A decode replica's answer to a KV reservation (:meth:`services.stages.decode.DecodeDeployment.reserve`)."""
 
     replica: str | None
     """The replica that holds it (``None`` outside Serve: the monolith's one decode stage)."""

@@ -4,8 +4,8 @@ Lifecycle. The ingress makes a request's :class:`RouteKeys` once, from what it a
 references, the prompt's text tokens), and carries them in the :class:`~common.protocol.handoff.RequestContext` beside
 the payload — a Serve request router sees the call's arguments after Serve resolved a chained response to an
 ``ObjectRef``, so it could not read a digest out of the media stage's output without pulling the pixels. Each stage's
-router (:mod:`services.routing`) keeps one :class:`AffinityTable` and asks it for a replica per call; Serve then
-sends the call there, or — the replica's queue being full — to the next replica the table ranked.
+router (:mod:`services.routers.affinity`) keeps one :class:`AffinityTable` and asks it for a replica per call; Serve
+then sends the call there, or — the replica's queue being full — to the next replica the table ranked.
 
 Keys:
 

@@ -23,11 +23,11 @@ from loadtest.servers.local_handles import LocalHandle
 def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
     """The app; ``transport`` (a :class:`common.kv.transport.KVTransport`) overrides the config's KV transport for
     the prefill → decode hand-off (tests pass the fake backend)."""
-    from services.decode import DecodeDeployment
-    from services.encode import EncodeDeployment
-    from services.ingress import IngressDeployment
-    from services.media import MediaDeployment
-    from services.prefill import PrefillDeployment
+    from services.ingress.server import IngressDeployment
+    from services.stages.decode import DecodeDeployment
+    from services.stages.encode import EncodeDeployment
+    from services.stages.media import MediaDeployment
+    from services.stages.prefill import PrefillDeployment
 
     raw = PrismConfig.model_validate(config).model_dump(mode="json")
     stages = [

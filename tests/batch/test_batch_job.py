@@ -37,7 +37,7 @@ def _reference_texts(config_path: Path, manifest: Path) -> dict[str, str]:
     from common.protocol.handoff import MediaRef
     from common.protocol.sampling import SamplingParams
     from common.stages.stops import visible_text
-    from services.batch import load_config
+    from services.batch.job import load_config
     from tests.reference import video_tokens
 
     cfg = load_config(str(config_path), manifest.parent)
@@ -166,7 +166,7 @@ def test_a_malformed_manifest_refuses_to_start(tmp_path, ray_cluster):
 
 
 def test_config_accepts_a_serve_config_and_opens_only_the_media_root(tmp_path):
-    from services.batch import load_config
+    from services.batch.job import load_config
 
     serve = yaml.safe_load((ROOT / "ray_configs" / "local_cpu.yaml").read_text())
     path = tmp_path / "serve.yaml"
@@ -185,7 +185,7 @@ def _models_config(tmp_path: Path, model_cache: str, **batch) -> Path:
 
 
 def test_batch_model_picks_one_of_several_and_must_take_video(tmp_path, model_cache):
-    from services.batch import load_config
+    from services.batch.job import load_config
 
     assert load_config(str(_models_config(tmp_path, model_cache)), tmp_path).model.name == "prism-tiny-qwen2vl"
     picked = load_config(str(_models_config(tmp_path, model_cache, model="prism-tiny-qwen2vl")), tmp_path)

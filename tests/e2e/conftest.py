@@ -51,7 +51,7 @@ def prism_server(model_cache, tmp_path_factory):
         "observability": {"request_log_path": str(request_log), "trace_cache_hits": True},
     }
     from common.config import PrismConfig
-    from services.proxy_guard import ray_env
+    from services.platform.proxy_guard import ray_env
 
     saved = dict(os.environ)
     os.environ.update(ray_env(PrismConfig.model_validate(config).body_limit))  # inherited by the proxy actor

@@ -145,7 +145,7 @@ def _containers(docs: list[dict]) -> list[dict]:
     ids=["defaults", "explicit", "derived"],
 )
 def test_every_ray_container_bounds_bodies_as_the_config_does(prism):
-    from services.proxy_guard import ray_env
+    from services.platform.proxy_guard import ray_env
 
     docs = render({"prism": prism})
     config = PrismConfig.model_validate(serve_config(docs)["applications"][0]["args"]["config"])

@@ -1,5 +1,5 @@
-"""The Serve request router of ours (services.routing.AffinityRouter), driven in-process through the hooks Ray Serve
-2.60 calls: choose_replicas, on_request_routed (a replica accepted the call), on_request_completed."""
+"""The Serve request router of ours (services.routers.affinity.AffinityRouter), driven in-process through the hooks Ray
+Serve 2.60 calls: choose_replicas, on_request_routed (a replica accepted the call), on_request_completed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from common.protocol.handoff import RequestContext, RouteKeys
-from services import route_log
-from services.routing import AffinityRouter
+from services.routers import route_log
+from services.routers.affinity import AffinityRouter
 
 DEPLOYMENT = DeploymentID(name="Encode", app_name="test")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from services.autoscaling import QueueDepthPolicy
+from services.platform.autoscaling import QueueDepthPolicy
 
 
 def ctx(depth, current, now, state=None, kv=None, low=1, high=4):

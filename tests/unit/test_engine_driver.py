@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime import EngineDriver
+from services.stages.driver import EngineDriver
 
 
 def test_failing_step_fails_waiters_and_the_loop_goes_on():
@@ -32,7 +32,7 @@ def test_failing_step_fails_waiters_and_the_loop_goes_on():
 
 
 def test_awaited_engine_routes_results_fails_waiters_and_cancels_leavers():
-    from services.runtime import AwaitedEngine
+    from services.stages.driver import AwaitedEngine
 
     async def scenario():
         queue: list[str] = []

@@ -93,10 +93,10 @@ def test_handoff_fault_is_a_typed_500_and_frees_everything(apps, fault):
 
 def test_without_the_receivers_check_a_corrupted_handoff_would_be_a_200(apps, monkeypatch):
     """What the seal guards against (vllm#52234's shape of failure): an altered KV payload decodes cleanly."""
-    import services.decode
+    import services.stages.decode
 
     _, fake_app, fake = apps
-    monkeypatch.setattr(services.decode, "verify_handoff", lambda pre, key: None)
+    monkeypatch.setattr(services.stages.decode, "verify_handoff", lambda pre, key: None)
     fake.inject("corrupt")
     assert asyncio.run(_ask(fake_app)).status_code == 200
 
@@ -298,7 +298,7 @@ def test_a_loss_after_the_deadline_is_a_504_not_a_migration(losing, monkeypatch)
     """No time left when the replica is lost: 504 ``deadline_exceeded`` (not a 503), counted as refused."""
     import types
 
-    import services.call_stream as cs
+    import services.ingress.call_stream as cs
 
     app, lose = losing
     late = {"by": 0.0}

@@ -217,7 +217,7 @@ def _drain(engine: DecodeEngine) -> list:
 # ---- the deployment ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def deployment(model_cache):
-    from services.decode import DecodeDeployment
+    from services.stages.decode import DecodeDeployment
 
     config = {
         "model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1},
@@ -265,7 +265,7 @@ def test_reservations_never_commit_more_request_slots_than_the_replica_has(model
     """Each reservation's ``generate`` must find a slot on its replica: with 4 slots (one kept for control calls),
     three reservations are the most; a fourth is refused 429, a migration's too (the ingress then migrates without
     one)."""
-    from services.decode import DecodeDeployment
+    from services.stages.decode import DecodeDeployment
 
     config = {
         "model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1},
@@ -335,7 +335,7 @@ def test_a_migration_without_a_request_slot_goes_on_without_a_reservation():
     """The ingress side: a refused reservation is a 429 for a new request, but a migration (``replay``) proceeds
     without one — its sequence leases when its KV arrives."""
     from common.config import PrismConfig
-    from services.kv_reserver import KVReserver
+    from services.ingress.kv_reserver import KVReserver
 
     class _Refusing:
         class reserve:  # (the handle's method)

@@ -23,7 +23,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("common.stages",),
     ("common.engine", "common.reference"),
     ("common.batch",),
-    ("services",),
+    ("services.proto", "services.platform"),
+    ("services.routers",),
+    ("services.stages",),
+    ("services.ingress",),
+    ("services.batch",),
+    ("services.app", "services.cli"),
 ]
 """Bottom first. A module may import its own unit (the longest name here that prefixes it) and the units of lower
 layers; units that share a layer never import each other."""

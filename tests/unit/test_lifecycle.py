@@ -9,8 +9,8 @@ import pytest
 
 from common.config import ObservabilityConfig
 from common.errors import InvalidRequestError, Overloaded
-from services.lifecycle import InFlight, Outcome, RequestLifecycle
-from services.observer import RequestObserver
+from services.ingress.lifecycle import InFlight, Outcome, RequestLifecycle
+from services.ingress.observer import RequestObserver
 
 
 class _Stream:
@@ -22,7 +22,7 @@ class _Stream:
 
 
 class _Call:
-    """The shape of :class:`services.call_stream.Call` the lifecycle uses: ``close`` cancels the chain."""
+    """The shape of :class:`services.ingress.call_stream.Call` the lifecycle uses: ``close`` cancels the chain."""
 
     def __init__(self) -> None:
         self.stream, self.kv_blocks = _Stream(), 3
@@ -192,7 +192,7 @@ def test_a_replica_lost_upstream_is_a_503_like_any_replica_loss():
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import RayServeException
 
-    from services.lifecycle import replica_lost, typed_error
+    from services.ingress.failures import replica_lost, typed_error
 
     wrapped = RayServeException("Request to deployment 'Decode' failed: an upstream actor died")
     wrapped.__cause__ = RayActorError()

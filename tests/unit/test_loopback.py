@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services import loopback
+from services.platform import loopback
 
 
 class _Server:

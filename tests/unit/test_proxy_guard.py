@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from services.proxy_guard import ENV_MAX_BODY_BYTES, BodyLimit, middlewares, ray_env
+from services.platform.proxy_guard import ENV_MAX_BODY_BYTES, BodyLimit, middlewares, ray_env
 
 
 class _App:
@@ -87,7 +87,7 @@ def test_the_callback_reads_the_limit_when_called(monkeypatch):
     (mw,) = middlewares()
     assert mw.cls is BodyLimit and mw.kwargs["max_bytes"] == 12345
     env = ray_env(12345)
-    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "services.proxy_guard:middlewares"
+    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "services.platform.proxy_guard:middlewares"
     assert int(env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) > 12345
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.retry import with_retries
+from services.ingress.retry import with_retries
 
 
 class Lost(Exception):

@@ -141,12 +141,12 @@ server.max_body_bytes, or base64 of the media request bytes + 8 bytes per text c
 
 {{/*
 Environment of every Ray container: each node runs a Serve proxy, and the proxy bounds request bodies before the
-ingress sees a byte (services/proxy_guard.py); gRPC messages are bounded by Serve itself.
+ingress sees a byte (services/platform/proxy_guard.py); gRPC messages are bounded by Serve itself.
 */}}
 {{- define "prism.proxyEnv" -}}
 {{- $limit := include "prism.bodyLimit" . -}}
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
-  value: services.proxy_guard:middlewares
+  value: services.platform.proxy_guard:middlewares
 - name: PRISM_MAX_BODY_BYTES
   value: {{ $limit | quote }}
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE

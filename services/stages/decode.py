@@ -17,7 +17,7 @@ the call waits in the pool's queue (arrival order, batch class ``admission.batch
 deadline-aware: :class:`common.admission.kv.KVAdmission` refuses 429 ``server_overloaded`` with a Retry-After from
 the pool's drain rate, or a wait past the deadline is a 504) —
 before any prefill work is spent on a request the pool cannot hold. It answers with this replica's id; the ingress
-puts it in the context (``decode_replica``) and the decode router (:mod:`services.decode_router`) sends ``generate``
+puts it in the context (``decode_replica``) and the decode router (:mod:`services.routers.pinned`) sends ``generate``
 here, where :meth:`DecodeEngine.submit` claims the lease (resized to the exact need). A reservation nobody claims is
 dropped by :meth:`unreserve` (the ingress, when the chain failed or was cancelled first) or at its deadline (a sweep
 while any is held). Each decision is counted in ``prism_admission_total{stage="decode"}``.
@@ -55,9 +55,9 @@ from common.protocol.handoff import (
     StreamToken,
 )
 from common.protocol.sampling import SamplingParams
-from services.loopback import bind_replica
-from services.metrics import Metrics
-from services.runtime import EngineDriver
+from services.platform.loopback import bind_replica
+from services.platform.metrics import Metrics
+from services.stages.driver import EngineDriver
 
 RESERVATION_SWEEP_S = 1.0
 """How often unclaimed reservations are checked against their deadlines while any is held."""
@@ -75,7 +75,7 @@ def _replica_id() -> str | None:
 
 class DecodeDeployment:
     def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
-        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         eng = self.cfg.engine

@@ -4,9 +4,9 @@ Requests from many callers share batches: each call submits its items to the :cl
 future; the driver loop encodes one batch per step. Before submitting, a call is admitted against the replica's patch
 budget (``admission.encode_patch_budget``; only the patches the encoder cache does not hold count, so cache hits
 never wait) — it waits in rank order (fewest patches first, with aging; batch class behind interactive) or gets
-429 / 504 (:mod:`services.admission`); inside the engine its cache misses are batched by the same rank. A cancelled
-call (client gone) removes its queued items; items whose deadline passes in the queue are dropped before the next
-batch (504).
+429 / 504 (:mod:`services.stages.admission`); inside the engine its cache misses are batched by the same rank. A
+cancelled call (client gone) removes its queued items; items whose deadline passes in the queue are dropped before the
+next batch (504).
 
 Trace: ``encode.transfer`` (media done → this call starts: the pixels' hand-off), ``encode.queue`` (waiting for a
 batch), ``encode`` (the batch that finished it; encoder-cache hits/misses and visual tokens as attributes).
@@ -26,15 +26,16 @@ from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbeddings
 from common.sched.encoder_batcher import EncoderBatcher
-from services.admission import StageAdmission
-from services.loopback import bind_replica
-from services.metrics import Metrics
-from services.runtime import AwaitedEngine, nice_process, nice_thread
+from services.platform.loopback import bind_replica
+from services.platform.metrics import Metrics
+from services.stages.admission import StageAdmission
+from services.stages.driver import AwaitedEngine
+from services.stages.threads import nice_process, nice_thread
 
 
 class EncodeDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
-        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         self.nice = self.cfg.deployments.encode.cpu_nice

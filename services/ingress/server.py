@@ -7,7 +7,7 @@ HTTP: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /he
 ``RESOURCE_EXHAUSTED``) and an OpenAI error body. A client that disconnects cancels the decode stream, which frees
 the sequence's KV, and Serve propagates the cancellation to the stages still working for it.
 
-Every entry point runs its request inside one :class:`RequestLifecycle` (:mod:`services.lifecycle`): it takes an
+Every entry point runs its request inside one :class:`RequestLifecycle` (:mod:`services.ingress.lifecycle`): it takes an
 in-flight place and closes exactly once — metrics + one JSON log line through the :class:`RequestObserver`, the
 decode stream cancelled, the place given back. With ``X-Prism-Trace: 1`` the trace summary is returned as
 ``prism_trace`` in the JSON body, in the last SSE chunk (the usage chunk when the client asked for one), or in an
@@ -33,14 +33,14 @@ from common.model.loader import load_frontend
 from common.protocol.body import decode_json
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
-from services.call_stream import Call
-from services.grpc_errors import grpc_abort
-from services.http_body import read_json
-from services.lifecycle import InFlight, RequestLifecycle
-from services.loopback import bind_replica
-from services.observer import RequestObserver
-from services.openai_format import chunk, completion_body, error_body, error_response, sse, usage
-from services.pipeline_client import PipelineClient, count_admission, header_priority
+from services.ingress.body import read_json
+from services.ingress.call_stream import Call
+from services.ingress.grpc_errors import grpc_abort
+from services.ingress.lifecycle import InFlight, RequestLifecycle
+from services.ingress.observer import RequestObserver
+from services.ingress.openai_format import chunk, completion_body, error_body, error_response, sse, usage
+from services.ingress.pipeline import PipelineClient, count_admission, header_priority
+from services.platform.loopback import bind_replica
 from services.proto import prism_pb2
 
 api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
@@ -49,7 +49,7 @@ api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
 class IngressDeployment:
     def __init__(self, config: dict[str, Any], pipelines: list[list[DeploymentHandle]]) -> None:
         """``pipelines``: per served model, in the config's order, its media, encode, prefill and decode handles."""
-        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.keys = KeyStore(self.cfg.server)
         server = self.cfg.server

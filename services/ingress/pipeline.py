@@ -7,9 +7,10 @@ Serve handles — media → encode → prefill → decode — passing each stage
 embeddings and KV go replica to replica through the object store (or NIXL) and never through the ingress. It waits
 for the decode stream's :class:`StreamStart` (the prompt's token ids), so every stage's error surfaces before a
 protocol commits to a status; a chain that lost a replica before that point is issued again (bounded, jittered —
-:mod:`services.retry`) under a new attempt number. The :class:`services.call_stream.Call` it returns is read by
-:meth:`PipelineClient.tokens` / :meth:`PipelineClient.collect` (:class:`services.call_stream.CallStream`: the typed
-decode events under the deadline, and decode migration when the decode replica is lost mid-stream).
+:mod:`services.ingress.retry`) under a new attempt number. The :class:`services.ingress.call_stream.Call` it returns is
+read by :meth:`PipelineClient.tokens` / :meth:`PipelineClient.collect`
+(:class:`services.ingress.call_stream.CallStream`: the typed decode events under the deadline, and decode migration when
+the decode replica is lost mid-stream).
 
 Admission at the ingress, in the order the costs appear (:mod:`common.sched`): the body's counts and parameters, then
 the prompt's text tokens (the request's :class:`ResourceVector` as far as the ingress can know it — complete for a
@@ -18,8 +19,8 @@ text-only request, whose prompt and KV limits are checked here), then the tenant
 they reach the ingress with the stream's start, and released when the request closes, however it closes.
 
 **KV before prefill.** Each attempt reserves the request's decode KV before it issues prefill (media and encode run
-meanwhile): :mod:`services.kv_reserver`. The reserving replica is named in the attempt's context, where the decode
-router sends ``generate``; an attempt that fails before its stream claimed the reservation gives it back.
+meanwhile): :mod:`services.ingress.kv_reserver`. The reserving replica is named in the attempt's context, where the
+decode router sends ``generate``; an attempt that fails before its stream claimed the reservation gives it back.
 
 Each attempt carries one :class:`RequestContext` (id, attempt, tenant, deadline, priority, ``sent_at``, the vector)
 to every stage, and the client keeps every stage response of the attempt: a failed attempt, a 504 or a client gone
@@ -56,11 +57,11 @@ from common.protocol.sampling import SamplingParams
 from common.protocol.vector import ResourceVector
 from common.sched.affinity import media_key, prefix_key
 from common.stages.prompt import render_chat
-from services import route_log
-from services.call_stream import Call, CallStream, cancel_chain, next_event
-from services.kv_reserver import KVReserver
-from services.lifecycle import REPLICA_LOST
-from services.retry import with_retries
+from services.ingress.call_stream import Call, CallStream, cancel_chain, next_event
+from services.ingress.failures import REPLICA_LOST
+from services.ingress.kv_reserver import KVReserver
+from services.ingress.retry import with_retries
+from services.routers import route_log
 
 
 class PipelineClient:
@@ -75,7 +76,8 @@ class PipelineClient:
         quotas: TenantQuotas | None = None,
         metrics: Any = None,
     ) -> None:
-        """``metrics``: the ingress's :class:`services.metrics.Metrics` (admission decisions are counted there)."""
+        """``metrics``: the ingress's :class:`services.platform.metrics.Metrics` (admission decisions are counted
+        there)."""
         self.cfg = cfg
         self.frontend = frontend
         self.quotas = quotas or TenantQuotas(cfg.admission, retry_after_s=cfg.server.retry_after_s)
@@ -279,7 +281,7 @@ class PipelineClient:
             raise
 
     def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
-        """``(token_id, finish_reason)`` of a started call (:meth:`services.call_stream.CallStream.tokens`)."""
+        """``(token_id, finish_reason)`` of a started call (:meth:`services.ingress.call_stream.CallStream.tokens`)."""
         return self.streams.tokens(call)
 
     async def collect(self, call: Call) -> tuple[list[int], str]:

@@ -4,7 +4,7 @@ Serve's HTTP proxy pulls a request's body off the socket into its own queue and 
 from there (measured: a 300 MB body grew the proxy actor by 325 MB, and the ingress replica died holding it), so a
 limit that only the ingress checks acts after the damage. Serve 2.60 calls the function named by
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` in every proxy actor when it starts and wraps its ASGI app in the
-middlewares it returns; :data:`CALLBACK` (``services.proxy_guard:middlewares``) installs :class:`BodyLimit`:
+middlewares it returns; :data:`CALLBACK` (``services.platform.proxy_guard:middlewares``) installs :class:`BodyLimit`:
 
 * a ``Content-Length`` over the limit is answered 413 ``request_too_large`` at once, before one body byte is read;
   one within it streams on (the HTTP server frames the body by it, so it cannot run longer), and the ingress can
@@ -32,7 +32,7 @@ from starlette.middleware import Middleware
 from common.protocol.body import ascii_int
 
 ENV_MAX_BODY_BYTES = "PRISM_MAX_BODY_BYTES"
-CALLBACK = "services.proxy_guard:middlewares"
+CALLBACK = "services.platform.proxy_guard:middlewares"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -56,8 +56,8 @@ def ray_env(max_body_bytes: int) -> dict[str, str]:
 
 def middlewares() -> list[Middleware]:
     """What Serve's proxy calls at start-up (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``); also where the gRPC
-    proxy's listening host is set, when ``make serve`` asks for one (:mod:`services.loopback`)."""
-    from services.loopback import bind_grpc_proxy
+    proxy's listening host is set, when ``make serve`` asks for one (:mod:`services.platform.loopback`)."""
+    from services.platform.loopback import bind_grpc_proxy
 
     bind_grpc_proxy()
     raw = os.environ.get(ENV_MAX_BODY_BYTES, "").strip()
@@ -102,7 +102,7 @@ class BodyLimit:
             return
         if body is None:
             await self._refuse(send)
-            from services.memory import release_freed_memory
+            from services.platform.memory import release_freed_memory
 
             release_freed_memory()
             return

@@ -1,14 +1,15 @@
 """The ingress's side of "KV before prefill": reserve a request's decode KV, and give back what no stream claimed.
 
-For each attempt of a request's chain, :class:`services.pipeline_client.PipelineClient` asks :meth:`KVReserver.reserve`
+For each attempt of a request's chain, :class:`services.ingress.pipeline.PipelineClient` asks :meth:`KVReserver.reserve`
 for the blocks :meth:`KVReserver.estimate` gives (prompt + ``max_tokens``: exact for a text-only request; with media,
 each image counted as a small image's visual tokens — exact for a fixed-resolution family like LLaVA — and each video
-as one token) *before* it issues prefill. The decode deployment (:meth:`services.decode.DecodeDeployment.reserve`)
-grants them at once, holds the call in its pool's queue, or refuses (429 / 504 / 400: raised here as they came). The
-answer names the replica, which goes into the attempt's context (``decode_replica``, and how it went in
-``reservation``) so the decode router sends ``generate`` there; the sequence claims the lease when its KV arrives. A
-migration's reservation waits whatever the queue; if the replica has no request slot left for it, the migration goes
-on without one (its sequence leases when its KV arrives, as with ``admission.reserve_kv`` off).
+as one token) *before* it issues prefill. The decode deployment
+(:meth:`services.stages.decode.DecodeDeployment.reserve`) grants them at once, holds the call in its pool's queue, or
+refuses (429 / 504 / 400: raised here as they came). The answer names the replica, which goes into the attempt's context
+(``decode_replica``, and how it went in ``reservation``) so the decode router sends ``generate`` there; the sequence
+claims the lease when its KV arrives. A migration's reservation waits whatever the queue; if the replica has no request
+slot left for it, the migration goes on without one (its sequence leases when its KV arrives, as with
+``admission.reserve_kv`` off).
 
 Giving back: an attempt that fails or is cancelled before its stream claimed the reservation calls
 :meth:`KVReserver.give_back` (fire and forget; the replica drops unclaimed reservations at their deadline anyway). An

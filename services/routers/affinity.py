@@ -15,7 +15,7 @@ under its strict max-ongoing-requests protocol, the default for handles outside 
 a replica that refuses a full queue is never recorded, and the call is routed again), when that call completed
 (``on_request_completed``, matched by request *and* replica, so a late completion of a refused attempt cannot free
 another replica's count) and which replicas died. Each decision is counted in ``prism_route_affinity_total{stage,
-outcome}`` and kept for the request's trace (:mod:`services.route_log`).
+outcome}`` and kept for the request's trace (:mod:`services.routers.route_log`).
 
 Serve pickles this module *by value* into the processes that hold a handle: it keeps no module state of its own (no
 module-level locks or records — those live in modules pickled by reference), only the class.
@@ -32,8 +32,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from common.protocol.handoff import RequestContext
 from common.sched.affinity import AffinityTable, Outcome
-from services import route_log
-from services.metrics import Metrics
+from services.platform.metrics import Metrics
+from services.routers import route_log
 
 PENDING_KEPT = 4096
 """Routing decisions kept for calls Serve has not assigned yet (one cancelled before that never is)."""

@@ -1,9 +1,9 @@
 """Where the cache-affinity routers sent each call, for the request's trace: a small process-local record.
 
 Why a module of its own: Ray Serve pickles a custom request router's module *by value* into every process that holds
-a handle, so module state in :mod:`services.routing` would be a private copy the ingress's pipeline client never
-sees. This module is pickled by reference: the router (in the ingress replica's process, on the handle's event loop)
-writes here with :func:`keep`, the pipeline client (same process, its own loop) reads with :func:`take` once the
+a handle, so module state in :mod:`services.routers.affinity` would be a private copy the ingress's pipeline client
+never sees. This module is pickled by reference: the router (in the ingress replica's process, on the handle's event
+loop) writes here with :func:`keep`, the pipeline client (same process, its own loop) reads with :func:`take` once the
 request's chain started. Bounded: decisions nobody takes (a failed attempt's) are dropped oldest first.
 """
 

@@ -14,7 +14,7 @@ import uuid
 
 from common.config import ObservabilityConfig
 from common.obs.request_trace import RequestTrace
-from services.metrics import Metrics
+from services.platform.metrics import Metrics
 
 
 def _request_logger(cfg: ObservabilityConfig) -> logging.Logger:

@@ -5,7 +5,7 @@ processor cache run in :func:`common.stages.process.process_images`. Work runs i
 blocks the replica's other requests. Loads the model's front end only (no weights).
 
 Lifecycle of one call: fetch + sniff + header check (thread; nothing decoded) → **admission** against the replica's
-pixel budget (``admission.media_pixel_budget``: waits in rank order, or 429 / 504 — :mod:`services.admission`) →
+pixel budget (``admission.media_pixel_budget``: waits in rank order, or 429 / 504 — :mod:`services.stages.admission`) →
 decode + processor (thread, holding the pixels until it ends) → the request's :class:`ResourceVector` completed
 from the processed media and checked against every per-request limit — visual tokens, the prompt limit, the decode
 KV lease — so a request that cannot fit is refused here, before the encoder queue. Fetch and decode stop at the
@@ -37,15 +37,15 @@ from common.protocol.handoff import MediaRef, ProcessedMedia, RequestContext
 from common.protocol.vector import ResourceVector
 from common.stages.process import process_loaded
 from common.stop import Stop
-from services.admission import StageAdmission
-from services.loopback import bind_replica
-from services.metrics import Metrics
-from services.runtime import nice_process, nice_thread, set_threads
+from services.platform.loopback import bind_replica
+from services.platform.metrics import Metrics
+from services.stages.admission import StageAdmission
+from services.stages.threads import nice_process, nice_thread, set_threads
 
 
 class MediaDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
-        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         set_threads(self.cfg.model.torch_threads)
         self.nice = self.cfg.deployments.media.cpu_nice

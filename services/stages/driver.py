@@ -1,4 +1,4 @@
-"""Shared plumbing of the stage deployments: thread settings and the engine driver loop.
+"""The engine driver loop every stage deployment runs its engine with.
 
 An engine (encode, prefill, decode) is single-threaded state. Its deployment owns one :class:`EngineDriver`: request
 coroutines submit/cancel under an ``asyncio.Lock`` and wait on their own futures/queues; one background task runs
@@ -11,47 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
-
-import torch
 
 from common.errors import DeadlineExceeded, PrismError
 
 log = logging.getLogger("prism.stage")
-
-
-def set_threads(n: int | None) -> None:
-    if n:
-        torch.set_num_threads(n)
-
-
-def nice_thread(nice: int, tid: int | None = None) -> None:
-    """Raise the calling thread's (or thread ``tid``'s) niceness to ``nice`` (never lowers it: that needs privileges).
-    On Linux niceness belongs to each thread, and a new thread inherits its creator's — so a stage renices its
-    process once at start (:func:`nice_process`) and its worker threads again when they run its work."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id() if tid is None else tid
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError:  # the thread ended meanwhile, or the platform refuses: priority is an optimisation only
-        pass
-
-
-def nice_process(nice: int) -> None:
-    """Raise the niceness of every thread of this process (see :func:`nice_thread`)."""
-    if nice <= 0:
-        return
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [threading.get_native_id()]
-    for tid in tids:
-        nice_thread(nice, tid)
 
 
 class EngineDriver:

@@ -20,42 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import logging
-import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException, RequestCancelledError
-from starlette.requests import ClientDisconnect
-
-from common.errors import Overloaded, PrismError, StageUnavailable
+from common.errors import Overloaded, PrismError
 from common.obs.request_trace import RequestTrace
-from services.observer import RequestObserver
-
-log = logging.getLogger("prism.ingress")
-
-REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
-"""Failures that say a stage replica went away under the request (retried before the first token, else 503)."""
-
-
-def replica_lost(exc: BaseException) -> BaseException | None:
-    """The replica loss behind ``exc``, if that is what it is: ``exc`` itself, or the actor death Serve wraps in a
-    ``RayServeException`` when a call of a chain fails because an *upstream* call's replica died (the decode stream
-    reports a prefill or encode replica lost that way)."""
-    if isinstance(exc, REPLICA_LOST):
-        return exc
-    if isinstance(exc, RayServeException) and isinstance(exc.__cause__, REPLICA_LOST):
-        return exc.__cause__
-    return None
-
-
-CANCELLED = (asyncio.CancelledError, GeneratorExit, TaskCancelledError, RequestCancelledError, ClientDisconnect)
-"""How the client going away reaches the ingress: its own task cancelled, Serve cancelling a call under it (the
-proxy saw the disconnect), or the body read finding the client gone."""
-
-CANCELLED_STATUS = 499
-"""Status recorded when the client went away (nginx's convention: no response was sent)."""
+from services.ingress.failures import CANCELLED, CANCELLED_STATUS, log_failure, typed_error
+from services.ingress.observer import RequestObserver
 
 
 class Outcome(enum.Enum):
@@ -66,25 +37,6 @@ class Outcome(enum.Enum):
     """A 5xx: a stage fault, a deadline, or a bug (logged with the traceback)."""
     CANCELLED = "cancelled"
     """The client went away before an answer."""
-
-
-def typed_error(exc: BaseException, retry_after_s: float) -> PrismError:
-    """The typed error a failure maps to: Serve's backpressure is a 429, a lost replica a 503, anything unexpected a
-    500 ``internal_error``."""
-    if isinstance(exc, PrismError):
-        return exc
-    if isinstance(exc, BackPressureError):
-        return Overloaded("a stage is at capacity; retry later", retry_after_s=retry_after_s)
-    if replica_lost(exc) is not None:
-        return StageUnavailable("a stage replica failed while serving this request; retry", retry_after_s=retry_after_s)
-    return PrismError("internal error; see the server logs")
-
-
-def _log_failure(request_id: str, status: int, code: str, exc: BaseException) -> None:
-    """Log a 5xx with the traceback's frames and the exception's type — not its message, which may quote the
-    client's input (a validation error repeats the value it refused)."""
-    frames = "".join(traceback.format_tb(exc.__traceback__))
-    log.error("request %s failed: %d %s (%s)\n%s", request_id, status, code, type(exc).__name__, frames.rstrip())
 
 
 class InFlight:
@@ -110,7 +62,7 @@ class RequestLifecycle:
         self.observer, self.places, self.traced = observer, places, traced
         self.trace: RequestTrace = observer.start(protocol)
         self.call: Any = None
-        """The request's :class:`services.call_stream.Call` once its chain is issued (its stream is cancelled on
+        """The request's :class:`services.ingress.call_stream.Call` once its chain is issued (its stream is cancelled on
         close)."""
         self.outcome: Outcome | None = None
         self.error: PrismError | None = None
@@ -154,7 +106,7 @@ class RequestLifecycle:
             status, code = self.error.http_status, self.error.code
             self.outcome = Outcome.FAILED if status >= 500 else Outcome.REFUSED
             if status >= 500:
-                _log_failure(self.trace.request_id, status, code, exc)
+                log_failure(self.trace.request_id, status, code, exc)
         try:
             if self.call is not None:
                 self.call.close()  # cancels what of its chain still runs (frees KV at once), gives its quota back

@@ -1,6 +1,6 @@
 """A started call in the ingress: its decode stream read under the deadline, decode migration, and closing.
 
-:meth:`services.pipeline_client.PipelineClient.begin` returns a :class:`Call` once the decode stream of its chain has
+:meth:`services.ingress.pipeline.PipelineClient.begin` returns a :class:`Call` once the decode stream of its chain has
 sent its :class:`StreamStart`. From there :class:`CallStream` reads it: :meth:`CallStream.tokens` yields
 ``(token_id, finish_reason)`` from the typed decode events until the sequence finishes (504 at the deadline, a typed
 error on an abort or a malformed stream), :meth:`CallStream.collect` gathers them for a non-streaming response.
@@ -34,7 +34,7 @@ from common.obs.request_trace import RequestTrace
 from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
 from common.protocol.openai import ChatCompletionRequest
 from common.protocol.sampling import SamplingParams
-from services.lifecycle import CANCELLED, REPLICA_LOST, replica_lost
+from services.ingress.failures import CANCELLED, REPLICA_LOST, replica_lost
 
 Reissue = Callable[[tuple[int, ...]], Awaitable[tuple[list[Any], RequestContext, StreamStart]]]
 """Issues a call's chain again as a new attempt whose decode call replays the given tokens; returns the new chain,

@@ -1,4 +1,5 @@
-"""The ingress's own bound on an HTTP request body — the second line behind Serve's proxy (:mod:`services.proxy_guard`).
+"""The ingress's own bound on an HTTP request body — the second line behind Serve's proxy
+(:mod:`services.platform.proxy_guard`).
 
 Checked in the order the cost appears: ``Content-Type`` (415 unless JSON), the declared ``Content-Length`` (413
 before reading), then the bytes as they arrive (413 at the limit, the rest never pulled from the proxy), then the JSON
@@ -14,7 +15,7 @@ from starlette.requests import Request
 
 from common.errors import RequestTooLarge, UnsupportedMediaType
 from common.protocol.body import decode_json
-from services.memory import release_freed_memory
+from services.platform.memory import release_freed_memory
 
 
 def _is_json(content_type: str) -> bool:

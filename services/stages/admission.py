@@ -20,7 +20,7 @@ from common.config import AdmissionConfig
 from common.errors import DeadlineExceeded, Overloaded
 from common.protocol.handoff import RequestContext
 from common.stop import Stop
-from services.metrics import Metrics
+from services.platform.metrics import Metrics
 
 T = TypeVar("T")
 

@@ -14,9 +14,9 @@ and the local configs anonymous. Two kinds of Serve listener ignore the node add
   runs first thing in each deployment's constructor (Serve builds the deployment before it starts the replica's gRPC
   server) and replaces the ``add_port_to_grpc_server`` that ``ray.serve._private.replica`` imported;
 * ``PRISM_GRPC_HOST`` (the Serve config's ``http_options.host``: the gRPC proxy listens where the HTTP proxy does) —
-  :func:`bind_grpc_proxy` runs in each proxy actor through the proxy start-up hook of :mod:`services.proxy_guard`
-  (before the proxy starts its gRPC server) and replaces ``ray.serve._private.default_impl.add_grpc_address``, which
-  the proxy looks up at call time.
+  :func:`bind_grpc_proxy` runs in each proxy actor through the proxy start-up hook of
+  :mod:`services.platform.proxy_guard` (before the proxy starts its gRPC server) and replaces
+  ``ray.serve._private.default_impl.add_grpc_address``, which the proxy looks up at call time.
 
 Both are private Ray names: a Ray without them logs an error and keeps Serve's binding, and the ``make serve`` test
 that checks every listening socket is on loopback fails rather than the exposure going unnoticed. The Helm chart sets

@@ -3,7 +3,7 @@
 Receives the chat messages (media reduced to markers) and the visual embeddings — never pixels — builds the prompt
 with the model's chat template, validates the span map against the embeddings (:func:`common.stages.merge.merge`),
 and — once admitted against the replica's token budget (``admission.prefill_token_budget``; waits in rank order or
-429 / 504, :mod:`services.admission`) — queues the request on the :class:`PrefillEngine`. The driver spends
+429 / 504, :mod:`services.stages.admission`) — queues the request on the :class:`PrefillEngine`. The driver spends
 ``prefill_chunk_tokens`` per step across queued prompts, shortest remaining first with aging (the low-latency lane:
 a text prompt or a prefix-cache hit is not held behind a large image prompt's chunks; batch class behind
 interactive), and drops queued prompts whose deadline passed (504).
@@ -42,10 +42,11 @@ from common.protocol.handoff import MergedInputs, RequestContext, VisualEmbeddin
 from common.protocol.sampling import SamplingParams
 from common.stages.merge import merge
 from common.stages.prompt import build_prompt
-from services.admission import StageAdmission
-from services.loopback import bind_replica
-from services.metrics import Metrics
-from services.runtime import AwaitedEngine, nice_thread
+from services.platform.loopback import bind_replica
+from services.platform.metrics import Metrics
+from services.stages.admission import StageAdmission
+from services.stages.driver import AwaitedEngine
+from services.stages.threads import nice_thread
 
 
 @dataclass
@@ -60,7 +61,7 @@ class _Lane:
 
 class PrefillDeployment:
     def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
-        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.loopback)
+        bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         eng, adm = self.cfg.engine, self.cfg.admission

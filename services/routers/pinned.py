@@ -1,21 +1,21 @@
 """Request router of the decode deployment: a call goes to the replica that holds its KV reservation.
 
 The ingress reserves a request's KV blocks on one decode replica before prefill computes
-(:meth:`services.decode.DecodeDeployment.reserve`) and names that replica in the context it passes to ``generate``
-(``RequestContext.decode_replica``). Serve builds this router in the ingress (one per decode handle) and asks it for
-every decode call: a call whose context names a replica among the candidates goes there and nowhere else — if that
-replica's queue is full, Serve backs off (``should_backoff``) and asks again, so the call waits for it rather than
-leasing a second time elsewhere (the decode stage keeps a slot free for every reservation's ``generate``:
-:meth:`services.decode.DecodeDeployment.reserve`). A call with no named replica (``reserve`` itself), or one whose
-replica is gone (died, scaled down: the replica that takes it leases afresh on submit), is routed like Serve's
+(:meth:`services.stages.decode.DecodeDeployment.reserve`) and names that replica in the context it passes to
+``generate`` (``RequestContext.decode_replica``). Serve builds this router in the ingress (one per decode handle) and
+asks it for every decode call: a call whose context names a replica among the candidates goes there and nowhere else —
+if that replica's queue is full, Serve backs off (``should_backoff``) and asks again, so the call waits for it rather
+than leasing a second time elsewhere (the decode stage keeps a slot free for every reservation's ``generate``:
+:meth:`services.stages.decode.DecodeDeployment.reserve`). A call with no named replica (``reserve`` itself), or one
+whose replica is gone (died, scaled down: the replica that takes it leases afresh on submit), is routed like Serve's
 default: two candidates at random, and Serve takes the one with the shorter queue.
 
 Not FIFO: with Serve's ``FIFOMixin`` a replica found for one call is handed to the oldest call waiting in the router,
 which would send a pinned call to another call's replica. Serve's base router matches each replica to the call it
 was chosen for.
 
-Like :mod:`services.routing`, Serve may pickle this module by value into the processes holding a handle: no module
-state.
+Like :mod:`services.routers.affinity`, Serve may pickle this module by value into the processes holding a handle: no
+module state.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import random
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from services.routing import request_context
+from services.routers.affinity import request_context
 
 
 class PinnedRouter(RequestRouter):

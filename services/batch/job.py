@@ -30,7 +30,7 @@ from common.batch.manifest import ManifestError, read_manifest
 from common.batch.output import SCHEMA, OutputDir
 from common.batch.progress import Progress
 from common.config import PrismConfig
-from services.batch_pipeline import build_dataset
+from services.batch.pipeline import build_dataset
 
 DEFAULT_MODEL = "prism-tiny-qwen2vl"
 

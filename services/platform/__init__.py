@@ -1,0 +1,3 @@
+"""What Prism runs inside Ray's own processes and on Ray's machinery: ``metrics`` (through Ray's exporter), the
+``autoscaling`` policy (in the Serve controller), the body guard of the HTTP proxy (``proxy_guard``), the ``loopback``
+binds of ``make serve``, and ``memory`` (giving freed heap back after a refused body)."""
