@@ -3,9 +3,10 @@
 Each stage replica holds one :class:`BudgetGate` over the unit its cost grows with (pixels being decoded in media,
 patches queued or encoding in encode, prompt tokens queued or computing in prefill). Lifecycle of one request:
 
-``acquire(amount, deadline, rank)`` → admitted at once if nobody waits and the amount fits → otherwise it **waits**
-in rank order (lowest first; :func:`rank` = arrival + size/aging + class delay) → granted when everything ranked
-before it has been granted and its amount fits → ``release(amount)`` when its work is done, whatever the outcome.
+``acquire(amount, deadline, rank)`` (:mod:`common.admission.protocol`) → admitted at once if nobody waits and the amount
+fits → otherwise it **waits** in rank order (lowest first; :func:`rank` = arrival + size/aging + class delay) → granted
+when everything ranked before it has been granted and its amount fits → ``release(grant)`` when its work is done,
+whatever the outcome.
 
 Refused instead of waiting, with a typed error that names the budget:
 
@@ -34,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from common.admission.protocol import Grant
 from common.errors import DeadlineExceeded, Overloaded
 
 DRAIN_WINDOW_S = 30.0
@@ -67,14 +69,9 @@ class _Waiter:
     future: asyncio.Future = field(compare=False)
 
 
-@dataclass(frozen=True)
-class Grant:
-    amount: int
-    """What was admitted (the request's amount, clamped to the budget); pass it back to :meth:`BudgetGate.release`."""
-    waited_s: float
-
-
 class BudgetGate:
+    """A :class:`common.admission.protocol.Gate` over one budget of a stage replica (see the module docstring)."""
+
     def __init__(
         self,
         stage: str,
@@ -124,46 +121,65 @@ class BudgetGate:
         return retry_after(self.expected_wait_s(amount))
 
     # ---- admit / release ------------------------------------------------------------------------------------
-    async def acquire(self, amount: int, deadline: float, rank_: float) -> Grant:
-        """Admit ``amount`` (clamped to the budget) before ``deadline`` (this gate's clock), or raise."""
+    async def acquire(
+        self,
+        amount: int,
+        deadline: float,
+        rank: float,
+        tenant: str = "",
+        weight: float = 1.0,
+        *,
+        key: str = "",
+        refuse: bool = True,
+    ) -> Grant:
+        """Admit ``amount`` (clamped to the budget) before ``deadline`` (this gate's clock), or raise; ``refuse=False``
+        waits whatever the queue (no 429). ``tenant`` and ``weight`` are not consulted: requests wait by rank."""
         amount = max(0, min(int(amount), self.capacity))
         start = self.clock()
         if amount == 0 or (not self.waiting and self.used + amount <= self.capacity):
             self.used += amount  # (nothing to wait for: e.g. every item an encoder-cache hit)
-            return Grant(amount, 0.0)
+            return Grant(amount, 0.0, key)
         left = deadline - start
         if left <= 0:
             raise DeadlineExceeded(f"deadline exceeded before the {self.stage} stage could admit the request")
-        if self.waiting >= self.max_waiting:
-            raise Overloaded(
-                f"the {self.stage} stage is at capacity ({self.capacity} {self.unit} in flight, {self.waiting} "
-                "waiting); retry later",
-                retry_after_s=self.retry_after_s(amount),
-            )
-        expected = self.expected_wait_s(amount, rank_)
-        if expected >= left:
-            raise Overloaded(
-                f"the {self.stage} stage would take about {expected:.1f}s to make room for this request "
-                f"({amount} {self.unit}); its deadline is in {max(left, 0):.1f}s",
-                retry_after_s=self.retry_after_s(amount),
-            )
-        waiter = _Waiter(rank_, next(self._seq), amount, asyncio.get_running_loop().create_future())
+        if refuse:
+            self._check_room(amount, left, rank)
+        waiter = _Waiter(rank, next(self._seq), amount, asyncio.get_running_loop().create_future())
         heapq.heappush(self._heap, waiter)
         self._grant()  # it may rank first and fit at once
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout=left)
         except BaseException as exc:  # deadline, or the caller went away
             if waiter.future.done() and not waiter.future.cancelled():
-                self.release(amount)  # granted in the same instant it gave up: give it straight back
+                self._give_back(amount)  # granted in the same instant it gave up: give it straight back
             else:
                 waiter.future.cancel()  # leaves the queue (skipped by _grant)
                 self._grant()  # it may have been holding smaller requests behind it
             if isinstance(exc, TimeoutError):
                 raise DeadlineExceeded(f"deadline exceeded waiting for room in the {self.stage} stage") from None
             raise
-        return Grant(amount, self.clock() - start)
+        return Grant(amount, self.clock() - start, key)
 
-    def release(self, amount: int) -> None:
+    def _check_room(self, amount: int, left: float, rank: float) -> None:
+        """Refuse (429) a request that must not wait: the queue is full, or its expected wait outlasts its deadline."""
+        if self.waiting >= self.max_waiting:
+            raise Overloaded(
+                f"the {self.stage} stage is at capacity ({self.capacity} {self.unit} in flight, {self.waiting} "
+                "waiting); retry later",
+                retry_after_s=self.retry_after_s(amount),
+            )
+        expected = self.expected_wait_s(amount, rank)
+        if expected >= left:
+            raise Overloaded(
+                f"the {self.stage} stage would take about {expected:.1f}s to make room for this request "
+                f"({amount} {self.unit}); its deadline is in {max(left, 0):.1f}s",
+                retry_after_s=self.retry_after_s(amount),
+            )
+
+    def release(self, grant: Grant) -> None:
+        self._give_back(grant.amount)
+
+    def _give_back(self, amount: int) -> None:
         if amount <= 0:
             return
         self.used -= amount

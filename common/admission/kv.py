@@ -1,8 +1,9 @@
-"""Whether a KV reservation may wait for room in a decode replica's pool, and the Retry-After when it may not.
+"""The decode stage's gate: a request's KV blocks reserved in a decode replica's pool before prefill computes them.
 
 The decode stage's budget is its KV pool: a request reserves its blocks (prompt + ``max_tokens``) before prefill
-computes (:meth:`common.engine.decode.DecodeEngine.reserve`). A reservation that fits is granted at once; one that
-does not waits in the pool's lease queue — unless :meth:`KVAdmission.check` refuses it first with 429
+computes, through :class:`KVGate` — the same :class:`common.admission.protocol.Gate` as every other stage budget — into
+the engine's reservations (:meth:`common.engine.decode.DecodeEngine.reserve`). A reservation that fits is granted at
+once; one that does not waits in the pool's lease queue — unless :meth:`KVAdmission.check` refuses it first with 429
 ``server_overloaded``:
 
 * the queue already holds ``max_waiting`` leases (reservations, prefilled sequences waiting for their lease);
@@ -19,13 +20,16 @@ that a full queue refuses only a reservation that would have to wait.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from common.admission.budget import DRAIN_WINDOW_S, drain_wait_s, retry_after
-from common.errors import Overloaded
+from common.admission.protocol import Grant
+from common.errors import DeadlineExceeded, Overloaded
 from common.kv.pool import KVPool
 
 
@@ -81,3 +85,143 @@ class KVAdmission:
                 f"deadline is in {max(left_s, 0):.1f}s",
                 retry_after_s=retry_after(expected),
             )
+
+
+class LeaseBook(Protocol):
+    """The reservations a :class:`KVGate` admits into (:class:`common.engine.decode.DecodeEngine` keeps them: a
+    reservation is a lease in its pool, filed under the attempt's key, claimed later by that attempt's sequence)."""
+
+    def reserve(self, request_id: str, blocks: int, deadline: float | None = None, rank: float | None = None) -> bool:
+        """Lease (or queue by ``rank``) ``blocks`` under ``request_id``; True if granted now."""
+        ...
+
+    def reservation_granted(self, request_id: str) -> bool: ...
+
+    def is_reserved(self, request_id: str) -> bool: ...
+
+    def unreserve(self, request_id: str) -> bool:
+        """Drop an unclaimed reservation; False if there is none."""
+        ...
+
+    def expire_leases(self) -> None:
+        """Drop unclaimed reservations past their deadline, time out sequences that waited for a lease past theirs."""
+        ...
+
+    @property
+    def leases_pending(self) -> bool:
+        """Whether any reservation or lease-waiting sequence is left for :meth:`expire_leases` to watch."""
+        ...
+
+
+class KVGate:
+    """The decode stage's :class:`common.admission.protocol.Gate`: a grant is a KV reservation of ``amount`` blocks in
+    the replica's pool, filed under the caller's ``key``.
+
+    ``acquire`` — under the engine's lock (steps run under it in a worker thread) — runs ``precheck`` (the stage's own
+    refusals: request slots), then, unless ``refuse`` is off, :meth:`KVAdmission.check` (429 when the wait would
+    outlast the deadline or the queue is full), then leases: granted at once, or the caller waits for the pool to grant
+    it (504 at its deadline; a caller that goes away gives it back). The pool grants leases as blocks free; the stage
+    calls :meth:`wake` whenever leases changed, which resolves the waiters. A reservation nobody claims goes back with
+    :meth:`release` / :meth:`drop` (the ingress: its chain failed) or at its deadline: a sweep runs every ``sweep_s``
+    while the book has anything pending (it also times out sequences waiting for their lease when nothing steps).
+    ``on_change`` is the stage's hook for "leases changed" (wake, refresh its gauges, poke its driver).
+    """
+
+    stage = "decode"
+    unit = "KV blocks"
+
+    def __init__(
+        self,
+        book: LeaseBook,
+        admission: KVAdmission,
+        lock: asyncio.Lock,
+        on_change: Callable[[], None],
+        precheck: Callable[[], None] | None = None,
+        sweep_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.book, self.admission, self.lock, self.on_change = book, admission, lock, on_change
+        self.precheck, self.sweep_s, self.clock = precheck, sweep_s, clock
+        self._waiters: dict[str, asyncio.Future[bool]] = {}  # reservations waiting for their blocks
+        self._sweeper: asyncio.Task | None = None
+
+    async def acquire(
+        self,
+        amount: int,
+        deadline: float,
+        rank: float,
+        tenant: str = "",
+        weight: float = 1.0,
+        *,
+        key: str = "",
+        refuse: bool = True,
+    ) -> Grant:
+        start = self.clock()
+        left = deadline - start
+        async with self.lock:
+            if self.precheck is not None:
+                self.precheck()
+            if refuse:
+                self.admission.check(amount, left, rank)
+            granted = self.book.reserve(key, amount, deadline, rank)
+            waiter = None if granted else asyncio.get_running_loop().create_future()
+            if waiter is not None:
+                self._waiters[key] = waiter
+        self.keep_sweeping()
+        self.on_change()
+        if waiter is not None:
+            await self._wait(key, waiter, left)
+        return Grant(amount, self.clock() - start if waiter is not None else 0.0, key)
+
+    async def _wait(self, key: str, waiter: asyncio.Future[bool], left: float) -> None:
+        try:
+            kept = await asyncio.wait_for(asyncio.shield(waiter), timeout=left)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # granted in the instant the caller went away
+                raise asyncio.CancelledError
+        except BaseException as exc:  # deadline, or the caller went away: give the place (or the grant) back
+            self._waiters.pop(key, None)
+            asyncio.get_running_loop().create_task(self.drop(key))
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceeded("deadline exceeded waiting for KV blocks in the decode stage") from None
+            raise
+        if not kept:  # dropped by the sweep at its deadline (or by the ingress, which no longer waits for it)
+            raise DeadlineExceeded("deadline exceeded waiting for KV blocks in the decode stage")
+
+    def release(self, grant: Grant) -> None:
+        """Give back an unclaimed reservation (one its sequence claimed is the sequence's to free)."""
+        asyncio.get_running_loop().create_task(self.drop(grant.key))
+
+    async def drop(self, key: str) -> bool:
+        """Drop ``key``'s reservation if no sequence claimed it; True if there was one."""
+        async with self.lock:
+            dropped = self.book.unreserve(key)
+        self.on_change()
+        return dropped
+
+    @property
+    def waiting(self) -> int:
+        """Reservations waiting for their blocks."""
+        return len(self._waiters)
+
+    def wake(self) -> None:
+        """Resolve the waiting reservations that the pool granted (True) or that were dropped meanwhile (False)."""
+        self.admission.sample()
+        for key, waiter in list(self._waiters.items()):
+            granted = self.book.reservation_granted(key)
+            if granted or not self.book.is_reserved(key):
+                del self._waiters[key]
+                if not waiter.done():
+                    waiter.set_result(granted)
+
+    def keep_sweeping(self) -> None:
+        """Make sure a sweep runs while anything is pending (see the class docstring)."""
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while self.book.leases_pending:
+            await asyncio.sleep(self.sweep_s)
+            async with self.lock:
+                self.book.expire_leases()
+            self.on_change()

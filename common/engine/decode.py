@@ -155,6 +155,17 @@ class DecodeEngine:
     def num_reserved(self) -> int:
         return len(self._reserved)
 
+    def expire_leases(self) -> None:
+        """What the decode stage's sweep runs (:class:`common.admission.kv.KVGate`): unclaimed reservations past their
+        deadline dropped, sequences that waited for their lease past theirs timed out."""
+        self.expire_reservations()
+        self.expire_waiting()
+
+    @property
+    def leases_pending(self) -> bool:
+        """Reservations held or sequences waiting for a lease: what the sweep watches."""
+        return bool(self._reserved or self._pending)
+
     # ---- queue management -----------------------------------------------------------------------------------
     def submit(
         self,

@@ -79,10 +79,19 @@ class RequestContext:
     reservation: str = "none"
     """How the KV reservation went: ``reserved`` at once, ``waited`` for blocks, ``none`` taken (the trace's
     ``routing.decode`` outcome)."""
+    replay: tuple[int, ...] = ()
+    """A migration's attempt: the tokens its client already received from a lost decode replica, which the decode
+    stage rebuilds the sequence through (``()``: not a migration)."""
 
     @property
     def batch(self) -> bool:
         return self.priority == "batch"
+
+    @property
+    def migration(self) -> bool:
+        """This attempt continues a stream whose decode replica was lost (its KV reservation waits whatever the queue:
+        refusing it would end a stream the client is reading)."""
+        return bool(self.replay)
 
     @property
     def key(self) -> str:

@@ -19,45 +19,43 @@ the next token, with no error, no repeat and no gap in what the client receives 
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentResponseGenerator
 
 from common.errors import DeadlineExceeded, HandoffError, PrismError
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
-from common.protocol.handoff import DecodeEvent, RequestContext, StreamAbort, StreamStart, StreamToken
+from common.protocol.handoff import RequestContext, StreamAbort, StreamToken
 from common.protocol.openai import ChatCompletionRequest
 from common.protocol.sampling import SamplingParams
-from services.ingress.failures import CANCELLED, REPLICA_LOST, replica_lost
+from services.ingress.chain import Issue
+from services.ingress.failures import CANCELLED, REPLICA_LOST
+from services.ingress.plan import AdmittedRequest
+from services.ingress.responses import cancel_chain, next_event
 
-Reissue = Callable[[tuple[int, ...]], Awaitable[tuple[list[Any], RequestContext, StreamStart]]]
-"""Issues a call's chain again as a new attempt whose decode call replays the given tokens; returns the new chain,
-its context and its stream's start."""
 
-
-@dataclass
+@dataclass(kw_only=True)
 class Call:
+    """A request whose chain answered: its decode stream and everything needed to read, migrate and close it."""
+
     ctx: RequestContext
     """The context of the attempt whose chain answered."""
     frontend: ModelFrontend
     """The model it runs on (tokenizer for the text, served name)."""
-    req: ChatCompletionRequest
-    sampling: SamplingParams
+    admitted: AdmittedRequest
     stream: DeploymentResponseGenerator
     prompt_ids: list[int]
     trace: RequestTrace
     chain: list[Any]
     """Every stage response of the attempt (media, encode, prefill, the decode stream): cancelled together."""
-    release: Any
+    release: Callable[[], None]
     """Gives the tenant's quota back (idempotent)."""
-    reissue: Reissue | None = None
-    """For decode migration; ``None``: the call cannot be migrated."""
+    reissue: Issue | None = None
+    """Issues the chain again for a decode migration; ``None``: the call cannot be migrated."""
     kv_blocks: int = 0
     migrations: int = 0
 
@@ -65,42 +63,20 @@ class Call:
     def rid(self) -> str:
         return self.ctx.request_id
 
+    @property
+    def req(self) -> ChatCompletionRequest:
+        return self.admitted.request
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.admitted.sampling
+
     def close(self) -> None:
         """Cancel whatever of the chain still runs and give the quota back; safe to call more than once."""
         try:
             cancel_chain(self.chain)
         finally:
             self.release()
-
-
-def cancel_chain(chain: list[Any]) -> None:
-    """Cancel every stage response of a chain; never raises."""
-    for response in reversed(chain):  # decode first: it frees KV at once
-        try:
-            response.cancel()
-        except Exception:  # Serve's cancel() re-raises the error of a call that already failed: nothing to cancel
-            pass
-
-
-async def next_event(stream: DeploymentResponseGenerator, deadline: float) -> DecodeEvent:
-    """The decode stream's next event before ``deadline`` (504 and the stream cancelled after it); a chain whose
-    upstream replica died surfaces as the replica-lost error it is, not as Serve's wrapper of it."""
-    left = deadline - time.time()
-    if left <= 0:
-        stream.cancel()
-        raise DeadlineExceeded("deadline exceeded")
-    try:
-        return await asyncio.wait_for(stream.__anext__(), timeout=left)
-    except TimeoutError:
-        stream.cancel()
-        raise DeadlineExceeded("deadline exceeded while the request was in flight") from None
-    except StopAsyncIteration:
-        raise PrismError("decode stream ended unexpectedly") from None
-    except RayServeException as exc:  # an upstream replica of the chain died: a replica loss like any other
-        lost = replica_lost(exc)
-        if lost is None:
-            raise
-        raise lost from None
 
 
 @dataclass(frozen=True)
@@ -181,18 +157,18 @@ class CallStream:
         cancel_chain(call.chain)  # whatever of the lost attempt still runs (a replica merely unreachable frees its KV)
         moving = _Migration(time.time(), len(sent), type(lost).__name__)
         try:
-            chain, ctx, first = await call.reissue(sent)
-            if list(first.prompt_token_ids) != call.prompt_ids:
-                cancel_chain(chain)
+            started = await call.reissue(sent)
+            if list(started.first.prompt_token_ids) != call.prompt_ids:
+                cancel_chain(started.responses)
                 raise HandoffError("a migrated stream's prompt differs from the original attempt's")
         except CANCELLED:
             raise
         except BaseException:
             self._migration_done(call, moving, "failed")
             raise
-        call.chain, call.stream, call.ctx = chain, chain[-1], ctx
-        if ctx.decode_replica is not None:
-            call.trace.route("decode", ctx.reservation, ctx.decode_replica)
+        call.chain, call.stream, call.ctx = started.responses, started.stream, started.ctx
+        if started.ctx.decode_replica is not None:
+            call.trace.route("decode", started.ctx.reservation, started.ctx.decode_replica)
         return moving
 
     def _migration_done(self, call: Call, moving: _Migration, outcome: str) -> None:

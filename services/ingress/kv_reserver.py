@@ -1,9 +1,7 @@
 """The ingress's side of "KV before prefill": reserve a request's decode KV, and give back what no stream claimed.
 
-For each attempt of a request's chain, :class:`services.ingress.pipeline.PipelineClient` asks :meth:`KVReserver.reserve`
-for the blocks :meth:`KVReserver.estimate` gives (prompt + ``max_tokens``: exact for a text-only request; with media,
-each image counted as a small image's visual tokens — exact for a fixed-resolution family like LLaVA — and each video
-as one token) *before* it issues prefill. The decode deployment
+For each attempt of a request's chain, :class:`services.ingress.chain.Chain` asks :meth:`KVReserver.reserve` for the
+blocks its plan estimated (:func:`services.ingress.plan.kv_estimate`) *before* it issues prefill. The decode deployment
 (:meth:`services.stages.decode.DecodeDeployment.reserve`) grants them at once, holds the call in its pool's queue, or
 refuses (429 / 504 / 400: raised here as they came). The answer names the replica, which goes into the attempt's context
 (``decode_replica``, and how it went in ``reservation``) so the decode router sends ``generate`` there; the sequence
@@ -26,9 +24,7 @@ from typing import Any
 
 from common.config import PrismConfig
 from common.errors import DeadlineExceeded, Overloaded
-from common.model.loader import ModelFrontend
 from common.protocol.handoff import KVReservation, RequestContext
-from common.protocol.vector import ResourceVector
 
 log = logging.getLogger("prism.ingress")
 
@@ -42,35 +38,23 @@ async def _result(response: Any) -> Any:
 
 
 class KVReserver:
-    def __init__(self, cfg: PrismConfig, frontend: ModelFrontend, decode: Any) -> None:
+    def __init__(self, cfg: PrismConfig, decode: Any) -> None:
         """``decode``: the model's decode deployment handle."""
-        self.cfg, self.frontend, self.decode = cfg, frontend, decode
+        self.cfg, self.decode = cfg, decode
 
-    def estimate(self, refs: list[Any], vector: ResourceVector) -> int:
-        """KV blocks to reserve for a request with media ``refs`` whose ingress vector is ``vector`` (see the module
-        docstring); never over the per-request lease (over it is the media stage's to refuse, from the real count)."""
-        if not refs:
-            return vector.kv_blocks
-        small = self.frontend.small_image_tokens
-        visual = sum(small if ref.kind == "image" else 1 for ref in refs)
-        tokens = vector.text_tokens + visual + vector.max_output_tokens
-        eng = self.cfg.engine
-        return min(-(-tokens // eng.kv_block_size), eng.max_lease_blocks)
-
-    async def reserve(self, ctx: RequestContext, blocks: int, replay: bool) -> tuple[RequestContext, bool]:
-        """Reserve ``blocks`` for the attempt ``ctx`` (a migration's — ``replay`` — waits whatever the decode queue);
-        returns the context naming the replica, and whether a reservation was taken (none when
-        ``admission.reserve_kv`` is off)."""
+    async def reserve(self, ctx: RequestContext, blocks: int) -> tuple[RequestContext, bool]:
+        """Reserve ``blocks`` for the attempt ``ctx`` (a migration's waits whatever the decode queue); returns the
+        context naming the replica, and whether a reservation was taken (none when ``admission.reserve_kv`` is off)."""
         if not self.cfg.admission.reserve_kv or blocks <= 0:
             return ctx, False
-        response = self.decode.reserve.remote(ctx, blocks, replay)
+        response = self.decode.reserve.remote(ctx, blocks)
         try:
             got: KVReservation = await asyncio.wait_for(_result(response), timeout=max(ctx.remaining_s(), 0.001))
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # answered in the instant the caller went away
                 raise asyncio.CancelledError
         except Overloaded:
-            if replay:  # a migration the replica has no request slot for: it leases when its KV arrives instead
+            if ctx.migration:  # a migration the replica has no request slot for: it leases when its KV arrives instead
                 return ctx, False
             raise
         except BaseException as exc:

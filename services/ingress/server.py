@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.admission.quota import TenantQuotas
+from common.admission.record import AdmissionRecorder
 from common.auth import KeyStore
 from common.config import PrismConfig
 from common.errors import InvalidRequestError, ModelNotFound, PrismError, RequestTooLarge, TenantQuotaExceeded
@@ -35,11 +36,13 @@ from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
 from services.ingress.body import read_json
 from services.ingress.call_stream import Call
+from services.ingress.chain import Chain
 from services.ingress.grpc_errors import grpc_abort
 from services.ingress.lifecycle import InFlight, RequestLifecycle
 from services.ingress.observer import RequestObserver
 from services.ingress.openai_format import chunk, completion_body, error_body, error_response, sse, usage
-from services.ingress.pipeline import PipelineClient, count_admission, header_priority
+from services.ingress.pipeline import PipelineClient
+from services.ingress.plan import RequestHeaders
 from services.platform.loopback import bind_replica
 from services.proto import prism_pb2
 
@@ -57,11 +60,14 @@ class IngressDeployment:
         share = 1.0 / self.cfg.deployments.ingress.max_replicas
         self.quotas = TenantQuotas(self.cfg.admission, share, server.retry_after_s)
         self.observer = RequestObserver(self.cfg.observability)
+        metrics = self.observer.metrics
+        self.recorder = AdmissionRecorder(metrics, "ingress")  # every admission decision of this replica
         self.clients: dict[str, PipelineClient] = {}
         for sub, handles in zip(self.cfg.served(), pipelines, strict=True):
             frontend = load_frontend(sub.model)  # served under the name the frontend reports
+            chain = Chain(sub, *handles)
             self.clients[frontend.served_name] = PipelineClient(
-                sub, frontend, *handles, quotas=self.quotas, metrics=self.observer.metrics
+                sub, frontend, chain, self.quotas, self.recorder, metrics
             )
         self.places = InFlight(server.max_in_flight_per_ingress, server.retry_after_s, self._load)
         self.observer.metrics.keep_fresh(lambda: self._load(self.places.count))
@@ -72,21 +78,18 @@ class IngressDeployment:
         for tenant, count in self.quotas.in_flight().items():
             metrics.set("prism_tenant_in_flight", count, tenant=tenant)
 
-    def _authorize(self, life: RequestLifecycle, api_key: str | None, priority: str | None) -> str:
-        """The tenant of ``api_key`` (401 otherwise), refused at once (429 ``tenant_quota_exceeded``) when its quota
-        refuses it whatever the body holds (:meth:`TenantQuotas.precheck`): a client hammering past its Retry-After
-        then costs no body read here, no parse, no tokenisation. Counted like the ingress's other admission decisions
-        (under the header's class: the body's ``priority`` is not read yet)."""
-        tenant = self.keys.tenant(api_key)
+    def _authorize(self, life: RequestLifecycle, headers: RequestHeaders) -> str:
+        """The tenant of the request's key (401 otherwise), refused at once (429 ``tenant_quota_exceeded``) when its
+        quota refuses it whatever the body holds (:meth:`TenantQuotas.precheck`): a client hammering past its
+        Retry-After then costs no body read here, no parse, no tokenisation. Counted like the ingress's other admission
+        decisions (under the header's class: the body's ``priority`` is not read yet; an invalid header counts as
+        interactive — a label is never a value the client made up — and the 429 stands)."""
+        tenant = self.keys.tenant(headers.api_key)
         life.trace.tenant = tenant
         try:
             self.quotas.precheck(tenant)
         except TenantQuotaExceeded:
-            try:
-                cls = header_priority(priority)
-            except InvalidRequestError:  # (a label: never a value the client made up; the 429 stands)
-                cls = "interactive"
-            count_admission(self.observer.metrics, tenant, cls, "refused", "quota")
+            self.recorder.refused(tenant, headers.header_class, "quota")
             raise
         return tenant
 
@@ -133,39 +136,42 @@ class IngressDeployment:
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
-        life = self._lifecycle("http", request.headers.get("x-prism-trace"))
+        get = request.headers.get
+        headers = RequestHeaders.read(get, _bearer(request), get("x-prism-deadline-ms"))
+        life = self._lifecycle("http", headers.trace)
         try:
             async with life:
-                # from the headers, before any body byte is read: the key, and the tenant's quota as far as it can judge
-                tenant = self._authorize(life, _bearer(request), request.headers.get("x-prism-priority"))
-                body = await read_json(request, self.cfg.body_limit, self.cfg.server.max_json_depth)
-                client = self._client(body)
-                headers = request.headers
-                call = life.call = await client.begin(
-                    tenant, body, headers.get("x-prism-deadline-ms"), life.trace, headers.get("x-prism-priority")
-                )
+                client, call = await self._http_begin(life, request, headers)
                 if call.req.stream:
                     # The body outlives this handler: the response closes the lifecycle (also if its body never ran).
                     return _LifecycleStream(self._sse(life.detach(), client, call), life)
-                out_ids, finish = await client.collect(call)
-                text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)
-                life.close()
-                body = completion_body(
-                    call.rid,
-                    call.frontend.served_name,
-                    text,
-                    finish,
-                    call.prompt_ids,
-                    out_ids,
-                    call.req.return_token_ids,
-                )
-                if life.traced:
-                    body["prism_trace"] = life.summary()
-                return JSONResponse(body)
+                return JSONResponse(await self._completion(life, client, call))
         except Exception:  # closed by the lifecycle under its typed error
             if life.error is None:  # a cancellation Serve raised as an exception: the client is gone
                 raise
             return error_response(life.error, life.summary())
+
+    async def _http_begin(
+        self, life: RequestLifecycle, request: Request, headers: RequestHeaders
+    ) -> tuple[PipelineClient, Call]:
+        """From the headers, before any body byte is read: the key, and the tenant's quota as far as it can judge;
+        then the body (bounded, parsed off the loop), the model it names, and the chain issued."""
+        tenant = self._authorize(life, headers)
+        body = await read_json(request, self.cfg.body_limit, self.cfg.server.max_json_depth)
+        client = self._client(body)
+        life.call = await client.begin(tenant, body, headers, life.trace)
+        return client, life.call
+
+    async def _completion(self, life: RequestLifecycle, client: PipelineClient, call: Call) -> dict[str, Any]:
+        """The non-streaming answer's body (the lifecycle closed as OK once every token is in)."""
+        out_ids, finish = await client.collect(call)
+        text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)
+        life.close()
+        model, with_ids = call.frontend.served_name, call.req.return_token_ids
+        body = completion_body(call.rid, model, text, finish, call.prompt_ids, out_ids, with_ids)
+        if life.traced:
+            body["prism_trace"] = life.summary()
+        return body
 
     async def _sse(self, life: RequestLifecycle, client: PipelineClient, call: Call) -> AsyncIterator[str]:
         """OpenAI's stream: a role chunk, content chunks, the chunk with the finish reason, and — only when the client
@@ -210,10 +216,11 @@ class IngressDeployment:
 
     # ---- gRPC (method names are the service's RPCs) -------------------------------------------------------
     async def Generate(self, request: prism_pb2.GenerateRequest, grpc_context) -> prism_pb2.GenerateResponse:
-        life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
+        headers = _grpc_headers(request, grpc_context)
+        life = self._lifecycle("grpc", headers.trace)
         try:
             async with life:
-                client, call = await self._grpc_begin(life, request, grpc_context)
+                client, call = await self._grpc_begin(life, request, headers)
                 out_ids, finish = await client.collect(call)
                 response = prism_pb2.GenerateResponse(
                     id=call.rid,
@@ -233,24 +240,24 @@ class IngressDeployment:
             _grpc_trace(grpc_context, life)
 
     async def _grpc_begin(
-        self, life: RequestLifecycle, request: prism_pb2.GenerateRequest, grpc_context
+        self, life: RequestLifecycle, request: prism_pb2.GenerateRequest, headers: RequestHeaders
     ) -> tuple[PipelineClient, Call]:
         """Authenticate (before the JSON is parsed), bound and parse the message, route it, and issue the chain."""
-        tenant = self._authorize(life, request.api_key, _grpc_header(grpc_context, "x-prism-priority"))
+        tenant = self._authorize(life, headers)
         raw = request.chat_completion_json.encode()
         if len(raw) > self.cfg.body_limit:  # Serve bounds the whole message too: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
             raise RequestTooLarge(f"chat_completion_json is {len(raw)} bytes; the limit is {self.cfg.body_limit}")
         body = await asyncio.to_thread(decode_json, raw, self.cfg.server.max_json_depth)
         client = self._client(body)
-        priority = _grpc_header(grpc_context, "x-prism-priority")
-        life.call = await client.begin(tenant, body, request.deadline_ms, life.trace, priority)
+        life.call = await client.begin(tenant, body, headers, life.trace)
         return client, life.call
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
-        life = self._lifecycle("grpc", _grpc_header(grpc_context, "x-prism-trace"))
+        headers = _grpc_headers(request, grpc_context)
+        life = self._lifecycle("grpc", headers.trace)
         try:
             async with life:
-                client, call = await self._grpc_begin(life, request, grpc_context)
+                client, call = await self._grpc_begin(life, request, headers)
                 detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
                 out_ids: list[int] = []
                 async for token, finish in client.tokens(call):
@@ -291,8 +298,10 @@ def _bearer(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-def _grpc_header(grpc_context, name: str) -> str | None:
-    return dict(grpc_context.invocation_metadata() or ()).get(name)
+def _grpc_headers(request: prism_pb2.GenerateRequest, grpc_context) -> RequestHeaders:
+    """The call's metadata (``x-prism-priority``, ``x-prism-trace``) and the message's key and deadline budget."""
+    metadata = dict(grpc_context.invocation_metadata() or ())
+    return RequestHeaders.read(metadata.get, request.api_key, request.deadline_ms)
 
 
 def _grpc_trace(grpc_context, life: RequestLifecycle) -> None:

@@ -4,7 +4,7 @@ Requests from many callers share batches: each call submits its items to the :cl
 future; the driver loop encodes one batch per step. Before submitting, a call is admitted against the replica's patch
 budget (``admission.encode_patch_budget``; only the patches the encoder cache does not hold count, so cache hits
 never wait) — it waits in rank order (fewest patches first, with aging; batch class behind interactive) or gets
-429 / 504 (:mod:`services.stages.admission`); inside the engine its cache misses are batched by the same rank. A
+429 / 504 (:mod:`common.admission.stage`); inside the engine its cache misses are batched by the same rank. A
 cancelled call (client gone) removes its queued items; items whose deadline passes in the queue are dropped before the
 next batch (504).
 
@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from common.admission.stage import budget_admission
 from common.cache.encoder_cache import EncoderCache
 from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
@@ -28,7 +29,6 @@ from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbedd
 from common.sched.encoder_batcher import EncoderBatcher
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
-from services.stages.admission import StageAdmission
 from services.stages.driver import AwaitedEngine
 from services.stages.threads import nice_process, nice_thread
 
@@ -61,7 +61,7 @@ class EncodeDeployment:
         )
         self.metrics = Metrics("encode")
         adm = self.cfg.admission
-        self.admission = StageAdmission("encode", "patches", adm.encode_patch_budget, adm, self.metrics)
+        self.admission = budget_admission("encode", "patches", adm.encode_patch_budget, adm, self.metrics)
         self.metrics.keep_fresh(self._load)
 
     async def encode(

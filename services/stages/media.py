@@ -5,7 +5,7 @@ processor cache run in :func:`common.stages.process.process_images`. Work runs i
 blocks the replica's other requests. Loads the model's front end only (no weights).
 
 Lifecycle of one call: fetch + sniff + header check (thread; nothing decoded) → **admission** against the replica's
-pixel budget (``admission.media_pixel_budget``: waits in rank order, or 429 / 504 — :mod:`services.stages.admission`) →
+pixel budget (``admission.media_pixel_budget``: waits in rank order, or 429 / 504 — :mod:`common.admission.stage`) →
 decode + processor (thread, holding the pixels until it ends) → the request's :class:`ResourceVector` completed
 from the processed media and checked against every per-request limit — visual tokens, the prompt limit, the decode
 KV lease — so a request that cannot fit is refused here, before the encoder queue. Fetch and decode stop at the
@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from common.admission.limits import check_limits
+from common.admission.stage import budget_admission
 from common.cache.processor_cache import ProcessorCache
 from common.cache.tally import TalliedCache
 from common.config import PrismConfig
@@ -39,7 +40,6 @@ from common.stages.process import process_loaded
 from common.stop import Stop
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
-from services.stages.admission import StageAdmission
 from services.stages.threads import nice_process, nice_thread, set_threads
 
 
@@ -59,7 +59,7 @@ class MediaDeployment:
         self.in_flight = 0
         self.metrics = Metrics("media")
         adm = self.cfg.admission
-        self.admission = StageAdmission("media", "pixels", adm.media_pixel_budget, adm, self.metrics)
+        self.admission = budget_admission("media", "pixels", adm.media_pixel_budget, adm, self.metrics)
         self.metrics.keep_fresh(self._load)
 
     async def process(self, refs: list[MediaRef], ctx: RequestContext) -> Traced[list[ProcessedMedia]]:

@@ -3,7 +3,7 @@
 Receives the chat messages (media reduced to markers) and the visual embeddings — never pixels — builds the prompt
 with the model's chat template, validates the span map against the embeddings (:func:`common.stages.merge.merge`),
 and — once admitted against the replica's token budget (``admission.prefill_token_budget``; waits in rank order or
-429 / 504, :mod:`services.stages.admission`) — queues the request on the :class:`PrefillEngine`. The driver spends
+429 / 504, :mod:`common.admission.stage`) — queues the request on the :class:`PrefillEngine`. The driver spends
 ``prefill_chunk_tokens`` per step across queued prompts, shortest remaining first with aging (the low-latency lane:
 a text prompt or a prefix-cache hit is not held behind a large image prompt's chunks; batch class behind
 interactive), and drops queued prompts whose deadline passed (504).
@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from common.admission.stage import StageAdmission, budget_admission
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
 from common.kv.blocks import seal
@@ -44,7 +45,6 @@ from common.stages.merge import merge
 from common.stages.prompt import build_prompt
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
-from services.stages.admission import StageAdmission
 from services.stages.driver import AwaitedEngine
 from services.stages.threads import nice_thread
 
@@ -102,7 +102,7 @@ class PrefillDeployment:
             "prefill",
             executor,
         )
-        return _Lane(name, engine, runner, StageAdmission("prefill", "tokens", budget, adm, self.metrics))
+        return _Lane(name, engine, runner, budget_admission("prefill", "tokens", budget, adm, self.metrics))
 
     def _lane_for(self, merged: MergedInputs) -> _Lane:
         short = self.short is not None and not merged.spans

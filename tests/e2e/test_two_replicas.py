@@ -85,8 +85,15 @@ def test_a_mix_of_distinct_images_spreads_over_both_replicas(affinity):
         assert len(counts) == 2, counts
         assert max(counts.values()) <= 2 * min(counts.values()), counts
     # every decision is counted, by stage and outcome, in the ingress's metrics
+    # (both series are exported every few seconds, not necessarily in the same scrape: wait for both)
     label = {"application": APP, "stage": "encode", "outcome": "new"}
-    samples = wait_for(config["_metrics_url"], lambda s: total(s, "ray_prism_route_affinity_total", **label) >= 32)
+    prefill_label = {"application": APP, "stage": "prefill"}
+
+    def counted(s) -> bool:
+        metric = "ray_prism_route_affinity_total"
+        return total(s, metric, **label) >= 32 and total(s, metric, **prefill_label) >= 32
+
+    samples = wait_for(config["_metrics_url"], counted)
     assert total(samples, "ray_prism_route_affinity_total", application=APP, stage="prefill") >= 32
 
 

@@ -76,9 +76,8 @@ def test_model_names_must_stay_distinct_as_deployment_names():
 def test_deadline_header_garbage_is_a_400_not_a_500(header):
     from common.config import PrismConfig
     from common.errors import InvalidRequestError
-    from services.ingress.pipeline import PipelineClient
+    from services.ingress.plan import deadline
 
-    client = PipelineClient(PrismConfig(), None, None, None, None, None)
     with pytest.raises(InvalidRequestError) as info:
-        client.deadline(header)
+        deadline(PrismConfig(), header, now=0.0)
     assert info.value.param == "X-Prism-Deadline-Ms"

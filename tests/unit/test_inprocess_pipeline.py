@@ -214,11 +214,11 @@ def losing(model_cache):
     app = build(_config(model_cache), transport=FakeTransport())
     client = app.state.ingress.clients["prism-tiny-llava"]
     client.metrics = app.state.counted = _Counted()
-    real = client.decode
+    real = client.chain.decode
 
     def lose(after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False) -> _LosingDecode:
-        client.decode = _LosingDecode(real, after, losses, unreachable, upstream)
-        return client.decode
+        client.chain.decode = _LosingDecode(real, after, losses, unreachable, upstream)
+        return client.chain.decode
 
     return app, lose
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -281,7 +282,7 @@ def test_reservations_never_commit_more_request_slots_than_the_replica_has(model
             await d.reserve(_ctx("r4", 30), 2)
         assert "request slots" in str(refused.value)
         with pytest.raises(Overloaded):
-            await d.reserve(_ctx("r4", 30), 2, admitted=True)
+            await d.reserve(replace(_ctx("r4", 30), replay=(7,)), 2)  # a migration's
         for rid in ("r1", "r2", "r3"):
             assert await d.unreserve(_ctx(rid, 30))
         assert d.engine.num_reserved == 0 and d.pool.available_blocks == 64
@@ -346,12 +347,13 @@ def test_a_migration_without_a_request_slot_goes_on_without_a_reservation():
 
                 return asyncio.ensure_future(refused())
 
-    reserver = KVReserver(PrismConfig(), None, _Refusing())
+    reserver = KVReserver(PrismConfig(), _Refusing())
 
     async def scenario() -> None:
         ctx = _ctx("m", 30)
-        assert await reserver.reserve(ctx, 4, replay=True) == (ctx, False)
+        migration = replace(ctx, replay=(7, 8))
+        assert await reserver.reserve(migration, 4) == (migration, False)
         with pytest.raises(Overloaded):
-            await reserver.reserve(ctx, 4, replay=False)
+            await reserver.reserve(ctx, 4)
 
     asyncio.run(scenario())

@@ -166,3 +166,24 @@ def test_layers_name_every_package():
         for u in layer:
             units[u].append(i)
     assert all(len(v) == 1 for v in units.values()), "a unit is listed twice"
+
+
+NOT_SERVING = ("common/obs/dashboards.py", "services/cli.py", "services/batch/", "common/batch/", "services/proto/")
+"""Code that no request runs through: the dashboard generator, the command line, the offline batch job, generated
+stubs."""
+
+MAX_FUNCTION_LINES = 50
+
+
+def test_no_function_on_the_serving_path_is_over_50_lines():
+    long = []
+    for path in _modules().values():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(NOT_SERVING):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "functions to split by responsibility:\n" + "\n".join(long)

@@ -1,0 +1,128 @@
+"""A request's stage chain, issued as numbered attempts from its :class:`~services.ingress.plan.AdmittedRequest`.
+
+One :class:`Chain` per served model holds the model's four deployment handles. For one admitted request,
+:meth:`Chain.issuer` returns its :data:`Issue`: each call makes the next attempt (a fresh :class:`RequestContext`:
+attempt number, the time it was sent, the migration's ``replay`` when there is one) and runs it, re-issued on a lost
+replica with bounded, jittered backoff (:mod:`services.ingress.retry`) — never past the deadline. An attempt
+(:meth:`Chain.attempt`):
+
+```
+media ──► encode ──┐            (media and encode calls issued at once: each takes the previous one's response)
+reserve KV ────────┴─► prefill ──► decode stream ──► StreamStart (the prompt's ids, every stage's spans)
+```
+
+so pixels, embeddings and KV go replica to replica (the object store, or NIXL) and never through the ingress, and the
+decode KV is reserved (:mod:`services.ingress.kv_reserver`) while media and encode work, before prefill computes. It
+waits for the stream's start, so every stage's error surfaces before a protocol commits to a status; an attempt that
+fails cancels every response of its chain and gives back a reservation no stream claimed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from common.config import PrismConfig
+from common.errors import HandoffError
+from common.obs.request_trace import RequestTrace
+from common.obs.trace import Span, Traced
+from common.protocol.handoff import RequestContext, StreamStart
+from services.ingress.failures import REPLICA_LOST
+from services.ingress.kv_reserver import KVReserver
+from services.ingress.plan import AdmittedRequest
+from services.ingress.responses import cancel_chain, next_event
+from services.ingress.retry import with_retries
+
+
+@dataclass(frozen=True)
+class Started:
+    """An attempt whose decode stream has started."""
+
+    responses: list[Any]
+    """Every stage response of the attempt (media, encode, prefill, the decode stream last): cancelled together."""
+    ctx: RequestContext
+    """The attempt's context, naming the decode replica that holds its KV reservation."""
+    first: StreamStart
+
+    @property
+    def stream(self) -> Any:
+        return self.responses[-1]
+
+
+Issue = Callable[[tuple[int, ...]], Awaitable[Started]]
+"""Issues a request's chain as its next attempt, replaying the given tokens (``()``: not a migration)."""
+
+
+class Chain:
+    def __init__(
+        self,
+        cfg: PrismConfig,
+        media: DeploymentHandle,
+        encode: DeploymentHandle,
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
+    ) -> None:
+        self.cfg = cfg
+        self.media, self.encode, self.prefill, self.decode = media, encode, prefill, decode
+        self.kv = KVReserver(cfg, decode)
+
+    def issuer(self, admitted: AdmittedRequest, trace: RequestTrace) -> Issue:
+        """The request's :data:`Issue` (its attempts numbered from 1; the first is sent when the ingress span ends)."""
+        attempts = itertools.count(1)
+
+        def context(replay: tuple[int, ...]) -> RequestContext:
+            n = next(attempts)  # a re-issued chain's stages count their queue from its own issue time
+            return RequestContext(
+                request_id=trace.request_id,
+                tenant=admitted.tenant,
+                deadline=admitted.deadline,
+                sent_at=trace.timeline.last if n == 1 else time.time(),
+                attempt=n,
+                priority=admitted.priority,
+                vector=admitted.vector,
+                route=admitted.route,
+                replay=replay,
+            )
+
+        def issue(replay: tuple[int, ...] = ()) -> Awaitable[Started]:
+            return with_retries(
+                lambda: self.attempt(admitted, context(replay)),
+                admitted.deadline,
+                REPLICA_LOST,
+                max_attempts=self.cfg.server.max_chain_attempts,
+            )
+
+        return issue
+
+    async def attempt(self, admitted: AdmittedRequest, ctx: RequestContext) -> Started:
+        """Issue one attempt and wait for its decode stream's start (see the module docstring)."""
+        responses: list[Any] = []
+        embeddings: Any = []
+        reserved = False
+        try:
+            if admitted.refs:
+                media = self.media.process.remote(list(admitted.refs), ctx)
+                embeddings = self.encode.encode.remote(media, ctx)
+                responses += [media, embeddings]
+            ctx, reserved = await self.kv.reserve(ctx, admitted.kv_blocks)  # (meanwhile media and encode work)
+            if reserved and not admitted.refs:  # prefill's timeline starts after the reservation: the trace shows it
+                now = time.time()
+                attrs = {"blocks": admitted.kv_blocks}
+                embeddings = Traced([], (Span("decode.reserve", ctx.sent_at, max(0.0, now - ctx.sent_at), attrs),), now)
+            pre = self.prefill.prefill.remote(admitted.messages, embeddings, admitted.sampling, ctx)
+            stream = self.decode.generate.options(stream=True).remote(pre, admitted.sampling, ctx)
+            responses += [pre, stream]
+            first = await next_event(stream, ctx.deadline)
+            if not isinstance(first, StreamStart):
+                raise HandoffError(f"the decode stream began with {type(first).__name__}, not its start")
+            return Started(responses, ctx, first)
+        except BaseException:
+            cancel_chain(responses)
+            if reserved:  # a reservation no generate may claim now (one already claimed is the stream's to free)
+                self.kv.give_back(ctx)
+            raise

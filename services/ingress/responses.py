@@ -1,0 +1,45 @@
+"""Operations on a chain's Serve responses that the ingress needs wherever it holds them: cancel them all, and read
+the decode stream's next event under the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentResponseGenerator
+
+from common.errors import DeadlineExceeded, PrismError
+from common.protocol.handoff import DecodeEvent
+from services.ingress.failures import replica_lost
+
+
+def cancel_chain(chain: list[Any]) -> None:
+    """Cancel every stage response of a chain; never raises."""
+    for response in reversed(chain):  # decode first: it frees KV at once
+        try:
+            response.cancel()
+        except Exception:  # Serve's cancel() re-raises the error of a call that already failed: nothing to cancel
+            pass
+
+
+async def next_event(stream: DeploymentResponseGenerator, deadline: float) -> DecodeEvent:
+    """The decode stream's next event before ``deadline`` (504 and the stream cancelled after it); a chain whose
+    upstream replica died surfaces as the replica-lost error it is, not as Serve's wrapper of it."""
+    left = deadline - time.time()
+    if left <= 0:
+        stream.cancel()
+        raise DeadlineExceeded("deadline exceeded")
+    try:
+        return await asyncio.wait_for(stream.__anext__(), timeout=left)
+    except TimeoutError:
+        stream.cancel()
+        raise DeadlineExceeded("deadline exceeded while the request was in flight") from None
+    except StopAsyncIteration:
+        raise PrismError("decode stream ended unexpectedly") from None
+    except RayServeException as exc:  # an upstream replica of the chain died: a replica loss like any other
+        lost = replica_lost(exc)
+        if lost is None:
+            raise
+        raise lost from None
