@@ -103,7 +103,7 @@ def test_serve_config_is_valid_for_ray_serve_and_builds_the_app(rendered):
     from ray.serve.schema import ServeDeploySchema
 
     from services.app import build_app
-    from tests.unit.test_ray_configs import _deployments
+    from tests.unit.services.test_ray_configs import _deployments
 
     _, _, docs = rendered
     schema = ServeDeploySchema.model_validate(serve_config(docs))
@@ -163,7 +163,7 @@ def test_a_models_entry_needs_exactly_one_source():
 
 def test_several_models_each_get_their_stages_on_the_stage_groups():
     from services.app import build_app
-    from tests.unit.test_ray_configs import _deployments
+    from tests.unit.services.test_ray_configs import _deployments
 
     values = {"models": [{"name": "prism-tiny-llava"}, {"path": "qwen2-vl-2b", "dtype": "bfloat16", "servedName": "q"}]}
     docs = render(values)

@@ -20,7 +20,7 @@ from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.protocol.wire import from_bytes, to_bytes
 from common.reference.decode import decode
-from tests.unit.kv_decode_worker import fixed_request
+from tests.unit.common.kv.kv_decode_worker import fixed_request
 
 WORKER = Path(__file__).with_name("kv_decode_worker.py")
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from common.config import PrismConfig
+from tests.paths import ROOT
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "ray_configs").glob("*.yaml"))
+CONFIGS = sorted((ROOT / "ray_configs").glob("*.yaml"))
 
 
 def test_there_are_three_configs():
@@ -84,7 +83,7 @@ def test_generated_grpc_stubs_match_the_proto(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     (tmp_path / "services" / "proto").mkdir(parents=True)
     shutil.copy(root / "services/proto/prism.proto", tmp_path / "services/proto/prism.proto")
     subprocess.run(

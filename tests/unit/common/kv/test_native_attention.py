@@ -14,7 +14,7 @@ from common.kv import native
 from common.kv.native import load_decode_kernel
 from common.kv.pool import KVPool
 from common.reference.decode import decode
-from tests.unit.test_decode_engine import _mixed_requests, _run
+from tests.unit.common.engine.test_decode_engine import _mixed_requests, _run
 
 
 def _reference(query, keys, values, tables, lengths, scale):

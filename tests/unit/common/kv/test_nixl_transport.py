@@ -12,7 +12,7 @@ from common.kv.blocks import seal, verify_handoff
 from common.kv.transport.nixl import NixlTransport
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode
-from tests.unit.kv_decode_worker import fixed_request
+from tests.unit.common.kv.kv_decode_worker import fixed_request
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from loadtest.__main__ import main
 from loadtest.arrivals import arrival_times
 from loadtest.stats import SLO, RequestRecord, percentile, summarize
 from loadtest.workload import OutputLengths, Workload, parse_weights
+from tests.paths import ROOT
 
 
 def test_poisson_arrivals_have_the_requested_rate_and_exponential_gaps():
@@ -125,11 +126,10 @@ def test_bench_table_goes_between_the_readme_markers(tmp_path):
 
 def test_readme_bench_table_is_the_committed_summary():
     import json
-    from pathlib import Path
 
     from loadtest.bench import END, RESULTS, START, table
 
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     block = (root / "README.md").read_text().split(START)[1].split(END)[0].strip()
     summary = RESULTS / "summary.json"
     if summary.exists():

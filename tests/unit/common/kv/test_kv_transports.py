@@ -14,7 +14,7 @@ from common.kv.transport import KVTransport, make_transport
 from common.kv.transport.fake import FakeTransport
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode
-from tests.unit.kv_decode_worker import fixed_request
+from tests.unit.common.kv.kv_decode_worker import fixed_request
 
 SAMPLING = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -9,7 +9,6 @@ import inspect
 import re
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,7 @@ from common.admission.stage import StageAdmission, budget_admission
 from common.config import AdmissionConfig
 from common.errors import DeadlineExceeded, InvalidRequestError, Overloaded
 from common.protocol.handoff import RequestContext
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
 
 
 class Sink:

@@ -16,7 +16,7 @@ from common.kv.pool import KVPool, LeaseTooLarge
 from common.protocol.handoff import RequestContext
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode
-from tests.unit.test_decode_engine import _prefilled, _run
+from tests.unit.common.engine.test_decode_engine import _prefilled, _run
 
 SHAPE = (2, 2, 8)
 

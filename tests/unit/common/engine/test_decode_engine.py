@@ -231,11 +231,11 @@ def test_engine_decodes_kv_prefilled_in_another_process(tiny_qwen, model_cache, 
 
     from common.protocol.handoff import PrefillOutput
     from common.protocol.wire import from_bytes
-    from tests.unit.kv_decode_worker import fixed_request
+    from tests.unit.common.kv.kv_decode_worker import fixed_request
 
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
     out = tmp_path / "prefill.npz"
-    worker = Path(__file__).with_name("kv_decode_worker.py")
+    worker = Path(__file__).parents[1] / "kv" / "kv_decode_worker.py"
     args = ["prefill", tiny_qwen.served_name, model_cache, str(out), sampling.model_dump_json(), "2"]
     proc = subprocess.run([sys.executable, str(worker), *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
