@@ -1,4 +1,4 @@
-"""``make bench``'s plots, linked from the README table beside ``summary.json``.
+"""``make bench``'s plots, linked from the table in ``docs/benchmarks.md`` beside ``summary.json``.
 
 * ``bench_goodput_vs_rate.png`` — goodput (requests/s meeting the SLOs) against offered load, one line per server,
   the offered rate itself as the ceiling, and the naive server's knee (where the ratio is read) marked.

@@ -8,7 +8,7 @@ judged once on the sums (:func:`loadtest.verdict.judge`); a run that gave no fin
 a median that quietly drops failed runs would be a best-of in disguise.
 
 ``make bench BENCH_FLAGS=--quick`` runs each figure once, on shorter loads, for iteration: its summary is written
-apart and the README is left alone. Run counts are odd, so a median is always one of the runs — the same run whichever
+apart and the docs are left alone. Run counts are odd, so a median is always one of the runs — the same run whichever
 module picks it (:func:`median_index`).
 
 A new figure: declare it in :data:`FIGURES`, then measure it in :mod:`loadtest.bench` and pass its per-run values to

@@ -4,7 +4,7 @@ A ratio is only as good as both of its sides. A figure is ``invalid`` — never 
 from sent no requests, had more than :data:`MAX_ERROR_FRACTION` of them fail (errors and timeouts: the percentiles
 then describe only the survivors), produced zero goodput (a ratio against zero is not a win), or when the value itself
 is not a finite number. Otherwise it is ``met`` or ``missed`` against its target. The reason travels with the figure
-into ``summary.json`` and the README table.
+into ``summary.json`` and the table in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 from loadtest import bench_cache, figures
 from loadtest.bench import Settings, table
 from loadtest.stats import RequestRecord
+from tests.paths import ROOT
 
 
 def _ok(n: int) -> list[RequestRecord]:
@@ -113,10 +114,12 @@ def test_the_table_shows_runs_and_spread_marks_our_yardsticks_and_links_the_plot
         "plots": ["loadtest/results/bench_goodput_vs_rate.png"],
         "metrics": metrics,
     }
-    text = table(summary)
+    text = table(summary, ROOT)  # (a page at the repository's root links the plots from there)
     assert "| `decode_roofline_fraction_b32` | 0.28 | 3 (0.25–0.3) | >= 0.7 (ours) | no |" in text
     assert "| `goodput_ratio_vs_naive` | 4 | 1 | >= 3 | yes |" in text
     assert text.endswith("Plots: [goodput vs rate](loadtest/results/bench_goodput_vs_rate.png).")
+    in_docs = table(summary)  # (docs/benchmarks.md, where make bench writes it)
+    assert in_docs.endswith("Plots: [goodput vs rate](../loadtest/results/bench_goodput_vs_rate.png).")
 
 
 def test_quick_runs_every_figure_once_on_shorter_loads():

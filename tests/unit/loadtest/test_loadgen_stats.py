@@ -12,7 +12,6 @@ from loadtest.__main__ import main
 from loadtest.arrivals import arrival_times
 from loadtest.stats import SLO, RequestRecord, percentile, summarize
 from loadtest.workload import OutputLengths, Workload, parse_weights
-from tests.paths import ROOT
 
 
 def test_poisson_arrivals_have_the_requested_rate_and_exponential_gaps():
@@ -103,8 +102,8 @@ def test_cli_help_and_bad_arguments(capsys):
     assert main(["--url", "http://127.0.0.1:9/v1", "--mix", "text=0"]) == 2
 
 
-def test_bench_table_goes_between_the_readme_markers(tmp_path):
-    from loadtest.bench import END, START, table, update_readme
+def test_bench_table_goes_between_the_doc_markers(tmp_path):
+    from loadtest.bench import END, START, table, update_doc
     from loadtest.figures import FIGURES, record
 
     metrics = {f.name: record(f.name, [1.0], {"x": 1}) for f in FIGURES}
@@ -115,22 +114,21 @@ def test_bench_table_goes_between_the_readme_markers(tmp_path):
         "wall_s": 5.0,
         "metrics": metrics,
     }
-    readme = tmp_path / "README.md"
-    readme.write_text(f"before\n{START}\nSTALE-TABLE\n{END}\nafter\n")
-    update_readme(summary, readme)
-    text = readme.read_text()
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"before\n{START}\nSTALE-TABLE\n{END}\nafter\n")
+    update_doc(summary, doc)
+    text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "STALE-TABLE" not in text
-    assert table(summary) in text and text.count("| `") == len(FIGURES)
+    assert table(summary, doc.parent) in text and text.count("| `") == len(FIGURES)
     assert metrics["ttft_ratio_epd_vs_monolith"]["met"] and not metrics["goodput_ratio_vs_naive"]["met"]
 
 
-def test_readme_bench_table_is_the_committed_summary():
+def test_the_docs_bench_table_is_the_committed_summary():
     import json
 
-    from loadtest.bench import END, RESULTS, START, table
+    from loadtest.bench import DOC, END, RESULTS, START, table
 
-    root = ROOT
-    block = (root / "README.md").read_text().split(START)[1].split(END)[0].strip()
+    block = DOC.read_text().split(START)[1].split(END)[0].strip()
     summary = RESULTS / "summary.json"
     if summary.exists():
         data = json.loads(summary.read_text())

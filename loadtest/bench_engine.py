@@ -1,0 +1,79 @@
+"""``make bench``'s in-process figures: the decode engine (:mod:`loadtest.bench_decode`) and the KV hand-offs
+(:mod:`loadtest.bench_transfer`, :mod:`loadtest.bench_ucx`), each turned into its figures' records.
+
+* ``decode_speedup_32_vs_sequential``, ``decode_roofline_fraction_b32`` — fp32; beside them, per dtype (fp32 and
+  bf16) step time, bytes per step, floor fraction and speedup at batch 1/8/32, the native vs PyTorch attention step,
+  greedy agreement, and prefill against its FLOPs.
+* ``handoff_bw_fraction_of_memcpy`` — a KV payload through the object store between two processes, from publish to the
+  receiver's own buffers, / one warm memcpy; the lower of 64 MB and 256 MB (two copies: at most 0.5).
+* ``nixl_bw_fraction_of_memcpy`` — the same over NIXL (UCX, DRAM to DRAM); beside it, what one READ between
+  pre-registered buffers reaches with each UCX transport.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from loadtest import bench_ucx
+from loadtest.figures import record
+
+
+def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, Any]:
+    """The decode figures from ``runs`` runs of :mod:`loadtest.bench_decode` (its own JSON written to ``out``)."""
+    from loadtest import bench_decode
+
+    dec = bench_decode.main(["--model", model, "--out", str(out), "--repeats", str(runs), "--tokens", str(tokens)])
+    median_run = {
+        "timed": "end to end on both sides: from the prefill output handed over (KV import included)",
+        "engine_b32_e2e_tokens_per_s": dec["engine"]["32"]["e2e_tokens_per_s"],
+        "sequential_e2e_tokens_per_s": dec["sequential"]["e2e_tokens_per_s"],
+        "speedup_after_kv_import": dec["decode_speedup_32_vs_sequential_steps"],
+        "engine_b32_tokens_per_s": dec["engine"]["32"]["tokens_per_s"],
+        "sequential_tokens_per_s": dec["sequential"]["tokens_per_s"],
+        "of_the_run": "the median one",
+    }
+    roofline = {
+        "runs": [
+            {"achieved_bytes_per_s": achieved, "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"]}
+            for achieved in dec["engine_b32_bytes_per_s_runs"]
+        ],
+        # what caps it on this machine: the b32 step's weight GEMMs alone, and the fraction a step could reach if
+        # nothing but those GEMMs and the KV read at the memory floor took time
+        "b32_weight_gemm_ms": dec["b32_weight_gemm_ms"],
+        "b32_best_possible_floor_fraction": dec["b32_best_possible_floor_fraction"],
+    }
+    kept = ("per_batch", "attention_paths_b32_step_ms", "agreement_greedy", "prefill", "b32_weight_gemm_ms")
+    kept += ("b32_best_possible_floor_fraction",)
+    per_dtype = {dtype: {k: f[k] for k in kept} for dtype, f in dec["dtypes"].items()}
+    median_run["per_dtype"] = per_dtype  # step time, bytes, floor fraction and speedup at 1/8/32; prefill vs FLOPs
+    speedups, fractions = dec["decode_speedup_32_vs_sequential_runs"], dec["decode_roofline_fraction_b32_runs"]
+    return {
+        "decode_speedup_32_vs_sequential": record("decode_speedup_32_vs_sequential", speedups, median_run),
+        "decode_roofline_fraction_b32": record("decode_roofline_fraction_b32", fractions, roofline),
+    }
+
+
+def transfer_figures(store_runs: int, nixl_runs: int, ucx_transports: dict[str, str | None]) -> dict[str, Any]:
+    """The hand-off figures, in a Ray session of their own (the NIXL agents' UCX threads must not linger beside the
+    servers measured later)."""
+    import ray
+
+    from loadtest import bench_transfer
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        store = bench_transfer.transport_figures("object_store", store_runs)
+        nx = bench_transfer.transport_figures("nixl", nixl_runs)
+        size = bench_transfer.SIZES[-1]
+        memcpy = nx["sizes"][str(size)]["memcpy_bytes_per_s"]
+        nx["ucx_read"] = bench_ucx.figures(size, memcpy, nixl_runs, ucx_transports)
+    finally:
+        ray.shutdown()
+    note = "publish + fetch + copy into the receiver's pre-touched buffers; two copies: at most 0.5 (two_copy_floor)"
+    nixl_note = note + "; ucx_read: one READ between pre-registered buffers, UCX's own ceiling (loadtest/bench_ucx.py)"
+    return {
+        "handoff_bw_fraction_of_memcpy": record("handoff_bw_fraction_of_memcpy", store["fractions"], store, note=note),
+        "nixl_bw_fraction_of_memcpy": record("nixl_bw_fraction_of_memcpy", nx["fractions"], nx, note=nixl_note),
+    }

@@ -1,0 +1,110 @@
+"""``make bench``'s server sessions: each server started once, on this machine, one at a time (they never share the
+cores), and every load behind the serving figures run against it — returned raw, turned into figures by
+:mod:`loadtest.bench_results`.
+
+Order: the naive server (its capacity, found with a ramp of the mixed load, sets the goodput sweep's rates), Prism,
+Prism's cache-reach application (:mod:`loadtest.bench_cache`), the monolith. Within a session the runs of different
+figures are interleaved — run i of each, then run i + 1 — each with seeds, and so images, of its own
+(:data:`loadtest.bench_loads.SEEDS`): a slow spell of the machine lands on one run of several figures rather than on
+every run of one, and a cold cache stays cold. A ratio's run i pairs the two servers' i-th runs (not two runs at the
+same moment). Every server first answers a few warm-up requests, so first-request costs stay out of the figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest import bench_cache
+from loadtest import bench_loads as loads
+from loadtest import bench_servers as servers
+from loadtest.bench_loads import Flood, seed_of
+from loadtest.bench_settings import Settings
+from loadtest.stats import RequestRecord
+from loadtest.sweep import RAMP, capacity, sweep_rates
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class NaiveRuns:
+    ramp: list[tuple[float, float | None]]
+    """The capacity ramp: (rate, SLO attainment)."""
+    rates: list[float]
+    """The goodput sweep's rates, around the naive server's capacity."""
+    sweep: dict[float, Any]
+
+
+@dataclass
+class ServerRuns:
+    """One server's runs of the serving figures (the monolith runs no tenant figure)."""
+
+    cold: list[list[RequestRecord]] = field(default_factory=list)
+    """Light load of medium images (the p50 TTFT figure), one list per run."""
+    floods: list[Flood] = field(default_factory=list)
+    """Text probes idle / under one tenant's large-image flood."""
+    tenants: list[Flood] = field(default_factory=list)
+    """Tenant beta's text probes idle / under tenant alpha's flood."""
+    sweep: dict[float, Any] = field(default_factory=dict)
+
+
+def _warm_up(url: str, model: str) -> None:
+    loads.load(url, model, loads.medium("cold", seed_of("warm_up")), 1.0, 4.0, seed=seed_of("warm_up"))
+
+
+def naive_session(model: str, st: Settings, say: Say) -> NaiveRuns:
+    with servers.subprocess_server("loadtest.servers.naive", ["--model", model]) as url:
+        say("naive: its capacity (a ramp of mixed loads), then the sweep around it")
+        ramp = loads.ramp(url, model, st.duration, st.min_requests)
+        rates = sweep_rates(capacity(ramp) or RAMP[0])
+        return NaiveRuns(ramp, rates, loads.sweep(url, model, rates, st.duration, st.min_requests))
+
+
+def _light(url: str, model: str, st: Settings, i: int) -> list[RequestRecord]:
+    s = seed_of("cold", i)
+    return loads.load(url, model, loads.medium("cold", s), 0.5, st.duration, seed=s)
+
+
+def prism_session(config: dict[str, Any], model: str, st: Settings, rates: list[float], say: Say) -> ServerRuns:
+    out = ServerRuns()
+    n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
+    n_tenant = st.runs("tenant_ttft_p95_flood_vs_idle")
+    with servers.prism_app(config) as url:
+        _warm_up(url, model)
+        for i in range(max(n_ttft, n_flood, n_tenant)):
+            say(f"Prism, run {i + 1}: light load of medium images; text probes idle / under a flood")
+            if i < n_ttft:
+                out.cold.append(_light(url, model, st, i))
+            if i < n_flood:
+                out.floods.append(loads.flood(url, model, st.duration, seed_of("flood", i)))
+            if i < n_tenant:
+                say(f"Prism, run {i + 1}: tenant beta's text probes idle / under tenant alpha's large-image flood")
+                keys = {"flood_key": servers.ALPHA, "probe_key": servers.BETA}
+                out.tenants.append(loads.flood(url, model, st.duration, seed_of("tenant_flood", i), **keys))
+        say(f"Prism: the goodput sweep at {rates} rps")
+        out.sweep = loads.sweep(url, model, rates, st.duration, st.min_requests)
+    return out
+
+
+def cache_session(config: dict[str, Any], model: str, st: Settings, say: Say) -> tuple[list, list]:
+    """The cache-reach runs (cold loads, hot loads) in an application of their own (:mod:`loadtest.bench_cache`)."""
+    with servers.prism_app(bench_cache.app_config(config, model)) as url:
+        _warm_up(url, model)
+        return bench_cache.measure(url, model, st.runs("encoder_cache_hot_cold_ttft_ratio"), st.duration, say)
+
+
+def monolith_session(config: dict[str, Any], model: str, st: Settings, rates: list[float], say: Say) -> ServerRuns:
+    out = ServerRuns()
+    n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
+    with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
+        _warm_up(url, model)
+        for i in range(max(n_ttft, n_flood)):
+            say(f"monolith, run {i + 1}: light load, medium images; text probes idle / flood")
+            if i < n_ttft:
+                out.cold.append(_light(url, model, st, i))
+            if i < n_flood:
+                out.floods.append(loads.flood(url, model, st.duration, seed_of("flood", i)))
+        say(f"monolith: the goodput sweep at {rates} rps")
+        out.sweep = loads.sweep(url, model, rates, st.duration, st.min_requests)
+    return out
