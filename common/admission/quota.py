@@ -9,16 +9,17 @@ it would cost a round trip per request and a single point of failure.)
 
 Lifecycle of one request's :class:`Ticket`:
 
-``precheck(tenant)`` as soon as the headers named the tenant, before any body byte is read → refused at once if the
-tenant's request count or its request / prompt-token buckets already refuse it (nothing taken) →
-``admit(tenant, vector)`` at the ingress, once its text tokens are known → refused with 429
-``tenant_quota_exceeded`` + Retry-After if the tenant is at a concurrency cap (requests; requests with media) or any
-of its buckets is in debt → otherwise the known costs are taken from the buckets at once (one request, the text
-tokens) → :meth:`charge` takes the rest when it becomes known (pixels, patches, visual tokens: the media stage's
-figures, which reach the ingress with the decode stream's start) — a bucket may go into debt by the costs of the
-requests admitted before the first of them was charged (bound them with ``max_media_in_flight``), and the debt then
-holds the tenant's next requests back until it refills → :meth:`release` gives the concurrency back on
-every exit path (idempotent).
+``enter(tenant)`` as soon as the headers named the tenant, before any body byte is read → refused at once (429
+``tenant_quota_exceeded`` + Retry-After) if the tenant is at its cap of requests in flight or its request /
+prompt-token buckets already refuse it; otherwise the request takes its in-flight place **now**, so a tenant's slow
+uploads and large bodies count against its cap while they are read and parsed → ``admit(ticket, vector)`` at the
+ingress, once its text tokens are known → refused if the tenant is at its cap of requests with media or any of its
+buckets is in debt → otherwise the known costs are taken from the buckets at once (one request, the text tokens) →
+:meth:`charge` takes the rest when it becomes known (pixels, patches, visual tokens: the media stage's figures, which
+reach the ingress with the decode stream's start) — a bucket may go into debt by the costs of the requests admitted
+before the first of them was charged (bound them with ``max_media_in_flight``), and the debt then holds the tenant's
+next requests back until it refills → :meth:`release` gives the concurrency back on every exit path (idempotent),
+whether or not the request was admitted.
 
 Only the tenant's own buckets and counts are consulted: one tenant at its quota never refuses another.
 """
@@ -63,8 +64,10 @@ class _Tenant:
 @dataclass
 class Ticket:
     tenant: str
-    media: bool
+    media: bool = False
+    """Holds a place among the tenant's requests with media (set by :meth:`TenantQuotas.admit`)."""
     charged: dict[str, float] = field(default_factory=dict)
+    admitted: bool = False
     released: bool = False
 
 
@@ -92,21 +95,27 @@ class TenantQuotas:
     def _cap(self, limit: int | None) -> int | None:
         return None if limit is None else max(1, math.floor(limit * self.share))
 
-    def precheck(self, tenant: str) -> None:
+    def enter(self, tenant: str) -> Ticket:
         """Before the body is read (the tenant is known from the headers): refuse what :meth:`admit` would refuse
         whatever the body holds — the tenant at its cap of requests in flight, its request bucket empty or its
         prompt-token bucket in debt — so a client that ignores Retry-After costs a refusal no body read by the
-        ingress, no parse and no tokenisation. Takes nothing; what it lets through :meth:`admit` still judges in full
-        (media caps included)."""
+        ingress, no parse and no tokenisation; otherwise take the request's in-flight place, held until
+        :meth:`release`. What it lets through :meth:`admit` still judges in full (media caps and buckets)."""
         state, now = self._tenant(tenant), self.clock()
         self._check_count(tenant, state.in_flight, state.quota.max_in_flight, "requests")
         for name, need in (("requests", 1.0), ("prompt_tokens", 0.0)):
             self._check_bucket(tenant, state, name, need, now)
+        state.in_flight += 1
+        return Ticket(tenant)
 
-    def admit(self, tenant: str, rv: ResourceVector) -> Ticket:
+    def admit(self, ticket: Ticket, rv: ResourceVector) -> None:
+        """Judge the entered request by its vector: its media cap and every bucket it spends from; take the known
+        costs (one request, its prompt tokens) and its place among requests with media."""
+        if ticket.admitted or ticket.released:
+            raise ValueError("a ticket is admitted once, before it is released")
+        tenant = ticket.tenant
         state, now = self._tenant(tenant), self.clock()
         media = rv.media_items > 0
-        self._check_count(tenant, state.in_flight, state.quota.max_in_flight, "requests")
         if media:
             self._check_count(tenant, state.media_in_flight, state.quota.max_media_in_flight, "requests with media")
         now_costs = {"requests": 1.0, "prompt_tokens": float(rv.prompt_tokens)}
@@ -114,11 +123,9 @@ class TenantQuotas:
             if name in ("pixels", "patches") and not media:
                 continue  # a text request spends none of these: another budget's debt must not hold it back
             self._check_bucket(tenant, state, name, now_costs.get(name, 0.0), now)
-        ticket = Ticket(tenant, media)
         self.charge(ticket, **now_costs)
-        state.in_flight += 1
+        ticket.admitted, ticket.media = True, media
         state.media_in_flight += media
-        return ticket
 
     def _check_count(self, tenant: str, count: int, limit: int | None, what: str) -> None:
         cap = self._cap(limit)

@@ -83,6 +83,11 @@ class PrismConfig(Strict):
         ]
 
     @property
+    def body_bytes_in_flight(self) -> int:
+        """``server.max_body_bytes_in_flight``, or four bodies at :attr:`body_limit`."""
+        return self.server.max_body_bytes_in_flight or 4 * self.body_limit
+
+    @property
     def body_limit(self) -> int:
         """``server.max_body_bytes``, or what the media and text limits allow (see that field)."""
         if self.server.max_body_bytes is not None:

@@ -51,8 +51,22 @@ class ServerConfig(Strict):
     while they are read — in Serve's HTTP proxy already (:mod:`services.platform.proxy_guard`). ``None``: what the other
     limits allow — ``media.max_request_bytes`` of images as base64 data URLs, plus ``max_text_chars`` of text at up to 8
     bytes each as JSON escapes, plus 1 MiB for the JSON around them (≈ 87 MiB with the defaults)."""
+    max_body_bytes_in_flight: int | None = Field(default=None, ge=1024)
+    """Request-body bytes one ingress replica holds at once — bodies being read and parsed, over every request: a
+    request whose declared body would go past it is refused 429 ``server_overloaded`` + Retry-After before a byte of it
+    is read (its tenant's other requests and every other tenant's keep their memory). ``None``: four bodies at the
+    limit (``4 × max_body_bytes``)."""
     max_json_depth: int = Field(default=32, ge=8, le=256)
     """Deepest JSON nesting accepted in a request body (400 ``json_too_deep``)."""
+    max_json_structure: int | None = Field(default=None, ge=64)
+    """Structural characters (``{ [ , :``) a request body may hold, counted on its bytes before it is parsed (400
+    ``json_too_wide``): a body of a million empty objects is cheap to send and costs its parser ~27× its size in
+    Python objects while it holds the GIL — every stream on the replica stalls meanwhile. Base64 holds none of these
+    characters, so a large image costs nothing here. ``None``: what the shape limits allow — 8 per content part of
+    every message, plus every text character (text may be all punctuation), plus 4096."""
+    max_unknown_fields: int = Field(default=64, ge=0)
+    """Top-level fields Prism does not know (vendor extensions, ``user``, ``metadata`` …) accepted in one request;
+    more are a 400 ``too_many_fields``."""
     max_messages: int = Field(default=256, ge=1)
     """Messages in one request (400 ``too_many_messages``)."""
     max_content_parts: int = Field(default=64, ge=1)
@@ -66,6 +80,13 @@ class ServerConfig(Strict):
     """Times one request's decode stream may move to a live replica after its own was lost mid-generation (the
     chain is issued again and the tokens already sent are replayed, so the client sees neither error nor repeat).
     0: a lost decode replica fails its requests (503, or an error event in a stream)."""
+
+    @property
+    def json_structure_limit(self) -> int:
+        """``max_json_structure``, or what the shape limits allow (see that field)."""
+        if self.max_json_structure is not None:
+            return self.max_json_structure
+        return 8 * self.max_messages * self.max_content_parts + self.max_text_chars + 4096
 
     @field_validator("api_keys")
     @classmethod

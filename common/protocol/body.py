@@ -2,13 +2,17 @@
 stage sees it.
 
 1. bytes: the caller reads at most ``max_body_bytes`` (the proxy refused larger bodies already);
-2. JSON: :func:`decode_json` parses and refuses nesting deeper than ``max_json_depth`` (a 5,000-deep body would
-   otherwise reach the schema validator's recursion);
+2. JSON: :func:`decode_json` first counts the body's structural characters (``{ [ , :``) on its bytes — one C-speed
+   pass each — and refuses a body wider than ``max_json_structure`` before ``json.loads`` builds its objects (a
+   21 MB ``[{},{},…]`` is 212 MB of Python objects built while the GIL is held: every stream of the replica would
+   stall); then it parses, refuses nesting deeper than ``max_json_depth`` (a 5,000-deep body would otherwise reach the
+   schema validator's recursion) and strings that are not Unicode (a lone surrogate such as ``"\ud800"`` is valid JSON
+   but cannot be encoded: it would fail deep in the tokenizer or a URL);
 3. shape: :func:`check_shape` counts messages, content parts and text characters on the raw dict, so a body of a
    million tiny messages is refused before pydantic builds a million objects;
 4. parameters: OpenAI parameters Prism does not implement are refused by name when they carry anything but their
    default (clients routinely send ``logprobs: false`` or ``tools: []``); unknown fields are tolerated (vendor
-   extensions) and returned by name for the request log.
+   extensions) up to ``max_unknown_fields`` and returned by name for the request log.
 
 Each refusal is a 4xx naming the limit and the parameter; none echoes the client's values.
 """
@@ -60,8 +64,22 @@ def ascii_int(text: str, max_digits: int = 15) -> int | None:
     return int(text)
 
 
-def decode_json(raw: bytes | bytearray, max_depth: int) -> Any:
-    """Parse a body; 400 ``invalid_json`` if it is not JSON, ``json_too_deep`` past ``max_depth`` levels."""
+STRUCTURAL = (b"{", b"[", b",", b":")
+
+
+def decode_json(raw: bytes | bytearray, max_depth: int, max_structure: int | None = None) -> Any:
+    """Parse a body; 400 ``json_too_wide`` past ``max_structure`` structural characters (counted before parsing),
+    ``invalid_json`` if it is not JSON or holds a string that is not Unicode, ``json_too_deep`` past ``max_depth``
+    levels."""
+    if max_structure is not None:
+        count = 0
+        for char in STRUCTURAL:
+            count += raw.count(char)
+            if count > max_structure:
+                raise InvalidRequestError(
+                    f"request JSON has more than {max_structure} structural characters ({{ [ , :), the limit",
+                    code="json_too_wide",
+                )
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -70,17 +88,38 @@ def decode_json(raw: bytes | bytearray, max_depth: int) -> Any:
         ) from None
     except ValueError:
         raise InvalidRequestError("request body is not valid JSON", code="invalid_json") from None
+    _check_tree(body, max_depth)
+    return body
+
+
+def _check_tree(body: Any, max_depth: int) -> None:
+    """Nesting depth and Unicode of every string, keys included, in one walk over the parsed body."""
     stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, (dict, list)):
+        if isinstance(node, str):
+            _check_unicode(node)
+        elif isinstance(node, (dict, list)):
             if depth > max_depth:
                 raise InvalidRequestError(
                     f"request JSON is nested deeper than {max_depth} levels", code="json_too_deep"
                 )
+            if isinstance(node, dict):
+                for key in node:
+                    _check_unicode(key)
             children = node.values() if isinstance(node, dict) else node
-            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return body
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, str)))
+
+
+def _check_unicode(text: str) -> None:
+    """Refuse a string with a lone surrogate (``\\ud800``…): JSON's grammar allows the escape, Unicode does not."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError(
+                "request JSON holds a string that is not valid Unicode (a lone surrogate escape)", code="invalid_json"
+            ) from None
 
 
 def check_shape(body: Any, max_messages: int, max_parts: int, max_text_chars: int) -> None:
@@ -117,13 +156,18 @@ def check_shape(body: Any, max_messages: int, max_parts: int, max_text_chars: in
             )
 
 
-def check_parameters(body: dict[str, Any], known: frozenset[str]) -> list[str]:
-    """Refuse unsupported parameters set to anything but their default; returns the unknown fields' names (for the
-    request log: names only, never values)."""
+def check_parameters(body: dict[str, Any], known: frozenset[str], max_unknown: int | None = None) -> list[str]:
+    """Refuse unsupported parameters set to anything but their default, and more than ``max_unknown`` unknown fields;
+    returns the unknown fields' names (for the request log: names only, never values)."""
     for name, harmless in UNSUPPORTED.items():
         if name in body and not harmless(body[name]):
             raise UnsupportedParameter(f"parameter {name!r} is not supported by this server", param=name)
     unknown = sorted(k for k in body if k not in known and k not in UNSUPPORTED)
+    if max_unknown is not None and len(unknown) > max_unknown:
+        raise InvalidRequestError(
+            f"request has {len(unknown)} fields this server does not know; the limit is {max_unknown}",
+            code="too_many_fields",
+        )
     names = [k for k in unknown if _FIELD_NAME.fullmatch(k)][:MAX_LOGGED_FIELDS]
     others = len(unknown) - len(names)  # names that are not plain identifiers could carry content: counted only
     return names + ([f"+{others} more"] if others else [])

@@ -144,7 +144,7 @@ def parse_chat_request(body: Any, server: ServerConfig | None = None) -> ChatCom
     then the stop strings."""
     server = server or ServerConfig()
     check_shape(body, server.max_messages, server.max_content_parts, server.max_text_chars)
-    ignored = check_parameters(body, frozenset(ChatCompletionRequest.model_fields))
+    ignored = check_parameters(body, frozenset(ChatCompletionRequest.model_fields), server.max_unknown_fields)
     try:
         req = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:

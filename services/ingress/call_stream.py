@@ -52,8 +52,6 @@ class Call:
     trace: RequestTrace
     chain: list[Any]
     """Every stage response of the attempt (media, encode, prefill, the decode stream): cancelled together."""
-    release: Callable[[], None]
-    """Gives the tenant's quota back (idempotent)."""
     reissue: Issue | None = None
     """Issues the chain again for a decode migration; ``None``: the call cannot be migrated."""
     kv_blocks: int = 0
@@ -72,11 +70,8 @@ class Call:
         return self.admitted.sampling
 
     def close(self) -> None:
-        """Cancel whatever of the chain still runs and give the quota back; safe to call more than once."""
-        try:
-            cancel_chain(self.chain)
-        finally:
-            self.release()
+        """Cancel whatever of the chain still runs; safe to call more than once."""
+        cancel_chain(self.chain)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ open ──enter──► admitted (holds an in-flight place) ──► working 
 :class:`RequestLifecycle` is an async context manager. Entering takes an in-flight place (or closes the request as a
 429 and raises). Leaving closes it — by the exception that left the block (a typed error → REFUSED or FAILED by its
 status, a cancellation → CANCELLED), or as OK. :meth:`RequestLifecycle.close` is the only place that finishes the
-request's trace (metrics + the request log line), cancels its stage chain, gives the tenant's quota and the place
-back; a closed
-lifecycle ignores later closes, so the first outcome is the one recorded. An SSE response outlives its handler:
+request's trace (metrics + the request log line), cancels its stage chain, gives back what the request holds
+(:meth:`RequestLifecycle.hold`: its tenant's quota place, taken before the body was read) and its in-flight place; a
+closed lifecycle ignores later closes, so the first outcome is the one recorded. An SSE response outlives its handler:
 :meth:`detach` hands the open lifecycle to the response, which closes it itself — as CANCELLED if its body never ran.
 
 Every 5xx is logged with its traceback: ids, codes, exception types and frames, never request content.
@@ -68,6 +68,12 @@ class RequestLifecycle:
         self.error: PrismError | None = None
         self._admitted = False
         self._detached = False
+        self._held: list[Callable[[], None]] = []
+
+    def hold(self, release: Callable[[], None]) -> None:
+        """Something the request took (its tenant's quota place, body bytes …): ``release`` runs when it closes,
+        however it closes (once)."""
+        self._held.append(release)
 
     async def __aenter__(self) -> RequestLifecycle:
         try:
@@ -109,13 +115,21 @@ class RequestLifecycle:
                 log_failure(self.trace.request_id, status, code, exc)
         try:
             if self.call is not None:
-                self.call.close()  # cancels what of its chain still runs (frees KV at once), gives its quota back
+                self.call.close()  # cancels what of its chain still runs (frees KV at once)
             self.observer.finish(self.trace, status, code, kv_blocks)
-        finally:  # the place goes back whatever the above did
+        finally:  # what the request holds goes back whatever the above did
+            self._release_held()
+        return self.error
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        try:
+            for release in reversed(held):
+                release()
+        finally:
             if self._admitted:
                 self._admitted = False
                 self.places.release()
-        return self.error
 
     def summary(self) -> dict[str, Any] | None:
         """The trace summary when the client asked for it — without cache outcomes unless

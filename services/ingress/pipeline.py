@@ -10,9 +10,9 @@ started. The :class:`~services.ingress.call_stream.Call` it returns is read by :
 deadline, and decode migration when the decode replica is lost mid-stream).
 
 The quota ticket is charged what the media stage measured (pixels, patches, visual tokens) when it reaches the ingress
-with the stream's start, and released when the request closes, however it closes. Every call carries a
-:class:`RequestTrace`: the ingress span closes when the chain is issued (the first attempt's ``sent_at``), the stages'
-spans arrive with the stream's start and first token (with where the encode, prefill and decode routers sent the
+with the stream's start; the request's lifecycle releases it when the request closes, however it closes. Every call
+carries a :class:`RequestTrace`: the ingress span closes when the chain is issued (the first attempt's ``sent_at``), the
+stages' spans arrive with the stream's start and first token (with where the encode, prefill and decode routers sent the
 calls), and every token is stamped as it arrives here.
 """
 
@@ -53,12 +53,13 @@ class PipelineClient:
         self.metrics = metrics
         self.streams = CallStream(cfg.server.max_migrations, self._count_migration)
 
-    async def begin(self, tenant: str, body: Any, headers: RequestHeaders, trace: RequestTrace) -> Call:
-        """Plan, admit and issue the decoded ``body`` of an authenticated ``tenant``; returns once decode started.
-        Every check before the chain is a 4xx/429 that costs milliseconds (see :mod:`services.ingress.plan`)."""
-        trace.tenant = tenant
+    async def begin(self, ticket: Ticket, body: Any, headers: RequestHeaders, trace: RequestTrace) -> Call:
+        """Plan, admit and issue the decoded ``body`` of a request that entered its tenant's quota with ``ticket``
+        (the request's lifecycle gives it back); returns once decode started. Every check before the chain is a
+        4xx/429 that costs milliseconds (see :mod:`services.ingress.plan`)."""
+        tenant = trace.tenant = ticket.tenant
         planned = await asyncio.to_thread(plan, self.cfg, self.frontend, tenant, body, headers)
-        admitted = admit(planned, self.cfg, self.quotas, self.recorder)
+        admitted = admit(planned, ticket, self.cfg, self.quotas, self.recorder)
         started: Started | None = None
         try:
             request = admitted.request
@@ -72,7 +73,6 @@ class PipelineClient:
             _absorb(trace, started)
             self._charge_media(admitted.ticket, admitted.vector, started.first.spans)
         except BaseException:
-            self.quotas.release(admitted.ticket)
             if started is not None:
                 cancel_chain(started.responses)
             raise
@@ -84,7 +84,6 @@ class PipelineClient:
             prompt_ids=list(started.first.prompt_token_ids),
             trace=trace,
             chain=started.responses,
-            release=lambda: self.quotas.release(admitted.ticket),
             reissue=issue,
         )
 

@@ -3,7 +3,7 @@
 Lifecycle of one request here (each step a 4xx/429 that costs milliseconds, in the order its cost appears):
 
 ```
-headers ──RequestHeaders──► (the key authenticates, the tenant's quota prechecks: services.ingress.server)
+headers ──RequestHeaders──► (the key authenticates, the tenant's quota enters it: services.ingress.server)
 body ──plan() [worker thread]──► Plan: parsed + validated, priority, deadline, sampling, media references and their
         pre-fetch limits, the prompt rendered with one placeholder per item and tokenised, cache-affinity route keys,
         the ResourceVector as far as the ingress can know it, the KV blocks to reserve on a decode replica
@@ -11,7 +11,7 @@ body ──plan() [worker thread]──► Plan: parsed + validated, priority, d
 ```
 
 :func:`plan` touches no shared state (it runs in a worker thread: tokenising never stalls the event loop);
-:func:`admit` takes the tenant's quota ticket, so it runs on the loop that gives it back. Every decision of
+:func:`admit` charges the tenant's quota ticket, so it runs on the loop that gives it back. Every decision of
 :func:`admit` is counted by the ingress's :class:`~common.admission.record.AdmissionRecorder`. The admitted request is
 frozen: the chain (:mod:`services.ingress.chain`) issues attempts from it and nothing changes it on the way.
 """
@@ -102,7 +102,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class AdmittedRequest(Plan):
-    """A planned request the per-request limits and the tenant's quota let in; ``ticket`` goes back when it closes."""
+    """A planned request the per-request limits and the tenant's quota let in; its ``ticket`` goes back when the
+    request's lifecycle closes."""
 
     ticket: Ticket
 
@@ -191,15 +192,18 @@ def kv_estimate(cfg: PrismConfig, frontend: ModelFrontend, refs: tuple[MediaRef,
     return min(-(-tokens // eng.kv_block_size), eng.max_lease_blocks)
 
 
-def admit(plan: Plan, cfg: PrismConfig, quotas: TenantQuotas, recorder: AdmissionRecorder) -> AdmittedRequest:
+def admit(
+    plan: Plan, ticket: Ticket, cfg: PrismConfig, quotas: TenantQuotas, recorder: AdmissionRecorder
+) -> AdmittedRequest:
     """The per-request limits (complete for a text-only request; for one with media the vector is a lower bound, so
-    over a limit here is over it for certain), then the tenant's quota; each decision counted."""
+    over a limit here is over it for certain), then the tenant's quota on the ``ticket`` the request entered with
+    (its in-flight place, taken before the body was read); each decision counted."""
     reason = "limit"
     try:
         eng = cfg.engine
         check_limits(plan.vector, cfg.admission, eng.max_prompt_tokens, eng.max_lease_blocks)
         reason = "quota"
-        ticket = quotas.admit(plan.tenant, plan.vector)
+        quotas.admit(ticket, plan.vector)
     except PrismError:
         recorder.refused(plan.tenant, plan.priority, reason)
         raise

@@ -25,16 +25,23 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from common.admission.quota import TenantQuotas
+from common.admission.quota import TenantQuotas, Ticket
 from common.admission.record import AdmissionRecorder
 from common.auth import KeyStore
 from common.config import PrismConfig
-from common.errors import InvalidRequestError, ModelNotFound, PrismError, RequestTooLarge, TenantQuotaExceeded
+from common.errors import (
+    InvalidRequestError,
+    ModelNotFound,
+    Overloaded,
+    PrismError,
+    RequestTooLarge,
+    TenantQuotaExceeded,
+)
 from common.model.loader import load_frontend
 from common.protocol.body import decode_json
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
-from services.ingress.body import read_json
+from services.ingress.body import BodyBytes, read_json
 from services.ingress.call_stream import Call
 from services.ingress.chain import Chain
 from services.ingress.grpc_errors import grpc_abort
@@ -70,6 +77,7 @@ class IngressDeployment:
                 sub, frontend, chain, self.quotas, self.recorder, metrics
             )
         self.places = InFlight(server.max_in_flight_per_ingress, server.retry_after_s, self._load)
+        self.bodies = BodyBytes(self.cfg.body_bytes_in_flight, server.retry_after_s)
         self.observer.metrics.keep_fresh(lambda: self._load(self.places.count))
 
     def _load(self, in_flight: int) -> None:
@@ -78,20 +86,31 @@ class IngressDeployment:
         for tenant, count in self.quotas.in_flight().items():
             metrics.set("prism_tenant_in_flight", count, tenant=tenant)
 
-    def _authorize(self, life: RequestLifecycle, headers: RequestHeaders) -> str:
-        """The tenant of the request's key (401 otherwise), refused at once (429 ``tenant_quota_exceeded``) when its
-        quota refuses it whatever the body holds (:meth:`TenantQuotas.precheck`): a client hammering past its
-        Retry-After then costs no body read here, no parse, no tokenisation. Counted like the ingress's other admission
-        decisions (under the header's class: the body's ``priority`` is not read yet; an invalid header counts as
-        interactive — a label is never a value the client made up — and the 429 stands)."""
+    def _authorize(self, life: RequestLifecycle, headers: RequestHeaders) -> Ticket:
+        """The tenant of the request's key (401 otherwise), entered into its quota before any body byte is read
+        (:meth:`TenantQuotas.enter`): refused at once (429 ``tenant_quota_exceeded``) when its quota refuses it
+        whatever the body holds — a client hammering past its Retry-After then costs no body read here, no parse, no
+        tokenisation — otherwise holding its in-flight place while its body is read, given back when the request
+        closes. A refusal is counted like the ingress's other admission decisions (under the header's class: the
+        body's ``priority`` is not read yet; an invalid header counts as interactive — a label is never a value the
+        client made up — and the 429 stands)."""
         tenant = self.keys.tenant(headers.api_key)
         life.trace.tenant = tenant
         try:
-            self.quotas.precheck(tenant)
+            ticket = self.quotas.enter(tenant)
         except TenantQuotaExceeded:
             self.recorder.refused(tenant, headers.header_class, "quota")
             raise
-        return tenant
+        life.hold(lambda: self.quotas.release(ticket))
+        return ticket
+
+    async def _read_body(self, request: Request, headers: RequestHeaders, tenant: str) -> Any:
+        """The HTTP body, within the replica's body bytes in flight (a refusal counted as the ingress's)."""
+        try:
+            return await read_json(request, self.cfg.server, self.cfg.body_limit, self.bodies)
+        except Overloaded:
+            self.recorder.refused(tenant, headers.header_class, "budget_full")
+            raise
 
     def _client(self, body: Any) -> PipelineClient:
         """The served model the request names (404 ``model_not_found`` listing the served ones otherwise)."""
@@ -156,10 +175,10 @@ class IngressDeployment:
     ) -> tuple[PipelineClient, Call]:
         """From the headers, before any body byte is read: the key, and the tenant's quota as far as it can judge;
         then the body (bounded, parsed off the loop), the model it names, and the chain issued."""
-        tenant = self._authorize(life, headers)
-        body = await read_json(request, self.cfg.body_limit, self.cfg.server.max_json_depth)
+        ticket = self._authorize(life, headers)
+        body = await self._read_body(request, headers, ticket.tenant)
         client = self._client(body)
-        life.call = await client.begin(tenant, body, headers, life.trace)
+        life.call = await client.begin(ticket, body, headers, life.trace)
         return client, life.call
 
     async def _completion(self, life: RequestLifecycle, client: PipelineClient, call: Call) -> dict[str, Any]:
@@ -243,13 +262,14 @@ class IngressDeployment:
         self, life: RequestLifecycle, request: prism_pb2.GenerateRequest, headers: RequestHeaders
     ) -> tuple[PipelineClient, Call]:
         """Authenticate (before the JSON is parsed), bound and parse the message, route it, and issue the chain."""
-        tenant = self._authorize(life, headers)
+        ticket = self._authorize(life, headers)
         raw = request.chat_completion_json.encode()
         if len(raw) > self.cfg.body_limit:  # Serve bounds the whole message too: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
             raise RequestTooLarge(f"chat_completion_json is {len(raw)} bytes; the limit is {self.cfg.body_limit}")
-        body = await asyncio.to_thread(decode_json, raw, self.cfg.server.max_json_depth)
+        server = self.cfg.server
+        body = await asyncio.to_thread(decode_json, raw, server.max_json_depth, server.json_structure_limit)
         client = self._client(body)
-        life.call = await client.begin(tenant, body, headers, life.trace)
+        life.call = await client.begin(ticket, body, headers, life.trace)
         return client, life.call
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):

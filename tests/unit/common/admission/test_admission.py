@@ -83,6 +83,18 @@ def _rv(text: int = 10, media: int = 0) -> ResourceVector:
     return ResourceVector.at_ingress(text + media, media, 8, 16)
 
 
+def _take(q: TenantQuotas, tenant: str, rv: ResourceVector):
+    """``enter`` then ``admit``, as the ingress does (a refused ``admit`` gives the place back: the request's
+    lifecycle releases its ticket however it ends)."""
+    ticket = q.enter(tenant)
+    try:
+        q.admit(ticket, rv)
+    except TenantQuotaExceeded:
+        q.release(ticket)
+        raise
+    return ticket
+
+
 class _Clock:
     def __init__(self) -> None:
         self.t = 100.0
@@ -97,18 +109,18 @@ def test_tenant_concurrency_quota_refuses_only_that_tenant():
         tenants={"alpha": TenantQuota(max_in_flight=3, max_media_in_flight=1)},
     )
     q = TenantQuotas(cfg, retry_after_s=2)
-    first = q.admit("alpha", _rv(media=1))
+    first = _take(q, "alpha", _rv(media=1))
     with pytest.raises(TenantQuotaExceeded) as info:
-        q.admit("alpha", _rv(media=1))  # a second request with media
+        _take(q, "alpha", _rv(media=1))  # a second request with media
     assert info.value.http_status == 429 and info.value.code == "tenant_quota_exceeded"
     assert info.value.retry_after_s == 2 and "alpha" in info.value.message
-    text = [q.admit("alpha", _rv()), q.admit("alpha", _rv())]  # text still fits under max_in_flight
+    text = [_take(q, "alpha", _rv()), _take(q, "alpha", _rv())]  # text still fits under max_in_flight
     with pytest.raises(TenantQuotaExceeded):
-        q.admit("alpha", _rv())
-    others = [q.admit("beta", _rv(media=1)) for _ in range(10)]  # another tenant is untouched
+        _take(q, "alpha", _rv())
+    others = [_take(q, "beta", _rv(media=1)) for _ in range(10)]  # another tenant is untouched
     q.release(first)
     q.release(first)  # idempotent
-    q.admit("alpha", _rv(media=1))
+    _take(q, "alpha", _rv(media=1))
     for t in text + others:
         q.release(t)
     assert q.in_flight() == {"alpha": 1, "beta": 0}
@@ -118,20 +130,21 @@ def test_token_bucket_charges_late_costs_and_refills():
     clock = _Clock()
     cfg = AdmissionConfig(tenants={"alpha": TenantQuota(pixels=Rate(per_s=1_000_000, burst=2_000_000))})
     q = TenantQuotas(cfg, clock=clock)
-    t = q.admit("alpha", _rv(media=1))
+    t = _take(q, "alpha", _rv(media=1))
     q.charge(t, pixels=5_000_000)  # the media stage measured a big image: the bucket goes into debt
     q.release(t)
     with pytest.raises(TenantQuotaExceeded) as info:
-        q.admit("alpha", _rv(media=1))
+        _take(q, "alpha", _rv(media=1))
     assert info.value.retry_after_s == 3  # 3 M pixels of debt at 1 M/s
-    q.admit("alpha", _rv())  # text spends no pixels: not held back by the pixel debt
+    _take(q, "alpha", _rv())  # text spends no pixels: not held back by the pixel debt
     clock.t += 3.01
-    q.admit("alpha", _rv(media=1))
+    _take(q, "alpha", _rv(media=1))
 
 
-def test_precheck_refuses_before_the_body_what_admit_would_refuse_whatever_the_body_holds():
-    """``precheck`` (the tenant known, the body not read) refuses a tenant at its request cap, with its request
-    bucket empty or its prompt-token bucket in debt, and takes nothing; caps on media it cannot judge (no body)."""
+def test_enter_refuses_before_the_body_what_admit_would_refuse_and_holds_the_place_while_it_is_read():
+    """``enter`` (the tenant known, the body not read) refuses a tenant at its request cap, with its request bucket
+    empty or its prompt-token bucket in debt; otherwise it takes the request's in-flight place at once (a body still
+    being read counts against the cap) and spends nothing; caps on media it cannot judge (no body)."""
     clock = _Clock()
     cfg = AdmissionConfig(
         tenants={
@@ -140,47 +153,50 @@ def test_precheck_refuses_before_the_body_what_admit_would_refuse_whatever_the_b
         }
     )
     q = TenantQuotas(cfg, retry_after_s=2, clock=clock)
-    q.precheck("alpha")
-    held = [q.admit("alpha", _rv(media=1))]
-    q.precheck("alpha")  # at its media cap, but a text request would still be admitted: not judged here
-    held.append(q.admit("alpha", _rv()))
+    first = q.enter("alpha")
+    q.admit(first, _rv(media=1))
+    reading = q.enter("alpha")  # at its media cap, but a text request would still be admitted: not judged here
+    assert q.in_flight() == {"alpha": 2}  # the second one's body is still being read: it holds its place already
     with pytest.raises(TenantQuotaExceeded) as info:
-        q.precheck("alpha")
+        q.enter("alpha")
     assert info.value.retry_after_s == 2 and "2 requests in flight" in info.value.message
-    for h in held:
-        q.release(h)
-    q.precheck("alpha")
+    q.release(reading)  # its upload failed before admission: the place goes back all the same
+    q.release(reading)  # idempotent
+    q.release(q.enter("alpha"))
+    q.release(first)
+    assert q.in_flight() == {"alpha": 0}
 
     for _ in range(5):
-        q.precheck("beta")  # takes nothing: the request bucket (burst 2) is still full
-    ticket = q.admit("beta", _rv())
+        q.release(q.enter("beta"))  # spends nothing: the request bucket (burst 2) is still full
+    ticket = _take(q, "beta", _rv())
     q.charge(ticket, prompt_tokens=300)  # visual tokens measured later: the prompt-token bucket goes into debt
     with pytest.raises(TenantQuotaExceeded) as info:
-        q.precheck("beta")
+        q.enter("beta")
     assert "prompt_tokens rate" in info.value.message and info.value.retry_after_s == 3
     clock.t += 3.01
-    q.precheck("beta")
-    q.admit("beta", _rv())
-    q.admit("beta", _rv())  # the request bucket (refilled to its burst of 2) is spent
+    _take(q, "beta", _rv())
+    _take(q, "beta", _rv())  # the request bucket (refilled to its burst of 2) is spent
     with pytest.raises(TenantQuotaExceeded) as info:
-        q.precheck("beta")
+        q.enter("beta")
     assert "requests rate" in info.value.message
-    q.precheck("gamma")  # another tenant is untouched
+    q.release(q.enter("gamma"))  # another tenant is untouched
 
     debt = TenantQuotas(AdmissionConfig(default_tenant=TenantQuota(pixels=Rate(per_s=1, burst=10))), clock=clock)
-    debt.charge(debt.admit("delta", _rv(media=1)), pixels=1000)
-    debt.precheck("delta")  # a pixel debt holds back only requests with media, which the headers cannot tell
-    debt.admit("delta", _rv())
+    debt.charge(_take(debt, "delta", _rv(media=1)), pixels=1000)
+    text = debt.enter("delta")  # a pixel debt holds back only requests with media, which the headers cannot tell
+    debt.admit(text, _rv())
+    with pytest.raises(ValueError):
+        debt.admit(text, _rv())  # admitted once
 
 
 def test_quota_share_splits_caps_and_rates_per_ingress_replica():
     cfg = AdmissionConfig(default_tenant=TenantQuota(max_in_flight=4, requests=Rate(per_s=10, burst=4)))
     q = TenantQuotas(cfg, share=0.5, clock=_Clock())
-    held = [q.admit("t", _rv()), q.admit("t", _rv())]
+    held = [_take(q, "t", _rv()), _take(q, "t", _rv())]
     with pytest.raises(TenantQuotaExceeded):
-        q.admit("t", _rv())  # 4 × 0.5
+        _take(q, "t", _rv())  # 4 × 0.5
     for h in held:
         q.release(h)
     with pytest.raises(TenantQuotaExceeded) as info:
-        q.admit("t", _rv())  # the request bucket (burst 4 × 0.5) is spent
+        _take(q, "t", _rv())  # the request bucket (burst 4 × 0.5) is spent
     assert "requests rate" in info.value.message

@@ -157,3 +157,59 @@ def test_default_body_limit_covers_the_media_and_text_limits():
     assert cfg.body_limit >= base64_media + cfg.server.max_text_chars
     assert cfg.body_limit < 100 << 20
     assert PrismConfig.model_validate({"server": {"max_body_bytes": 4096}}).body_limit == 4096
+
+
+def test_a_width_bomb_is_refused_before_it_is_parsed(monkeypatch):
+    """A 21 MB ``[{},{},…]`` (the shape that stalled every tenant 40 s) is counted on its bytes and refused without
+    ``json.loads`` ever running; a body of the same size that is mostly base64 passes the count."""
+    server = ServerConfig()
+    bomb = b'{"model": "m", "messages": [], "x": [' + b"{}," * 7_000_000 + b"{}]}"
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr("common.protocol.body.json.loads", lambda raw: parsed.append(1) or real(raw))
+    with pytest.raises(InvalidRequestError) as info:
+        decode_json(bomb, server.max_json_depth, server.json_structure_limit)
+    assert info.value.code == "json_too_wide" and info.value.http_status == 400 and not parsed
+    image = "data:image/png;base64," + "QUJD" * 5_000_000
+    legit = json.dumps(
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]}
+    )
+    assert decode_json(legit.encode(), server.max_json_depth, server.json_structure_limit)["model"] == "m"
+    assert parsed == [1]
+
+
+def test_the_structure_limit_follows_the_shape_limits():
+    server = ServerConfig()
+    assert server.json_structure_limit == 8 * 256 * 64 + 131_072 + 4096
+    assert (
+        ServerConfig(max_messages=10, max_content_parts=2, max_text_chars=100).json_structure_limit == 160 + 100 + 4096
+    )
+    assert ServerConfig(max_json_structure=500).json_structure_limit == 500
+    with pytest.raises(InvalidRequestError):
+        decode_json(b"[" + b"1," * 600 + b"1]", 32, 500)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://a/\\udfff"}}]}]}',
+        b'{"model": "m", "\\ud83d": 1, "messages": []}',
+        b'"\\udc80"',
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_a_400(raw):
+    with pytest.raises(InvalidRequestError) as info:
+        decode_json(raw, 32)
+    assert info.value.http_status == 400 and info.value.code == "invalid_json" and "Unicode" in info.value.message
+
+
+def test_a_surrogate_pair_is_fine():
+    body = decode_json(b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}', 32)
+    assert body["messages"][0]["content"] == "\U0001f600"
+
+
+def test_unknown_fields_are_capped():
+    refused = _refused({**BASE, **{f"x{i}": i for i in range(65)}})
+    assert refused.code == "too_many_fields" and refused.http_status == 400
+    assert parse_chat_request({**BASE, **{f"x{i}": i for i in range(64)}}, ServerConfig()).model == "m"

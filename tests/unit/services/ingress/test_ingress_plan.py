@@ -57,8 +57,10 @@ def test_a_body_becomes_a_frozen_admitted_request(setup):
     assert planned.kv_blocks == planned.vector.kv_blocks  # text-only: the reservation is exact
     assert planned.route is not None and planned.route.media is None and planned.route.prefix
     sink = _Sink()
-    admitted = admit(planned, cfg, TenantQuotas(cfg.admission), AdmissionRecorder(sink, "ingress"))
-    assert isinstance(admitted, AdmittedRequest) and admitted.ticket is not None
+    quotas = TenantQuotas(cfg.admission)
+    ticket = quotas.enter("alpha")
+    admitted = admit(planned, ticket, cfg, quotas, AdmissionRecorder(sink, "ingress"))
+    assert isinstance(admitted, AdmittedRequest) and admitted.ticket is ticket and ticket.admitted
     assert admitted.request is planned.request and admitted.vector == planned.vector
     with pytest.raises(dataclasses.FrozenInstanceError):
         admitted.priority = "interactive"  # type: ignore[misc]
@@ -94,21 +96,25 @@ def test_limits_and_quota_refuse_and_are_counted(setup):
     strict = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"max_prompt_tokens": 100})})
     sink = _Sink()
     recorder = AdmissionRecorder(sink, "ingress")
+    quotas = TenantQuotas(strict.admission)
     with pytest.raises(InvalidRequestError) as info:
-        admit(plan(strict, frontend, "t", body, _headers()), strict, TenantQuotas(strict.admission), recorder)
+        admit(plan(strict, frontend, "t", body, _headers()), quotas.enter("t"), strict, quotas, recorder)
     assert info.value.code == "prompt_too_long"
     capped = PrismConfig.model_validate(
-        {"model": cfg.model.model_dump(), "admission": {"tenants": {"t": {"max_in_flight": 1}}}}
+        {"model": cfg.model.model_dump(), "admission": {"tenants": {"t": {"max_media_in_flight": 1}}}}
     )
     quotas = TenantQuotas(capped.admission)
     short = {**body, "messages": [{"role": "user", "content": "hi"}]}
-    admit(plan(capped, frontend, "t", short, _headers()), capped, quotas, recorder)
-    with pytest.raises(TenantQuotaExceeded):
-        admit(plan(capped, frontend, "t", short, _headers()), capped, quotas, recorder)
+    media = _image_body()
+    admit(plan(capped, frontend, "t", media, _headers()), quotas.enter("t"), capped, quotas, recorder)
+    with pytest.raises(TenantQuotaExceeded):  # a second request with media, over its tenant's cap
+        admit(plan(capped, frontend, "t", media, _headers()), quotas.enter("t"), capped, quotas, recorder)
+    admit(plan(capped, frontend, "t", short, _headers()), quotas.enter("t"), capped, quotas, recorder)
     assert [(c["result"], c["reason"]) for c in sink.counts] == [
         ("refused", "limit"),
         ("admitted", "immediate"),
         ("refused", "quota"),
+        ("admitted", "immediate"),
     ]
 
 

@@ -339,12 +339,10 @@ def test_a_tenant_at_its_cap_is_refused_before_its_body_is_read(model_cache):
     """The tenant is known from the headers: at its cap of requests in flight it gets 429 ``tenant_quota_exceeded``
     without the body being read — a body that is not even JSON gets the 429, not a 400 — and, with room again, the
     same body is judged (400)."""
-    from common.protocol.vector import ResourceVector
-
     config = {**_config(model_cache), "admission": {"default_tenant": {"max_in_flight": 1}}}
     app = build(config, transport=FakeTransport())
     quotas = app.state.ingress.quotas
-    held = quotas.admit("default", ResourceVector.at_ingress(10, 0, 8, 16))  # another request of the tenant
+    held = quotas.enter("default")  # another request of the tenant
 
     async def post_garbage() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
