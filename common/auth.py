@@ -44,14 +44,23 @@ def _hashed(keys: dict[str, str]) -> list[tuple[bytes, str]]:
     return [(_digest(k), tenant) for k, tenant in keys.items()]
 
 
+def key_digests(keys: dict[str, str]) -> dict[str, str]:
+    """API key → tenant as SHA-256 hex digest → tenant: what a process that must check keys but need not hold them
+    (Serve's proxies, :mod:`services.platform.proxy_guard`) is given."""
+    return {_digest(k).hex(): tenant for k, tenant in keys.items()}
+
+
 class KeyStore:
-    def __init__(self, server: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, server: ServerConfig, clock: Callable[[], float] = time.monotonic, digests: dict[str, str] | None = None
+    ) -> None:
+        """``server``'s inline keys and key file; ``digests``: more keys, as :func:`key_digests` gives them."""
         self._path = server.api_keys_file
         self._interval = server.api_keys_reload_s
         self._clock = clock
-        self._inline = _hashed(server.api_keys)
+        self._inline = _hashed(server.api_keys) + [(bytes.fromhex(d), t) for d, t in (digests or {}).items()]
         self._lock = threading.Lock()  # lookups run on the event loop and in gRPC threads
-        self.enabled = bool(server.api_keys) or self._path is not None
+        self.enabled = bool(self._inline) or self._path is not None
         self._seen: tuple[int, int, int] | None = None
         self._checked = clock()
         self._entries = self._inline

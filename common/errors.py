@@ -187,3 +187,20 @@ class StageUnavailable(PrismError):
     error_type = "server_error"
     default_code = "stage_unavailable"
     retry_after_s = 1.0
+
+
+class RequestTimeout(PrismError):
+    """The client sent its request body too slowly (HTTP 408): it was dropped rather than held."""
+
+    http_status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+class ProxyBusy(PrismError):
+    """A Serve proxy is gathering as many request bodies as it may hold (HTTP 503 with Retry-After)."""
+
+    http_status = 503
+    error_type = "server_error"
+    default_code = "server_overloaded"
+    retry_after_s = 1.0

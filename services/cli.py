@@ -70,19 +70,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
 
-    from common.config import PrismConfig
-    from services.platform.proxy_guard import ray_env
+    from services.platform.proxy_guard import GuardSettings, ray_env, serve_apps
 
     raw = yaml.safe_load(open(args.config))
-    body_limit = 0
-    for app in raw.get("applications", []):
-        cfg = PrismConfig.model_validate(app.get("args", {}).get("config", {}))  # fail fast on a bad config
+    apps = serve_apps(raw)  # every application's config validated: a bad one fails here, before Ray starts
+    for _, _, cfg in apps:
         for sub in cfg.served():  # built here once, not by every replica at once
             print(f"model {sub.model.name}: {resolve_model_dir(sub.model.model, sub.model.cache_dir)}", flush=True)
-        body_limit = max(body_limit, cfg.body_limit)
-    # The proxies bound request bodies before the ingress sees a byte (services/platform/proxy_guard.py); they inherit
-    # this environment from the head.
-    env = {**os.environ, **ray_env(body_limit or PrismConfig().body_limit)}
+    # The proxies guard the front door before the ingress sees a byte — body bounds, and the keys of every application
+    # of this config (services/platform/proxy_guard.py); they inherit this environment from the head.
+    env = {**os.environ, **ray_env(GuardSettings.of(apps))}
     env.update(loopback_env(raw))
     # Safe with the local configs: Ray listens on loopback only, and so do the proxies (http_options.host 127.0.0.1)
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")

@@ -8,6 +8,7 @@ request-log file differ from the default config. The test packages that use it s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -20,12 +21,32 @@ from tests.netutil import free_port, wait_for_http
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "sec-key-a"
+OTHER_KEY = "sec-key-b"
+"""A second tenant's key (``tenant-b``): the victim of another tenant's hostile requests."""
+ORIGIN_KEY = "sec-key-c"
+"""A third tenant's key (``tenant-c``): requests for media on origins that never answer — the one place a hostile
+request's typed answer is a 5xx (504 ``media_fetch_timeout``: the origin's fault, retryable), kept apart so that every
+other request can be held to "no 5xx"."""
+UPSTREAM_TIMEOUTS = {(504, "media_fetch_timeout"), (504, "deadline_exceeded")}
+"""What a request for media on an origin that never answers may end in."""
+
+
+def server_errors(request_log: Path) -> list[dict]:
+    """The request log's 5xx lines, but for ``tenant-c``'s upstream timeouts (:data:`UPSTREAM_TIMEOUTS`)."""
+    lines = [json.loads(line) for line in request_log.read_text().splitlines()]
+    return [x for x in lines if x["status"] >= 500 and not _upstream_timeout(x)]
+
+
+def _upstream_timeout(line: dict) -> bool:
+    return line["tenant"] == "tenant-c" and (line["status"], line["code"]) in UPSTREAM_TIMEOUTS
 
 
 @contextlib.contextmanager
-def make_serve(model_cache: str, work: Path):
+def make_serve(model_cache: str, work: Path, private_media: str = ""):
     """Yields a dict: ``base`` URL, ``grpc`` and ``metrics`` ports, ``request_log`` path, ``log`` (make serve's
-    output), ``config`` (the application's PrismConfig dict) and ``up_s`` (launch → /health answering)."""
+    output), ``config`` (the application's PrismConfig dict) and ``up_s`` (launch → /health answering).
+    ``private_media``: CIDRs the media stage may fetch from (``PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS``, e.g. a test's own
+    origin on loopback)."""
     http, grpc_port, metrics, ray_port = free_port(), free_port(), free_port(), free_port()
     config = yaml.safe_load((ROOT / "ray_configs" / "local_cpu.yaml").read_text())
     config["http_options"]["port"] = http
@@ -33,15 +54,16 @@ def make_serve(model_cache: str, work: Path):
     app = config["applications"][0]["args"]["config"]
     for model in app.get("models") or [app.setdefault("model", {})]:
         model["cache_dir"] = model_cache
-    app["server"] = {"api_keys": {API_KEY: "tenant-a"}}
+    app["server"] = {"api_keys": {API_KEY: "tenant-a", OTHER_KEY: "tenant-b", ORIGIN_KEY: "tenant-c"}}
     app["observability"] = {"request_log_path": str(work / "requests.jsonl"), "trace_cache_hits": True}
     cfg = work / "serve.yaml"
     cfg.write_text(yaml.safe_dump(config))
     log = work / "make-serve.log"
     cmd = ["make", "serve", f"CONFIG={cfg}", f"SERVE_FLAGS=--metrics-port {metrics} --ray-port {ray_port}"]
     started = time.monotonic()
+    env = {**os.environ, "PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS": private_media} if private_media else None
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         base = f"http://127.0.0.1:{http}"
         if not wait_for_http(f"{base}/health", proc, 300):

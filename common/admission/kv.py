@@ -99,6 +99,10 @@ class LeaseBook(Protocol):
 
     def is_reserved(self, request_id: str) -> bool: ...
 
+    def hold(self, request_id: str, until: float) -> None:
+        """Let an unclaimed reservation lapse at ``until`` at the latest."""
+        ...
+
     def unreserve(self, request_id: str) -> bool:
         """Drop an unclaimed reservation; False if there is none."""
         ...
@@ -122,7 +126,8 @@ class KVGate:
     outlast the deadline or the queue is full), then leases: granted at once, or the caller waits for the pool to grant
     it (504 at its deadline; a caller that goes away gives it back). The pool grants leases as blocks free; the stage
     calls :meth:`wake` whenever leases changed, which resolves the waiters. A reservation nobody claims goes back with
-    :meth:`release` / :meth:`drop` (the ingress: its chain failed) or at its deadline: a sweep runs every ``sweep_s``
+    :meth:`release` / :meth:`drop` (the ingress: its chain failed), ``hold_s`` after it was granted, or at its
+    deadline, whichever comes first: a sweep runs every ``sweep_s``
     while the book has anything pending (it also times out sequences waiting for their lease when nothing steps).
     ``on_change`` is the stage's hook for "leases changed" (wake, refresh its gauges, poke its driver).
     """
@@ -138,10 +143,13 @@ class KVGate:
         on_change: Callable[[], None],
         precheck: Callable[[], None] | None = None,
         sweep_s: float = 1.0,
+        hold_s: float = math.inf,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``hold_s``: how long a granted reservation waits for its sequence to claim it before it lapses (whatever
+        the request's deadline)."""
         self.book, self.admission, self.lock, self.on_change = book, admission, lock, on_change
-        self.precheck, self.sweep_s, self.clock = precheck, sweep_s, clock
+        self.precheck, self.sweep_s, self.hold_s, self.clock = precheck, sweep_s, hold_s, clock
         self._waiters: dict[str, asyncio.Future[bool]] = {}  # reservations waiting for their blocks
         self._sweeper: asyncio.Task | None = None
 
@@ -167,11 +175,16 @@ class KVGate:
             waiter = None if granted else asyncio.get_running_loop().create_future()
             if waiter is not None:
                 self._waiters[key] = waiter
+            else:
+                self.book.hold(key, self.clock() + self.hold_s)
         self.keep_sweeping()
         self.on_change()
-        if waiter is not None:
-            await self._wait(key, waiter, left)
-        return Grant(amount, self.clock() - start if waiter is not None else 0.0, key)
+        if waiter is None:
+            return Grant(amount, 0.0, key)
+        await self._wait(key, waiter, left)
+        async with self.lock:
+            self.book.hold(key, self.clock() + self.hold_s)
+        return Grant(amount, self.clock() - start, key)
 
     async def _wait(self, key: str, waiter: asyncio.Future[bool], left: float) -> None:
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -57,10 +58,11 @@ class StageAdmission:
         finally:
             self.gate.release(grant)
 
-    async def in_thread(self, grant: Grant, stop: Stop, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in a worker thread under ``grant``: released when the thread ends; if the caller is cancelled
-        first, ``stop`` is set so the thread ends at its next check."""
-        task = asyncio.ensure_future(asyncio.to_thread(fn))
+    async def in_thread(self, grant: Grant, stop: Stop, fn: Callable[[], T], executor: Executor | None = None) -> T:
+        """Run ``fn`` in a worker thread (of ``executor``; the loop's default pool when ``None``) under ``grant``:
+        released when the thread ends; if the caller is cancelled first, ``stop`` is set so the thread ends at its next
+        check."""
+        task = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(executor, fn))
         try:
             return await asyncio.shield(task)
         finally:

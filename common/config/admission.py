@@ -74,6 +74,10 @@ class AdmissionConfig(BaseModel):
     """Lease each request's KV blocks on a decode replica before prefill computes (the ingress asks decode first; a
     full pool holds the request back, or refuses it with 429, before any prefill work). Off: decode leases when the
     prefilled KV arrives, as a fallback does when the reserving replica is gone."""
+    reservation_hold_s: float = Field(default=60.0, gt=0)
+    """How long a granted KV reservation waits for its sequence to claim it (the request's encode and prefill run
+    meanwhile) before the decode replica gives its blocks back, whatever the request's deadline — a reservation never
+    outlives its request's media by more than this. A sequence that arrives later leases its blocks on arrival."""
     batch_delay_s: float = Field(default=10.0, ge=0)
     """Batch-class requests rank as if they arrived this many seconds later than interactive ones."""
     retry_after_s: float = Field(default=1.0, gt=0)

@@ -52,6 +52,11 @@ class StageConfig(Strict):
 class MediaStageConfig(StageConfig):
     max_ongoing_requests: int = Field(default=128, ge=1)
     """Requests a replica works on at once (the pixel budget bounds what decodes)."""
+    fetch_threads: int = Field(default=32, ge=1)
+    """Threads of a replica that download media (and check headers): a pool of the stage's own, so a flood of slow
+    URLs waits for these and for nothing else of the replica's."""
+    decode_threads: int = Field(default=4, ge=1)
+    """Threads of a replica that decode and process media (within the pixel budget)."""
     cpu_nice: int = Field(default=19, ge=0, le=19)
     """OS niceness: media decoding yields the cores to the latency path (see :class:`StageConfig`)."""
 

@@ -66,6 +66,9 @@ class MediaConfig(BaseModel):
     """Frames in an animated GIF/WebP/PNG, counted without decoding."""
     max_redirects: int = Field(default=5, ge=0, le=10)
     """HTTP redirects followed (each hop re-checked)."""
+    dns_timeout_s: float = Field(default=5.0, gt=0)
+    """Longest wait for a media host's name to resolve (the system resolver has no timeout of its own: lookups run on
+    a small pool of their own and are abandoned past this, 504 ``media_fetch_timeout``)."""
     connect_timeout_s: float = Field(default=5.0, gt=0)
     """TCP/TLS connect timeout per hop."""
     read_timeout_s: float = Field(default=10.0, gt=0)

@@ -56,6 +56,21 @@ class ServerConfig(Strict):
     request whose declared body would go past it is refused 429 ``server_overloaded`` + Retry-After before a byte of it
     is read (its tenant's other requests and every other tenant's keep their memory). ``None``: four bodies at the
     limit (``4 × max_body_bytes``)."""
+    body_read_grace_s: float = Field(default=10.0, gt=0)
+    """Seconds any request body may take to arrive; past them it must keep arriving at ``body_min_bytes_per_s`` on
+    average since its first byte, or the client gets 408 ``request_timeout`` and the request is dropped — in Serve's
+    HTTP proxy already, before (or while) the ingress reads it: a slow or stalled upload cannot hold its places,
+    memory or sockets for long."""
+    body_min_bytes_per_s: int = Field(default=65_536, ge=1)
+    """Slowest average rate a request body may arrive at once ``body_read_grace_s`` has passed (64 KiB/s, half a
+    megabit: a body at the limit may take its grace plus ~23 minutes at that rate; anything slower is a client that
+    is not sending)."""
+    proxy_chunked_bytes_in_flight: int | None = Field(default=None, ge=1024)
+    """Bytes of uploads without a ``Content-Length`` (chunked) that one Serve proxy gathers at once, over every
+    request: a chunk that would go past them gets its request a 503 ``server_overloaded`` + Retry-After. ``None``:
+    four bodies at the limit."""
+    max_concurrent_grpc_calls: int = Field(default=1024, ge=1)
+    """gRPC calls one Serve proxy serves at once; more get ``RESOURCE_EXHAUSTED`` before their message is read."""
     max_json_depth: int = Field(default=32, ge=8, le=256)
     """Deepest JSON nesting accepted in a request body (400 ``json_too_deep``)."""
     max_json_structure: int | None = Field(default=None, ge=64)

@@ -108,6 +108,8 @@ class DecodeEngine:
         self.clock = clock
         self.prefer_contiguous = prefer_contiguous
         self.last_error: BaseException | None = None
+        self.failed_steps = 0
+        """Steps failed in a row (a step that worked resets it): the decode stage's health."""
         self.replayed = 0
         """Tokens fed through replay steps (decode migration)."""
         self.replay_mismatches = 0
@@ -132,6 +134,12 @@ class DecodeEngine:
 
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved
+
+    def hold(self, request_id: str, until: float) -> None:
+        """Let an unclaimed reservation lapse at ``until`` (this engine's clock) if its deadline is later."""
+        if request_id in self._reserved:
+            deadline = self._reserved[request_id]
+            self._reserved[request_id] = until if deadline is None else min(deadline, until)
 
     def reservation_granted(self, request_id: str) -> bool:
         return request_id in self._reserved and self.pool.granted(request_id)
@@ -291,9 +299,11 @@ class DecodeEngine:
         if batch:
             try:
                 self._decode(batch)
+                self.failed_steps = 0
             except Exception as exc:  # a failed step must not leak KV or hang its sequences
                 log.exception("decode step over %d sequences failed; they end with an error event", len(batch))
                 self.last_error = exc
+                self.failed_steps += 1
                 for seq in batch:
                     self._abort(seq.request_id, "error")
             # Rotate so sequences beyond max_batch get their turn next step.

@@ -27,6 +27,8 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -68,6 +70,25 @@ def system_resolver(host: str, port: int) -> list[str]:
     except socket.gaierror as exc:
         raise MediaFetchUnavailable(f"cannot resolve the media host: {exc.strerror}") from exc
     return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+class TimedResolver:
+    """:func:`system_resolver` with a timeout. ``getaddrinfo`` cannot be interrupted, so lookups run on a pool of
+    ``workers`` threads of their own and the caller stops waiting after ``timeout_s`` (a lookup that hangs keeps its
+    thread until the system gives up; at most ``workers`` do, and a lookup queued behind them times out all the
+    same)."""
+
+    def __init__(self, timeout_s: float, workers: int = 4, resolve: Resolver = system_resolver) -> None:
+        self.timeout_s, self._resolve = timeout_s, resolve
+        self._pool = ThreadPoolExecutor(workers, "prism-dns")
+
+    def __call__(self, host: str, port: int) -> list[str]:
+        future = self._pool.submit(self._resolve, host, port)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            future.cancel()  # (still queued: never runs)
+            raise MediaFetchTimeout(f"the media host's name did not resolve within {self.timeout_s:g}s") from None
 
 
 def _mime(value: str | None) -> str | None:

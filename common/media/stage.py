@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.config.media import MediaConfig
-from common.media.fetch import MediaFetcher, Resolver, system_resolver
+from common.media.fetch import MediaFetcher, Resolver, TimedResolver
 from common.media.image import check_pillow_guard
 from common.media.loader import CheckedMedia, LoadedMedia, LoadTimings, decode_media, fetch_media, load_media
 from common.protocol.handoff import MediaRef
@@ -19,10 +19,11 @@ from common.stop import NEVER, Stop
 
 
 class MediaStage:
-    def __init__(self, cfg: MediaConfig, resolver: Resolver = system_resolver) -> None:
+    def __init__(self, cfg: MediaConfig, resolver: Resolver | None = None) -> None:
+        """``resolver``: the system's, with ``media.dns_timeout_s`` (:class:`TimedResolver`), unless given."""
         check_pillow_guard()
         self.cfg = cfg
-        self.fetcher = MediaFetcher(cfg, resolver=resolver)
+        self.fetcher = MediaFetcher(cfg, resolver=resolver or TimedResolver(cfg.dns_timeout_s))
 
     def load(self, refs: Sequence[MediaRef], timings: LoadTimings | None = None) -> list[LoadedMedia]:
         return load_media(refs, self.cfg, self.fetcher, timings)

@@ -4,8 +4,13 @@ The demuxer is forced from the sniffed format (``mov`` for MP4/MOV, ``matroska``
 probes its way into a playlist or concat demuxer that could open other files or URLs. Then, before any frame is
 decoded: exactly one video stream, an allowed codec, frame size within ``max_image_pixels`` and duration within the
 server's ``max_duration_s``. Sampling takes frames at the effective fps (evenly spread over the clip when that
-would exceed the effective ``max_frames``); a request may lower the server's fps / max_frames, never raise them.
-Decoding stops at ``max_decoded_frames`` or when frames run past the allowed duration (a lying header).
+would exceed the effective ``max_frames``); a request may lower the server's fps / max_frames, never raise them. The
+frames to sample are chosen from the header before any is decoded (and their pixels charged to the media stage's
+budget then: :func:`inspect_video`); decoding then goes from one to the next, **seeking** to the keyframe before a
+target that lies more than ``SEEK_AHEAD_S`` past the last decoded frame instead of decoding every frame in between —
+two frames of a long clip cost two keyframe intervals, not half the clip. Each target gets the first frame at or after
+its time, whether reached by seeking or by decoding on (the same frame either way). Decoding stops at
+``max_decoded_frames`` or when frames run past the allowed duration (a lying header).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from common.errors import InvalidMedia, MediaTooLarge
 from common.stop import NEVER, Stop
 
 _DEMUXER = {"MP4": "mov", "MATROSKA": "matroska"}
+
+SEEK_AHEAD_S = 1.0
+"""A target this far past the last decoded frame is reached by seeking (to the keyframe at or before it)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class DecodedVideo:
     timestamps_s: list[float]
     header: VideoHeader
     sampled_fps: float
+    decoded_frames: int = 0
+    """Frames the decoder produced to get them (seeking skips the rest)."""
 
 
 def effective_sampling(policy: VideoPolicy, fps: float | None, max_frames: int | None) -> tuple[float, int]:
@@ -123,30 +133,62 @@ def decode_video(
     stop: Stop = NEVER,
 ) -> DecodedVideo:
     """Checked header, then sampled RGB frames (``stop`` is checked between decoded frames)."""
-    policy = cfg.video
-    eff_fps, eff_max = effective_sampling(policy, fps, max_frames)
+    eff_fps, eff_max = effective_sampling(cfg.video, fps, max_frames)
     with _open(data, fmt) as container:
         header = _header(container, cfg)
         targets, sampled_fps = _targets(header.duration_s, eff_fps, eff_max)
-        frames: list[Image.Image] = []
-        stamps: list[float] = []
-        decoded = 0
+        sampler = _Sampler(container, header, targets, cfg.video, eff_fps, stop)
         try:
-            for frame in container.decode(video=0):
-                stop.check("video decoding")
-                decoded += 1
-                if decoded > policy.max_decoded_frames:
-                    raise MediaTooLarge(f"video has more than {policy.max_decoded_frames} frames")
-                t = float(frame.time) if frame.time is not None else (decoded - 1) / (header.average_fps or eff_fps)
-                if t > policy.max_duration_s:
-                    raise MediaTooLarge(f"video runs past {policy.max_duration_s:g}s")
-                if len(frames) < len(targets) and t + 1e-6 >= targets[len(frames)]:
-                    frames.append(frame.to_image().convert("RGB"))
-                    stamps.append(t)
-                if len(frames) == len(targets) and header.duration_s is not None:
-                    break
+            sampler.run()
         except av.error.FFmpegError as exc:
             raise InvalidMedia(f"video data is corrupt: {exc}") from exc
-    if not frames:
+    if not sampler.frames:
         raise InvalidMedia("video has no decodable frames")
-    return DecodedVideo(frames=frames, timestamps_s=stamps, header=header, sampled_fps=sampled_fps)
+    return DecodedVideo(sampler.frames, sampler.stamps, header, sampled_fps, sampler.decoded)
+
+
+class _Sampler:
+    """Decodes a container's video stream from target to target (see the module docstring)."""
+
+    def __init__(
+        self,
+        container: av.container.InputContainer,
+        header: VideoHeader,
+        targets: list[float],
+        policy: VideoPolicy,
+        fps: float,
+        stop: Stop,
+    ) -> None:
+        self.container, self.header, self.targets, self.policy, self.stop = container, header, targets, policy, stop
+        self.stream = container.streams.video[0]
+        self.fallback_fps = header.average_fps or fps
+        self.frames: list[Image.Image] = []
+        self.stamps: list[float] = []
+        self.decoded = 0
+        self.last = -math.inf  # time of the last decoded frame
+
+    def run(self) -> None:
+        seekable = self.header.duration_s is not None and self.stream.time_base is not None
+        while len(self.frames) < len(self.targets):
+            target = self.targets[len(self.frames)]
+            if seekable and target - self.last > SEEK_AHEAD_S and self.frames:
+                self.container.seek(int(target / self.stream.time_base), stream=self.stream, backward=True)
+            if not self._decode_to(target):
+                return  # the clip ended before the target
+
+    def _decode_to(self, target: float) -> bool:
+        """Decode on until a frame at or after ``target`` (taken); False when the stream ends first."""
+        for frame in self.container.decode(self.stream):
+            self.stop.check("video decoding")
+            self.decoded += 1
+            if self.decoded > self.policy.max_decoded_frames:
+                raise MediaTooLarge(f"video has more than {self.policy.max_decoded_frames} frames")
+            t = float(frame.time) if frame.time is not None else (self.decoded - 1) / self.fallback_fps
+            if t > self.policy.max_duration_s:
+                raise MediaTooLarge(f"video runs past {self.policy.max_duration_s:g}s")
+            self.last = t
+            if t + 1e-6 >= target and (not self.stamps or t > self.stamps[-1]):
+                self.frames.append(frame.to_image().convert("RGB"))
+                self.stamps.append(t)
+                return True
+        return False

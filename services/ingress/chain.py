@@ -7,13 +7,15 @@ replica with bounded, jittered backoff (:mod:`services.ingress.retry`) — never
 (:meth:`Chain.attempt`):
 
 ```
-media ──► encode ──┐            (media and encode calls issued at once: each takes the previous one's response)
-reserve KV ────────┴─► prefill ──► decode stream ──► StreamStart (the prompt's ids, every stage's spans)
+media ──► (its items done) ──► encode ─────┐   (encode takes media's response: the pixels go replica to replica)
+                           └─► reserve KV ─┴─► prefill ──► decode stream ──► StreamStart (prompt ids, every span)
 ```
 
-so pixels, embeddings and KV go replica to replica (the object store, or NIXL) and never through the ingress, and the
-decode KV is reserved (:mod:`services.ingress.kv_reserver`) while media and encode work, before prefill computes. It
-waits for the stream's start, so every stage's error surfaces before a protocol commits to a status; an attempt that
+so pixels, embeddings and KV go replica to replica (the object store, or NIXL) and never through the ingress. The
+decode KV is reserved (:mod:`services.ingress.kv_reserver`) before prefill computes — for a request with media once
+the media stage has finished with its items (fetched, checked, decoded: the ingress waits on the call's result without
+fetching it), while encode works; a slow or hostile download then holds no decode blocks and no decode request slot.
+It waits for the stream's start, so every stage's error surfaces before a protocol commits to a status; an attempt that
 fails cancels every response of its chain and gives back a reservation no stream claimed.
 """
 
@@ -35,7 +37,7 @@ from common.protocol.handoff import RequestContext, StreamStart
 from services.ingress.failures import REPLICA_LOST
 from services.ingress.kv_reserver import KVReserver
 from services.ingress.plan import AdmittedRequest
-from services.ingress.responses import cancel_chain, next_event
+from services.ingress.responses import cancel_chain, next_event, settled
 from services.ingress.retry import with_retries
 
 
@@ -107,9 +109,13 @@ class Chain:
         try:
             if admitted.refs:
                 media = self.media.process.remote(list(admitted.refs), ctx)
+                responses.append(media)
+                # Encode and KV only once the media stage has the items: a slow or hostile download holds no encode
+                # call, no decode blocks and no decode request slot while it lasts
+                await settled(media, ctx.deadline)
                 embeddings = self.encode.encode.remote(media, ctx)
-                responses += [media, embeddings]
-            ctx, reserved = await self.kv.reserve(ctx, admitted.kv_blocks)  # (meanwhile media and encode work)
+                responses.append(embeddings)
+            ctx, reserved = await self.kv.reserve(ctx, admitted.kv_blocks)  # (meanwhile encode works)
             if reserved and not admitted.refs:  # prefill's timeline starts after the reservation: the trace shows it
                 now = time.time()
                 attrs = {"blocks": admitted.kv_blocks}

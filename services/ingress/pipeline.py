@@ -18,7 +18,6 @@ calls), and every token is stamped as it arrives here.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +28,7 @@ from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
 from common.obs.trace import Span
 from common.protocol.vector import ResourceVector
+from services.ingress.body import INLINE_BYTES, off_loop
 from services.ingress.call_stream import Call, CallStream
 from services.ingress.chain import Chain, Started
 from services.ingress.plan import RequestHeaders, admit, plan
@@ -53,12 +53,15 @@ class PipelineClient:
         self.metrics = metrics
         self.streams = CallStream(cfg.server.max_migrations, self._count_migration)
 
-    async def begin(self, ticket: Ticket, body: Any, headers: RequestHeaders, trace: RequestTrace) -> Call:
-        """Plan, admit and issue the decoded ``body`` of a request that entered its tenant's quota with ``ticket``
-        (the request's lifecycle gives it back); returns once decode started. Every check before the chain is a
-        4xx/429 that costs milliseconds (see :mod:`services.ingress.plan`)."""
+    async def begin(
+        self, ticket: Ticket, body: Any, headers: RequestHeaders, trace: RequestTrace, size: int = INLINE_BYTES
+    ) -> Call:
+        """Plan, admit and issue the decoded ``body`` (``size`` bytes of JSON) of a request that entered its tenant's
+        quota with ``ticket`` (the request's lifecycle gives it back); returns once decode started. Every check before
+        the chain is a 4xx/429 that costs milliseconds (see :mod:`services.ingress.plan`); a large body is planned in
+        a worker thread, a small one on the loop (:func:`services.ingress.body.off_loop`)."""
         tenant = trace.tenant = ticket.tenant
-        planned = await asyncio.to_thread(plan, self.cfg, self.frontend, tenant, body, headers)
+        planned = await off_loop(size, plan, self.cfg, self.frontend, tenant, body, headers)
         admitted = admit(planned, ticket, self.cfg, self.quotas, self.recorder)
         started: Started | None = None
         try:

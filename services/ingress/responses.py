@@ -43,3 +43,25 @@ async def next_event(stream: DeploymentResponseGenerator, deadline: float) -> De
         if lost is None:
             raise
         raise lost from None
+
+
+async def settled(response: Any, deadline: float) -> None:
+    """Wait until a stage call has finished — its result (or its error) exists, wherever it lies — without fetching it
+    here: a media stage's pixels stay where they are. 504 at the deadline. A Serve response is waited on through its
+    object (``ObjectRef._ready``: no fetch, no deserialisation); an in-process one (the monolith's
+    :mod:`loadtest.servers.local_handles`) through its task. A call that failed surfaces later, in the call that
+    consumes its result."""
+    try:
+        if hasattr(response, "_to_object_ref"):
+            ref = await asyncio.wait_for(response._to_object_ref(), timeout=_left(deadline))
+            await asyncio.wait_for(ref._ready(), timeout=_left(deadline))
+        else:
+            done, _ = await asyncio.wait({response.task}, timeout=_left(deadline))
+            if not done:
+                raise TimeoutError
+    except TimeoutError:
+        raise DeadlineExceeded("deadline exceeded while the media stage worked") from None
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.time(), 0.001)

@@ -14,7 +14,6 @@ decode stream cancelled, the place given back. With ``X-Prism-Trace: 1`` the tra
 error body; over gRPC (metadata ``x-prism-trace: 1``) as the ``prism-trace`` trailing metadata.
 """
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -41,7 +40,7 @@ from common.model.loader import load_frontend
 from common.protocol.body import decode_json
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
-from services.ingress.body import BodyBytes, read_json
+from services.ingress.body import BodyBytes, off_loop, read_json
 from services.ingress.call_stream import Call
 from services.ingress.chain import Chain
 from services.ingress.grpc_errors import grpc_abort
@@ -104,8 +103,9 @@ class IngressDeployment:
         life.hold(lambda: self.quotas.release(ticket))
         return ticket
 
-    async def _read_body(self, request: Request, headers: RequestHeaders, tenant: str) -> Any:
-        """The HTTP body, within the replica's body bytes in flight (a refusal counted as the ingress's)."""
+    async def _read_body(self, request: Request, headers: RequestHeaders, tenant: str) -> tuple[Any, int]:
+        """The HTTP body and its size, within the replica's body bytes in flight (a refusal counted as the
+        ingress's)."""
         try:
             return await read_json(request, self.cfg.server, self.cfg.body_limit, self.bodies)
         except Overloaded:
@@ -176,9 +176,9 @@ class IngressDeployment:
         """From the headers, before any body byte is read: the key, and the tenant's quota as far as it can judge;
         then the body (bounded, parsed off the loop), the model it names, and the chain issued."""
         ticket = self._authorize(life, headers)
-        body = await self._read_body(request, headers, ticket.tenant)
+        body, size = await self._read_body(request, headers, ticket.tenant)
         client = self._client(body)
-        life.call = await client.begin(ticket, body, headers, life.trace)
+        life.call = await client.begin(ticket, body, headers, life.trace, size)
         return client, life.call
 
     async def _completion(self, life: RequestLifecycle, client: PipelineClient, call: Call) -> dict[str, Any]:
@@ -267,9 +267,9 @@ class IngressDeployment:
         if len(raw) > self.cfg.body_limit:  # Serve bounds the whole message too: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
             raise RequestTooLarge(f"chat_completion_json is {len(raw)} bytes; the limit is {self.cfg.body_limit}")
         server = self.cfg.server
-        body = await asyncio.to_thread(decode_json, raw, server.max_json_depth, server.json_structure_limit)
+        body = await off_loop(len(raw), decode_json, raw, server.max_json_depth, server.json_structure_limit)
         client = self._client(body)
-        life.call = await client.begin(ticket, body, headers, life.trace)
+        life.call = await client.begin(ticket, body, headers, life.trace, len(raw))
         return client, life.call
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
@@ -319,9 +319,12 @@ def _bearer(request: Request) -> str | None:
 
 
 def _grpc_headers(request: prism_pb2.GenerateRequest, grpc_context) -> RequestHeaders:
-    """The call's metadata (``x-prism-priority``, ``x-prism-trace``) and the message's key and deadline budget."""
+    """The call's metadata (``authorization: Bearer <key>`` — what the proxy checks before the message is read —,
+    ``x-prism-priority``, ``x-prism-trace``), else the message's ``api_key``; the message's deadline budget."""
     metadata = dict(grpc_context.invocation_metadata() or ())
-    return RequestHeaders.read(metadata.get, request.api_key, request.deadline_ms)
+    auth = metadata.get("authorization") or ""
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    return RequestHeaders.read(metadata.get, key or request.api_key or None, request.deadline_ms)
 
 
 def _grpc_trace(grpc_context, life: RequestLifecycle) -> None:

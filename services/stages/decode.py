@@ -60,7 +60,7 @@ from common.protocol.handoff import (
 from common.protocol.sampling import SamplingParams
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
-from services.stages.driver import EngineDriver
+from services.stages.driver import EngineDriver, check_engines
 
 RESERVATION_SWEEP_S = 1.0
 """How often unclaimed reservations are checked against their deadlines while any is held."""
@@ -111,7 +111,13 @@ class DecodeDeployment:
         adm = self.cfg.admission
         self.kv_admission = KVAdmission(self.pool, adm.max_waiting, adm.retry_after_s)
         self.kv = KVGate(
-            self.engine, self.kv_admission, self.driver.lock, self._pool_changed, self._check_slots, RESERVATION_SWEEP_S
+            self.engine,
+            self.kv_admission,
+            self.driver.lock,
+            self._pool_changed,
+            self._check_slots,
+            RESERVATION_SWEEP_S,
+            hold_s=adm.reservation_hold_s,
         )
         self.admission = StageAdmission(self.kv, adm, AdmissionRecorder(self.metrics, "decode"))
         self.replica_id = _replica_id()
@@ -254,6 +260,11 @@ class DecodeDeployment:
             "transport": self.transport.name,
             "pid": os.getpid(),  # (which replica answered: make chaos reads every replica's KV through this)
         }
+
+    def check_health(self) -> None:
+        """Serve's health check: unhealthy once decode steps failed several times in a row (the engine ends the
+        sequences of a failed step itself; the driver sees a step that raised): :func:`check_engines`."""
+        check_engines("decode", [self.engine.failed_steps, self.driver.failures])
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {

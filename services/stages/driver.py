@@ -41,6 +41,8 @@ class EngineDriver:
         self._step, self._has_work, self._deliver, self._fail = step, has_work, deliver, fail
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.failures = 0
+        """Steps failed in a row (0 after any step that worked): what the stage's health check reads."""
 
     def poke(self) -> None:
         if self._task is None or self._task.done():
@@ -58,12 +60,27 @@ class EngineDriver:
                     result = await asyncio.get_running_loop().run_in_executor(self._executor, self._step)
                 except Exception as exc:
                     log.exception("engine step failed")
+                    self.failures += 1
                     if self._fail is None:
                         raise
                     self._fail(exc)
                     continue
+            self.failures = 0
             self._deliver(result)
             await asyncio.sleep(0)  # let waiting submits take the lock between steps
+
+
+UNHEALTHY_AFTER = 3
+"""Steps failed in a row after which a stage reports unhealthy to Serve (which then replaces the replica): one failed
+step can be one poisoned request; three in a row, with the queue dropped after each, is the engine itself."""
+
+
+def check_engines(stage: str, failures: list[int]) -> None:
+    """A stage's ``check_health`` (Serve calls it every ``health_check_period_s``): raise — the replica is unhealthy
+    and Serve replaces it — once one of its engines has failed :data:`UNHEALTHY_AFTER` steps in a row."""
+    worst = max(failures, default=0)
+    if worst >= UNHEALTHY_AFTER:
+        raise RuntimeError(f"the {stage} engine failed its last {worst} steps")
 
 
 class AwaitedEngine:

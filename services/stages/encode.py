@@ -29,7 +29,7 @@ from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbedd
 from common.sched.encoder_batcher import EncoderBatcher
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
-from services.stages.driver import AwaitedEngine
+from services.stages.driver import AwaitedEngine, check_engines
 from services.stages.threads import nice_process, nice_thread
 
 
@@ -118,6 +118,10 @@ class EncodeDeployment:
 
     def _load(self) -> None:
         self.metrics.load(len(self.runner.waiting), self.engine.batcher.pending_patches)
+
+    def check_health(self) -> None:
+        """Serve's health check: unhealthy once the vision tower failed steps in a row (:func:`check_engines`)."""
+        check_engines("encode", [self.runner.driver.failures])
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {

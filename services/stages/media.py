@@ -1,8 +1,10 @@
 """Media deployment (CPU): fetch, check, decode and process a request's images and videos → ``ProcessedMedia``.
 
 Thin wrapper: :class:`common.media.stage.MediaStage` does the safe fetch and decoding, the family processor and the
-processor cache run in :func:`common.stages.process.process_images`. Work runs in threads so one slow download never
-blocks the replica's other requests. Loads the model's front end only (no weights).
+processor cache run in :func:`common.stages.process.process_images`. Work runs on two bounded thread pools of the
+stage's own — downloads (``deployments.media.fetch_threads``) and decoding (``decode_threads``) — so one slow download
+never blocks the replica's other requests, and a flood of them waits for a download thread, not for everything. Loads
+the model's front end only (no weights).
 
 Lifecycle of one call: fetch + sniff + header check (thread; nothing decoded) → **admission** against the replica's
 pixel budget (``admission.media_pixel_budget``: waits in rank order, or 429 / 504 — :mod:`common.admission.stage`) →
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -57,6 +60,11 @@ class MediaDeployment:
         if eng.processor_cache_bytes:
             self.cache = ProcessorCache(eng.processor_cache_bytes, eng.shared_cache_scope)
         self.in_flight = 0
+        # Pools of the stage's own, bounded: downloads (I/O: a slow origin holds a thread, not the replica's other
+        # work) and decoding (CPU, within the pixel budget) never queue behind each other or the loop's default pool.
+        stage = self.cfg.deployments.media
+        self.fetch_pool = ThreadPoolExecutor(stage.fetch_threads, "prism-media-fetch")
+        self.decode_pool = ThreadPoolExecutor(stage.decode_threads, "prism-media-decode")
         self.metrics = Metrics("media")
         adm = self.cfg.admission
         self.admission = budget_admission("media", "pixels", adm.media_pixel_budget, adm, self.metrics)
@@ -74,7 +82,8 @@ class MediaDeployment:
         try:
             start = time.time()
             try:
-                checked = await asyncio.to_thread(self._fetch, refs, timings, stop)
+                loop = asyncio.get_running_loop()
+                checked = await loop.run_in_executor(self.fetch_pool, self._fetch, refs, timings, stop)
             except asyncio.CancelledError:
                 stop.cancel()  # the thread ends at its next check instead of finishing the download for nobody
                 raise
@@ -85,7 +94,7 @@ class MediaDeployment:
             grant = await self.admission.admit(ctx, pixels, 0)  # media: first come, first served within a class
             timeline.mark("media.admission", pixels=pixels, waited=grant.waited_s > 0)
             work = lambda: self._decode(checked, ctx, timings, timeline, stop)  # noqa: E731
-            out = await self.admission.in_thread(grant, stop, work)
+            out = await self.admission.in_thread(grant, stop, work, self.decode_pool)
             self.metrics.stage_time(queued, time.time() - start)
             return out
         finally:

@@ -45,7 +45,7 @@ from common.stages.merge import merge
 from common.stages.prompt import build_prompt
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
-from services.stages.driver import AwaitedEngine
+from services.stages.driver import AwaitedEngine, check_engines
 from services.stages.threads import nice_thread
 
 
@@ -198,6 +198,10 @@ class PrefillDeployment:
         # otherwise be left to the next request's poller.
         while await asyncio.to_thread(self.transport.release) or self.transport.held:
             await asyncio.sleep(0.02)
+
+    def check_health(self) -> None:
+        """Serve's health check: unhealthy once a lane's engine failed steps in a row (:func:`check_engines`)."""
+        check_engines("prefill", [lane.runner.driver.failures for lane in self.lanes])
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queue_depth": float(self.queued_tokens)}

@@ -51,10 +51,13 @@ def prism_server(model_cache, tmp_path_factory):
         "observability": {"request_log_path": str(request_log), "trace_cache_hits": True},
     }
     from common.config import PrismConfig
-    from services.platform.proxy_guard import ray_env
+    from services.platform.proxy_guard import GuardSettings, ray_env
 
     saved = dict(os.environ)
-    os.environ.update(ray_env(PrismConfig.model_validate(config).body_limit))  # inherited by the proxy actor
+    # Inherited by the proxy actor: the body bounds; not the keys — this cluster serves more apps than this one, with
+    # keys of their own, and the proxy would mistake them for this one's (their ingresses authenticate every request).
+    guard = GuardSettings.of([("prism", "/", PrismConfig.model_validate(config))], verify_keys=False)
+    os.environ.update(ray_env(guard))
     ray.init(
         address="local",  # always a fresh cluster of our own, even if another one runs on this machine
         num_cpus=2,

@@ -141,18 +141,29 @@ def _containers(docs: list[dict]) -> list[dict]:
         {},
         {"server": {"max_body_bytes": 5_000_000}},
         {"media": {"max_request_bytes": 1000, "max_items_per_request": 2}, "server": {"max_text_chars": 77}},
+        {
+            "server": {
+                "body_read_grace_s": 3.5,
+                "body_min_bytes_per_s": 1000,
+                "proxy_chunked_bytes_in_flight": 5_000_000,
+                "max_concurrent_grpc_calls": 7,
+                "retry_after_s": 4,
+                "api_keys_reload_s": 2,
+            }
+        },
     ],
-    ids=["defaults", "explicit", "derived"],
+    ids=["defaults", "explicit", "derived", "guard"],
 )
-def test_every_ray_container_bounds_bodies_as_the_config_does(prism):
-    from services.platform.proxy_guard import ray_env
+def test_every_ray_container_guards_the_front_door_as_the_config_does(prism):
+    from services.platform.proxy_guard import ENV_GUARD, GuardSettings, ray_env, serve_apps
 
     docs = render({"prism": prism})
-    config = PrismConfig.model_validate(serve_config(docs)["applications"][0]["args"]["config"])
-    want = ray_env(config.body_limit)
+    settings = GuardSettings.of(serve_apps(serve_config(docs)))
+    want = ray_env(settings)
     for container in _containers(docs):  # every node runs a Serve proxy
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
-        assert {k: env.get(k) for k in want} == want
+        assert {k: env.get(k) for k in want if k != ENV_GUARD} == {k: v for k, v in want.items() if k != ENV_GUARD}
+        assert GuardSettings.model_validate_json(env[ENV_GUARD]) == settings
 
 
 def test_a_models_entry_needs_exactly_one_source():

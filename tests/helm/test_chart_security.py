@@ -25,11 +25,15 @@ def _groups(docs: list[dict]) -> dict[str, dict]:
     return out
 
 
+def _env(pod: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in pod["containers"][0].get("env", [])}
+
+
 def _keys_mounted(pod: dict) -> bool:
     return any(v["name"] == "api-keys" for v in pod.get("volumes", []))
 
 
-def test_api_keys_from_values_become_a_secret_mounted_only_where_the_ingress_runs():
+def test_api_keys_from_values_become_a_secret_mounted_where_a_proxy_checks_them():
     values = {"auth": {"keys": {"sk-one": "tenant-a"}}}
     docs = render(values)
     secret = one(docs, "Secret")
@@ -41,11 +45,15 @@ def test_api_keys_from_values_become_a_secret_mounted_only_where_the_ingress_run
     assert config["server"]["api_keys_file"] == "/etc/prism/auth/api-keys.json"
     assert PrismConfig.model_validate(config).deployments.ingress.resources == {"prism_media": 1}
     pods = _groups(docs)
-    assert {g for g, pod in pods.items() if _keys_mounted(pod)} == {"media"}  # not the head, not the GPU stages
+    # every pod runs a Serve proxy (proxy_location EveryNode), which checks the key before it reads a body
+    assert serve["proxy_location"] == "EveryNode"
+    assert {g for g, pod in pods.items() if _keys_mounted(pod)} == {"head", "media", "encode", "prefill", "decode"}
     assert {"name": "api-keys", "secret": {"secretName": secret["metadata"]["name"]}} in pods["media"]["volumes"]
-    # without a media group the ingress may land on any worker: every worker group mounts the keys
-    docs = render({**values, "stages": {"media": {"workers": {"enabled": False}}}})
-    assert {g for g, pod in _groups(docs).items() if _keys_mounted(pod)} == {"encode", "prefill", "decode"}
+    guard = json.loads(_env(pods["head"])["PRISM_PROXY_GUARD"])
+    assert guard["routes"] == [
+        {"app": "prism", "prefix": "/", "digests": {}, "keys_file": "/etc/prism/auth/api-keys.json", "reload_s": 5.0}
+    ]
+    assert "sk-one" not in json.dumps(guard)
 
 
 def test_default_render_is_authenticated_by_a_secret_the_operator_creates():

@@ -254,3 +254,31 @@ def test_https_goes_to_the_checked_ip_with_name_in_host_and_sni():
     assert req.headers["host"] == "images.example"
     assert req.extensions["sni_hostname"] == "images.example"
     assert req.headers["accept-encoding"] == "identity"
+
+
+def test_a_hanging_name_lookup_times_out_and_holds_at_most_its_pool():
+    """The system resolver has no timeout: a lookup that hangs is abandoned after ``dns_timeout_s`` (504
+    ``media_fetch_timeout``), and lookups queued behind hung ones time out all the same (the pool is bounded)."""
+    import threading
+    import time
+
+    from common.errors import MediaFetchTimeout
+    from common.media.fetch import TimedResolver
+
+    release = threading.Event()
+
+    def hanging(host: str, port: int) -> list[str]:
+        release.wait(10)
+        return ["93.184.216.34"]
+
+    resolver = TimedResolver(0.2, workers=1, resolve=hanging)
+    try:
+        for _ in range(2):  # the second waits behind the first's thread
+            start = time.monotonic()
+            with pytest.raises(MediaFetchTimeout) as info:
+                resolver("slow.example", 443)
+            assert time.monotonic() - start < 1.0 and info.value.http_status == 504
+        assert threading.active_count() < 50
+    finally:
+        release.set()
+    assert TimedResolver(1.0, resolve=lambda h, p: ["203.0.113.9"])("fast.example", 443) == ["203.0.113.9"]

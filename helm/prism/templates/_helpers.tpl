@@ -140,17 +140,29 @@ server.max_body_bytes, or base64 of the media request bytes + 8 bytes per text c
 {{- end -}}
 
 {{/*
-Environment of every Ray container: each node runs a Serve proxy, and the proxy bounds request bodies before the
-ingress sees a byte (services/platform/proxy_guard.py); gRPC messages are bounded by Serve itself.
+Environment of every Ray container: each node runs a Serve proxy, and the proxy guards the front door before the
+ingress sees a byte (services/platform/proxy_guard.py: GuardSettings.of, computed here from the same values) — body
+bounds and clocks, the gRPC call cap, and the application's key file (mounted in every pod, since every pod runs a
+proxy) unless authentication is off.
 */}}
 {{- define "prism.proxyEnv" -}}
-{{- $limit := include "prism.bodyLimit" . -}}
+{{- $limit := int64 (include "prism.bodyLimit" .) -}}
+{{- $server := default dict (default dict .Values.prism).server -}}
+{{- $routes := list -}}
+{{- if include "prism.authSecret" . -}}
+{{- $file := printf "%s/%s" (include "prism.authMountPath" .) .Values.auth.secretKey -}}
+{{- $routes = list (dict "app" "prism" "prefix" "/" "digests" dict "keys_file" $file "reload_s" (float64 (default 5.0 $server.api_keys_reload_s))) -}}
+{{- end -}}
+{{- $structure := add (mul 8 (int64 (default 256 $server.max_messages)) (int64 (default 64 $server.max_content_parts))) (int64 (default 131072 $server.max_text_chars)) 4096 -}}
+{{- $guard := dict "max_body_bytes" $limit "max_json_structure" (int64 (default $structure $server.max_json_structure)) "chunked_bytes_in_flight" (int64 (default (mul 4 $limit) $server.proxy_chunked_bytes_in_flight)) "body_grace_s" (float64 (default 10.0 $server.body_read_grace_s)) "body_min_bytes_per_s" (int64 (default 65536 $server.body_min_bytes_per_s)) "retry_after_s" (float64 (default 1 $server.retry_after_s)) "grpc_max_concurrent_calls" (int64 (default 1024 $server.max_concurrent_grpc_calls)) "routes" $routes -}}
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: services.platform.proxy_guard:middlewares
+- name: PRISM_PROXY_GUARD
+  value: {{ toJson $guard | quote }}
 - name: PRISM_MAX_BODY_BYTES
   value: {{ $limit | quote }}
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
-  value: {{ add (int64 $limit) 65536 | quote }}
+  value: {{ add $limit 65536 | quote }}
 {{- end -}}
 
 {{/* The whole Serve config (serveConfigV2). */}}
@@ -185,8 +197,8 @@ applications:
 
 {{/*
 One Ray pod template. Arguments (dict): root, group, container (name), resources, nodeSelector, tolerations, affinity,
-env, ports (list of ContainerPort), rdma (bool: a stage whose NIXL agent may use RDMA), keys (bool: the pod may run
-the ingress, so it mounts the API keys).
+env, ports (list of ContainerPort), rdma (bool: a stage whose NIXL agent may use RDMA), keys (bool: the pod mounts
+the API keys — its Serve proxy checks them before it reads a body, and the ingress may run there).
 */}}
 {{- define "prism.podTemplate" -}}
 {{- $root := .root -}}

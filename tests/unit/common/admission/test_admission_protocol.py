@@ -149,6 +149,27 @@ def test_the_decode_kv_gate_records_through_the_same_recorder(decode):
     assert d.engine.num_reserved == 0 and d.pool.available_blocks == 16
 
 
+def test_an_unclaimed_reservation_lapses_after_the_hold_not_at_its_deadline(decode):
+    """A reservation whose sequence never comes (its ingress went away between reserve and prefill) gives its blocks
+    back ``admission.reservation_hold_s`` after the grant, not at the request's (much later) deadline."""
+    d, _ = decode
+    d.kv.hold_s, d.kv.sweep_s = 0.3, 0.05
+
+    async def scenario() -> tuple[int, int, int]:
+        await d.reserve(_ctx("gone", 600), 8)
+        held = d.pool.available_blocks
+        await asyncio.sleep(0.1)
+        still = d.engine.num_reserved
+        deadline = time.monotonic() + 5
+        while d.engine.num_reserved and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return held, still, d.pool.available_blocks
+
+    held, still, after = asyncio.run(scenario())
+    assert (held, still) == (8, 1)  # held while the hold runs
+    assert d.engine.num_reserved == 0 and after == 16  # then lapsed, 600 s before its deadline
+
+
 def test_no_module_counts_an_admission_decision_but_the_recorder():
     """The metric's name is written in the catalogue (its declaration), the dashboards (queries) and the recorder;
     any other module that names it would be counting decisions on its own."""

@@ -113,3 +113,43 @@ def test_video_through_the_media_loader():
     cfg = MediaConfig()
     out = load_media([MediaRef("video", url, fps=1.0)], cfg, MediaFetcher(cfg))[0]
     assert out.kind == "video" and len(out.frames) == 2 and out.format == "MP4"
+
+
+def _clip(seconds: float, fps: int, gop: int) -> bytes:
+    """An H.264 clip with a keyframe every ``gop`` frames and a bar that moves every frame."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=fps, options={"g": str(gop), "keyint_min": str(gop)})
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(int(seconds * fps)):
+            arr = np.full((48, 64, 3), 40, np.uint8)
+            arr[:, (i * 2) % 60 : (i * 2) % 60 + 4] = 250
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def test_sparse_frames_are_reached_by_seeking_and_equal_the_sequential_decode(monkeypatch):
+    """Two frames of a 20 s clip (keyframe every second) cost a few decoded frames, not the first half of the clip;
+    they are the frames a sequential decode takes for the same targets."""
+    import common.media.video as video
+
+    data = _clip(20.0, fps=10, gop=10)
+    cfg = MediaConfig(video=VideoPolicy(fps=2.0, max_frames=32))
+    sparse = decode_video(data, "MP4", cfg, max_frames=2)
+    every_2s = decode_video(data, "MP4", cfg, fps=0.5, max_frames=10)
+    assert sparse.timestamps_s == pytest.approx([0.0, 10.0]) and sparse.decoded_frames <= 12
+    assert len(every_2s.frames) == 10 and every_2s.decoded_frames <= 10 * 11
+    monkeypatch.setattr(video, "SEEK_AHEAD_S", float("inf"))  # never seek: decode every frame on the way
+    for seeking, request in ((sparse, {"max_frames": 2}), (every_2s, {"fps": 0.5, "max_frames": 10})):
+        sequential = decode_video(data, "MP4", cfg, **request)
+        assert sequential.timestamps_s == seeking.timestamps_s
+        assert sequential.decoded_frames > seeking.decoded_frames
+        for a, b in zip(seeking.frames, sequential.frames, strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))

@@ -405,3 +405,52 @@ def test_kv_is_reserved_before_prefill_computes(model_cache):
         _nothing_held(decode)
 
     asyncio.run(scenario())
+
+
+def test_a_request_with_media_reserves_no_kv_and_starts_no_encode_until_its_media_is_done(model_cache):
+    """A slow download (the media stage still working) holds no decode blocks, no decode request slot and no encode
+    call; once its items are done the request reserves, encodes and is answered. A media stage that fails gets its
+    typed error to the client and leaves nothing held (its failure surfaces in the call that consumes its result, so a
+    reservation may be taken for the moment between the two: given back with the failed chain)."""
+    app = build(_config(model_cache), transport=FakeTransport())
+    from common.errors import MediaFetchFailed
+
+    media, encode, _, decode = app.state.stages
+    real_process, real_encode, real_reserve = media.process, encode.encode, decode.reserve
+    gate, calls = asyncio.Event(), {"encode": 0, "reserve": 0}
+
+    async def slow_process(*args):
+        await gate.wait()
+        return await real_process(*args)
+
+    async def counted_encode(*args):
+        calls["encode"] += 1
+        return await real_encode(*args)
+
+    async def counted_reserve(*args):
+        calls["reserve"] += 1
+        return await real_reserve(*args)
+
+    media.process, encode.encode, decode.reserve = slow_process, counted_encode, counted_reserve
+    image = "data:image/png;base64," + base64.b64encode(png_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is this?"}]
+    body = {**BODY, "messages": [{"role": "user", "content": content}]}
+
+    async def scenario():
+        asking = asyncio.ensure_future(_ask(app, body))
+        await asyncio.sleep(0.5)  # the media stage is "downloading"
+        assert not asking.done() and calls == {"encode": 0, "reserve": 0} and decode.engine.num_reserved == 0
+        gate.set()
+        answered = await asyncio.wait_for(asking, 60)
+        assert answered.status_code == 200, answered.text
+        assert calls == {"encode": 1, "reserve": 1}
+
+        async def failing_process(*args):
+            raise MediaFetchFailed("the download broke")
+
+        media.process = failing_process
+        failed = await _ask(app, body, settle=True)
+        assert failed.status_code == 422 and failed.json()["error"]["code"] == "media_fetch_failed", failed.text
+
+    asyncio.run(scenario())
+    _nothing_held(decode)

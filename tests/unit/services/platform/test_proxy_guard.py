@@ -1,5 +1,6 @@
-"""The body bound installed in Serve's HTTP proxy, driven through ASGI in-process (the deployed path:
-``tests/security/test_hostile_requests.py``)."""
+"""The guard installed in Serve's HTTP proxy, driven through ASGI in-process (the deployed path:
+``tests/security/test_hostile_requests.py``): keys before bodies, body bounds, arrival rate, chunked budget, Serve's
+control headers."""
 
 from __future__ import annotations
 
@@ -8,19 +9,26 @@ import json
 
 import pytest
 
-from services.platform.proxy_guard import ENV_MAX_BODY_BYTES, BodyLimit, middlewares, ray_env
+from common.config import PrismConfig
+from services.platform.proxy_guard import ENV_GUARD, ENV_MAX_BODY_BYTES, GuardSettings, middlewares, ray_env
+from services.platform.proxy_http import ProxyGuard
+
+KEY = "sk-alpha"
 
 
 class _App:
-    def __init__(self) -> None:
-        self.calls = 0
-        self.body = b""
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.calls, self.body, self.headers, self.delay_s = 0, b"", [], delay_s
+        self.disconnected = False
 
     async def __call__(self, scope, receive, send):
         self.calls += 1
+        self.headers = list(scope.get("headers", ()))
+        await asyncio.sleep(self.delay_s)  # (an ingress replica that pulls the body late: the server's wait)
         while True:
             message = await receive()
             if message["type"] != "http.request":
+                self.disconnected = True
                 break
             self.body += message.get("body", b"")
             if not message.get("more_body"):
@@ -29,40 +37,75 @@ class _App:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-def _run(headers, chunks, limit=100):
-    app, refusals, sent, pulled = _App(), [], [], []
-    guard = BodyLimit(app, max_bytes=limit, on_refusal=lambda: refusals.append(1))
+@pytest.fixture
+def streamed(monkeypatch):
+    """Bodies of any declared size stream on to the application (the guard gathers those up to 1 MiB otherwise)."""
+    from services.platform import proxy_http
+
+    monkeypatch.setattr(proxy_http, "BUFFER_BYTES", 0)
+
+
+def _settings(keys: dict | None = None, **server) -> GuardSettings:
+    cfg = PrismConfig.model_validate({"server": {"api_keys": keys or {}, "max_body_bytes": 1024, **server}})
+    return GuardSettings.of([("prism", "/", cfg)]).model_copy(update={"max_body_bytes": 100})
+
+
+def _run(headers, chunks, settings=None, method="POST", path="/v1/chat/completions", app=None, gaps=None):
+    """One request through the guard: ``chunks`` arrive one per ``receive`` (after ``gaps[i]`` seconds each)."""
+    app = app or _App()
+    refusals, sent, pulled = [], [], []
+    guard = ProxyGuard(app, settings or _settings(), on_refusal=lambda status, code: refusals.append((status, code)))
     queue = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
 
     async def receive():
+        i = len(pulled)
         pulled.append(1)
-        return queue.pop(0) if queue else {"type": "http.disconnect"}
+        if gaps and i < len(gaps):
+            await asyncio.sleep(gaps[i])
+        if queue:
+            return queue.pop(0)
+        await asyncio.sleep(3600)  # a client that sends nothing more
 
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "headers": headers}
-    asyncio.run(guard(scope, receive, send))
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    asyncio.run(asyncio.wait_for(guard(scope, receive, send), 30))
     return app, refusals, sent, len(pulled)
+
+
+def _error(sent) -> tuple[int, str]:
+    return sent[0]["status"], json.loads(sent[1]["body"])["error"]["code"]
 
 
 def test_declared_length_over_the_limit_is_refused_before_reading():
     app, refusals, sent, pulled = _run([(b"content-length", b"101")], [b"x" * 101])
-    assert app.calls == 0 and pulled == 0 and refusals == [1]
+    assert app.calls == 0 and pulled == 0 and refusals == [(413, "request_too_large")]
     assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]
     error = json.loads(sent[1]["body"])["error"]
     assert (error["code"], error["type"]) == ("request_too_large", "invalid_request_error")
 
 
-def test_declared_length_within_the_limit_streams_through():
+@pytest.mark.parametrize("mode", ["gathered", "streamed"])
+def test_declared_length_within_the_limit_reaches_the_app(mode, monkeypatch):
+    from services.platform import proxy_http
+
+    monkeypatch.setattr(proxy_http, "BUFFER_BYTES", 1 << 20 if mode == "gathered" else 0)
     app, refusals, sent, _ = _run([(b"content-length", b"100")], [b"a" * 60, b"b" * 40])
     assert app.calls == 1 and app.body == b"a" * 60 + b"b" * 40 and not refusals
     assert sent[0]["status"] == 200
 
 
+def test_a_small_body_trickling_in_never_reaches_the_app():
+    """A slow upload of a small body is gathered here: the application is never called, the client gets 408."""
+    settings = _settings(body_read_grace_s=0.2, body_min_bytes_per_s=1_000_000)
+    app, refusals, sent, _ = _run([(b"content-length", b"20")], [b"x" * 10, b"y" * 10], settings, gaps=[0.0, 3600])
+    assert app.calls == 0 and refusals == [(408, "request_timeout")] and _error(sent) == (408, "request_timeout")
+
+
 def test_chunked_body_over_the_limit_never_reaches_the_app():
     app, refusals, sent, pulled = _run([], [b"x" * 60, b"x" * 60, b"x" * 60])
-    assert app.calls == 0 and refusals == [1] and sent[0]["status"] == 413
+    assert app.calls == 0 and refusals == [(413, "request_too_large")] and sent[0]["status"] == 413
     assert pulled == 2, "reading stops at the chunk that crosses the limit"
 
 
@@ -72,57 +115,178 @@ def test_chunked_body_within_the_limit_arrives_whole():
 
 
 def test_other_scopes_pass_untouched():
-    app, seen = _App(), []
+    seen = []
 
     async def lifespan(scope, receive, send):
         seen.append(scope["type"])
 
-    guard = BodyLimit(lifespan, max_bytes=1, on_refusal=lambda: None)
-    asyncio.run(guard({"type": "lifespan"}, None, None))
-    assert seen == ["lifespan"] and app.calls == 0
+    asyncio.run(ProxyGuard(lifespan, _settings())({"type": "lifespan"}, None, None))
+    assert seen == ["lifespan"]
 
 
-def test_the_callback_reads_the_limit_when_called(monkeypatch):
+def test_a_request_without_a_valid_key_is_refused_before_one_body_byte():
+    settings = _settings({KEY: "alpha"})
+    for auth in ([], [(b"authorization", b"Bearer sk-wrong")], [(b"authorization", b"sk-alpha")]):
+        app, refusals, sent, pulled = _run([*auth, (b"transfer-encoding", b"chunked")], [b"x" * 10], settings)
+        assert app.calls == 0 and pulled == 0 and refusals == [(401, "invalid_api_key")]
+        assert _error(sent) == (401, "invalid_api_key")
+    app, refusals, sent, _ = _run(
+        [(b"authorization", b"Bearer sk-alpha"), (b"content-length", b"5")], [b"hello"], settings
+    )
+    assert app.calls == 1 and app.body == b"hello" and not refusals
+
+
+def test_bodyless_requests_pass_without_a_key_but_may_not_carry_a_body():
+    settings = _settings({KEY: "alpha"})
+    app, refusals, sent, _ = _run([], [b""], settings, method="GET", path="/health")
+    assert app.calls == 1 and not refusals
+    app, refusals, sent, pulled = _run([(b"transfer-encoding", b"chunked")], [b"x" * 50], settings, method="GET")
+    assert app.calls == 0 and pulled == 0 and _error(sent) == (400, "invalid_request")
+
+
+def test_serve_control_headers_from_the_client_are_dropped():
+    headers = [
+        (b"x-request-timeout-seconds", b"0"),
+        (b"X-Request-Disconnect-Disabled", b"?1"),
+        (b"x-request-id", b"someone-elses"),
+        (b"serve_multiplexed_model_id", b"m"),
+        (b"x-serve-router-replica", b"r1"),
+        (b"x-session-id", b"s"),
+        (b"x-prism-trace", b"1"),
+        (b"content-length", b"2"),
+    ]
+    app, _, _, _ = _run(headers, [b"{}"])
+    assert [name for name, _ in app.headers] == [b"x-prism-trace", b"content-length"]
+
+
+def test_a_stalled_chunked_upload_is_a_408():
+    settings = _settings(body_read_grace_s=0.2, body_min_bytes_per_s=1_000_000)
+    chunks = [b"x" * 10, b"never sent"]
+    app, refusals, sent, _ = _run([(b"transfer-encoding", b"chunked")], chunks, settings, gaps=[0.0, 3600])
+    assert app.calls == 0 and refusals == [(408, "request_timeout")] and _error(sent) == (408, "request_timeout")
+
+
+def test_a_body_streaming_too_slowly_is_answered_408_and_the_app_sees_the_client_leave(streamed):
+    settings = _settings(body_read_grace_s=0.2, body_min_bytes_per_s=1_000_000)
+    app, refusals, sent, _ = _run([(b"content-length", b"20")], [b"x" * 10, b"y" * 10], settings, gaps=[0.0, 3600])
+    assert app.calls == 1 and app.disconnected and refusals == [(408, "request_timeout")]
+    assert _error(sent) == (408, "request_timeout") and len(sent) == 2  # the app's own answer was dropped
+
+
+def test_time_the_server_spends_not_reading_does_not_count_against_the_client():
+    """An ingress that pulls the body late (queued behind other requests) waits on nobody: the client's bytes are
+    already there, and the body arrives in time."""
+    settings = _settings(body_read_grace_s=0.2, body_min_bytes_per_s=1_000_000)
+    app, refusals, sent, _ = _run([(b"content-length", b"4")], [b"late"], settings, app=_App(delay_s=0.5))
+    assert app.body == b"late" and not refusals and sent[0]["status"] == 200
+
+
+def test_chunked_uploads_share_a_budget_per_proxy():
+    settings = _settings().model_copy(update={"chunked_bytes_in_flight": 120})
+    guard_app, sent_first, sent_second = _App(), [], []
+    guard = ProxyGuard(guard_app, settings, on_refusal=lambda status, code: None)
+    release = asyncio.Event()
+
+    async def slow_receive():  # 80 bytes, then waits
+        if not hasattr(slow_receive, "sent"):
+            slow_receive.sent = True
+            return {"type": "http.request", "body": b"a" * 80, "more_body": True}
+        await release.wait()
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def fast_receive():
+        return {"type": "http.request", "body": b"b" * 60, "more_body": False}
+
+    async def scenario():
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"transfer-encoding", b"chunked")]}
+        first = asyncio.ensure_future(guard(dict(scope), slow_receive, lambda m: _append(sent_first, m)))
+        await asyncio.sleep(0.05)
+        assert guard.gathering == 80
+        await guard(dict(scope), fast_receive, lambda m: _append(sent_second, m))
+        release.set()
+        await first
+        assert guard.gathering == 0
+        await guard(dict(scope), fast_receive, lambda m: _append(sent_second, m))
+
+    asyncio.run(scenario())
+    status, code = _error(sent_second)
+    assert (status, code) == (503, "server_overloaded") and (b"retry-after", b"1") in sent_second[0]["headers"]
+    assert sent_first[0]["status"] == 200 and sent_second[2]["status"] == 200
+
+
+async def _append(sent: list, message) -> None:
+    sent.append(message)
+
+
+def test_settings_carry_digests_never_keys_and_route_by_the_longest_prefix():
+    keyed = PrismConfig.model_validate({"server": {"api_keys": {KEY: "alpha"}}})
+    filed = PrismConfig.model_validate({"server": {"api_keys_file": "/keys/api-keys.json"}})
+    settings = GuardSettings.of([("prism", "/", keyed), ("other", "/other", filed), ("open", "/open", PrismConfig())])
+    env = ray_env(settings)
+    assert KEY not in json.dumps(env) and env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == (
+        "services.platform.proxy_guard:middlewares"
+    )
+    assert [r.app for r in settings.routes] == ["prism", "other"]  # an application without keys is not guarded
+    assert settings.route("/v1/chat/completions").app == "prism"
+    assert settings.route("/other/v1/chat/completions").app == "other" and settings.route("/otherwise").app == "prism"
+    assert settings.app("other").keys_file == "/keys/api-keys.json" and settings.app(None) is None
+    assert settings.routes[0].key_store().tenant(KEY) == "alpha"
+    assert GuardSettings.of([("prism", "/", keyed)], verify_keys=False).routes == []
+    assert GuardSettings.from_env(env) == settings
+
+
+def test_the_callback_reads_the_settings_when_called(monkeypatch):
+    settings = _settings({KEY: "alpha"})
+    for name, value in ray_env(settings).items():
+        monkeypatch.setenv(name, value)
+    (mw,) = middlewares()
+    assert mw.cls is ProxyGuard and mw.kwargs["settings"] == settings
+    monkeypatch.delenv(ENV_GUARD)
     monkeypatch.setenv(ENV_MAX_BODY_BYTES, "12345")
     (mw,) = middlewares()
-    assert mw.cls is BodyLimit and mw.kwargs["max_bytes"] == 12345
-    env = ray_env(12345)
-    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "services.platform.proxy_guard:middlewares"
-    assert int(env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]) > 12345
+    assert mw.kwargs["settings"].max_body_bytes == 12345 and mw.kwargs["settings"].routes == []
 
 
-def test_serve_accepts_what_the_callback_returns(monkeypatch):
-    from ray.serve._private.http_util import validate_http_proxy_callback_return
+@pytest.fixture(autouse=True)
+def _restore_grpc_server():
+    """``middlewares()`` installs the gRPC guard in this process: put grpc.aio's server constructor back after."""
+    import grpc.aio._server as aio_server
 
-    monkeypatch.delenv(ENV_MAX_BODY_BYTES, raising=False)
-    (mw,) = validate_http_proxy_callback_return(middlewares())
-    from common.config import PrismConfig
-
-    assert mw.kwargs["max_bytes"] == PrismConfig().body_limit
-
-
-@pytest.mark.parametrize("value", [b"abc", b"-1", b""])
-def test_malformed_content_length_is_left_to_the_http_server(value):
-    app, refusals, _, _ = _run([(b"content-length", value)], [b"x" * 10])
-    assert app.calls == 1 and not refusals
+    original = aio_server.Server.__init__
+    yield
+    aio_server.Server.__init__ = original
 
 
-def test_content_length_beside_transfer_encoding_is_not_trusted():
-    """RFC 9112: Transfer-Encoding frames the body, so a small Content-Length must not let a big body through."""
-    app, refusals, sent, _ = _run([(b"content-length", b"10"), (b"transfer-encoding", b"chunked")], [b"x" * 60] * 3)
-    assert app.calls == 0 and refusals == [1] and sent[0]["status"] == 413
+def test_a_width_bomb_is_refused_as_it_streams_not_after(streamed):
+    """``[{},{},…]`` past the structure limit: refused 400 ``json_too_wide`` at the chunk that crosses it — the
+    application (streamed) sees the client leave, or (chunked) is never called; the rest is never pulled."""
+    settings = _settings(max_json_structure=300).model_copy(update={"max_body_bytes": 10_000})
+    bomb = [b'{"x": [' + b"{}," * 60, b"{}," * 60, b"{}," * 60, b"{}]}"]
+    declared = str(sum(len(c) for c in bomb)).encode()
+    app, refusals, sent, pulled = _run([(b"content-length", declared)], bomb, settings)
+    assert refusals == [(400, "json_too_wide")] and _error(sent) == (400, "json_too_wide") and app.disconnected
+    assert pulled == 3, "reading stops at the chunk that crosses the limit (123, 243, then 363 of 300)"
+    app, refusals, sent, pulled = _run([(b"transfer-encoding", b"chunked")], bomb, settings)
+    assert app.calls == 0 and refusals == [(400, "json_too_wide")] and pulled == 3
+    image = [b'{"url": "data:image/png;base64,' + b"QUJD" * 20, b'"}']
+    app, refusals, sent, _ = _run([(b"content-length", str(sum(map(len, image))).encode())], image, settings)
+    assert not refusals and sent[0]["status"] == 200
 
 
-def test_a_client_gone_mid_upload_runs_nothing():
-    app, guard_refusals, sent = _App(), [], []
-    guard = BodyLimit(app, max_bytes=100, on_refusal=lambda: guard_refusals.append(1))
-    messages = [{"type": "http.request", "body": b"x" * 10, "more_body": True}, {"type": "http.disconnect"}]
+def test_a_trickled_body_reaches_the_app_in_few_pieces(streamed):
+    """100 one-byte pieces of a declared body: the application (each of its receives is a call from the ingress
+    replica to the proxy) gets them joined, not one call per piece."""
+    received = []
 
-    async def receive():
-        return messages.pop(0)
+    class _Counting(_App):
+        async def __call__(self, scope, receive, send):
+            async def counting():
+                message = await receive()
+                received.append(len(message.get("body", b"")))
+                return message
 
-    async def send(message):
-        sent.append(message)
+            await super().__call__(scope, counting, send)
 
-    asyncio.run(guard({"type": "http", "method": "POST", "headers": []}, receive, send))
-    assert app.calls == 0 and not sent and not guard_refusals
+    settings = _settings().model_copy(update={"max_body_bytes": 1000})
+    app, refusals, _, pulled = _run([(b"content-length", b"100")], [b"x"] * 100, settings, app=_Counting())
+    assert app.body == b"x" * 100 and not refusals and pulled == 100 and received == [100]

@@ -68,3 +68,58 @@ def test_awaited_engine_routes_results_fails_waiters_and_cancels_leavers():
     assert failed is not None and failed.http_status == 500
     assert "slow" in cancelled and "poison" in cancelled
     assert waiting == {}
+
+
+def test_an_engine_failing_steps_in_a_row_reports_unhealthy_and_one_good_step_heals_it():
+    import pytest
+
+    from services.stages.driver import UNHEALTHY_AFTER, check_engines
+
+    async def scenario() -> list[int]:
+        work = ["bad"] * UNHEALTHY_AFTER + ["good", "bad"]
+        seen: list[int] = []
+
+        def step():
+            item = work.pop(0)
+            if item == "bad":
+                raise RuntimeError("the device is gone")
+            return item
+
+        driver = EngineDriver(step, lambda: bool(work), lambda _: None, lambda _: seen.append(driver.failures))
+        driver.poke()
+        for _ in range(200):
+            if not work:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        return [*seen, driver.failures]
+
+    counts = asyncio.run(scenario())
+    assert counts == [1, 2, 3, 1, 1]  # three in a row; the good step reset the count; one more failure
+    with pytest.raises(RuntimeError, match="failed its last 3 steps"):
+        check_engines("encode", [0, UNHEALTHY_AFTER])
+    check_engines("encode", [UNHEALTHY_AFTER - 1])
+
+
+def test_the_decode_stage_reports_unhealthy_when_its_steps_keep_failing(model_cache, monkeypatch):
+    """The decode engine ends the sequences of a failed step itself (the driver sees no exception): its own count of
+    failed steps in a row is what the stage's health check reads — three sequences whose steps fail, and the replica
+    reports unhealthy; no KV is left behind."""
+    import pytest
+
+    from common.engine.decode import DecodeEngine
+    from common.protocol.sampling import SamplingParams
+    from services.stages.decode import DecodeDeployment
+    from tests.unit.common.engine.test_decode_engine import _prefilled
+
+    d = DecodeDeployment({"model": {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1}})
+    d.check_health()
+    monkeypatch.setattr(DecodeEngine, "_decode", lambda self, batch: (_ for _ in ()).throw(RuntimeError("gone")))
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(3):
+        d.engine.submit(f"r{i}", _prefilled(d.lm, i, 0, sampling), sampling)
+        events = d.engine.step()
+        assert [e.finish_reason for e in events][-1] == "error"
+    with pytest.raises(RuntimeError, match="decode engine failed its last 3 steps"):
+        d.check_health()
+    d.pool.check_no_leaks()

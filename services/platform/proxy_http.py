@@ -1,0 +1,346 @@
+"""The HTTP side of the proxy guard (:mod:`services.platform.proxy_guard`): ASGI middleware around Serve's HTTP proxy.
+
+Lifecycle of one HTTP request here, each refusal answered at once with an OpenAI error body and ``Connection:
+close`` (and counted in ``prism_requests_total{deployment="proxy"}``):
+
+1. **Headers.** Serve's own control headers sent by the client — the request's timeout, turning off
+   cancel-on-disconnect, the request id, multiplexing and session routing — are dropped: only Serve sets them.
+2. **Key.** For an application whose keys the guard knows (its route prefix), a request that may carry a body (any
+   method but GET, HEAD, OPTIONS) without a valid ``Authorization: Bearer`` key is refused 401 before one body byte
+   is read; a GET/HEAD/OPTIONS request that declares a body is refused 400 (nothing Prism serves takes one).
+3. **Size.** A declared ``Content-Length`` over the limit: 413, unread.
+4. **Width.** The body's structural characters (``{ [ , :``) are counted as it passes: past ``max_json_structure``
+   it is a 400 ``json_too_wide`` — a width bomb costs its first megabyte, not its whole size, and never reaches the
+   parser (the ingress counts again before it parses).
+5. **Arrival.** The body must keep arriving: past ``body_grace_s`` of waiting on the client, it must have come at
+   ``body_min_bytes_per_s`` on average for the time spent waiting for it (time the server spent not reading — the
+   request queued for an ingress replica — does not count). A body that falls behind is a 408: the client gets the
+   answer, and the application sees the client leave (``http.disconnect``), which frees whatever it held.
+6. **Body.** A body of up to 1 MiB, or one without a declared length (a chunked upload), is gathered here whole
+   before the application is called — a slow client costs the ingress nothing until its body is in — counted as it
+   arrives against the limit (413) and against the bytes this proxy gathers at once over every request
+   (``chunked_bytes_in_flight``: 503 + Retry-After), then handed on as one message. A larger declared body streams on
+   to the ingress as it arrives (the HTTP server frames it by its length, so it cannot run longer), in pieces of at
+   least 64 KiB; the ingress authenticates again from the headers before reading it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from common.auth import KeyStore
+from common.errors import InvalidRequestError, PrismError, ProxyBusy, RequestTimeout, RequestTooLarge
+from common.protocol.body import STRUCTURAL, ascii_int
+from services.platform.guard_settings import GuardSettings
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+SERVE_CONTROL_HEADERS = frozenset(
+    {
+        b"x-request-timeout-seconds",
+        b"x-request-disconnect-disabled",
+        b"x-request-id",
+        b"serve_multiplexed_model_id",
+        b"serve-multiplexed-model-id",
+        b"x-session-id",
+        b"x_session_id",
+    }
+)
+"""Headers Ray Serve 2.60's proxy acts on (``ray.serve._private.constants``): a client must not set them."""
+SERVE_CONTROL_PREFIXES = (b"x-serve-router-",)
+BODYLESS = frozenset({"GET", "HEAD", "OPTIONS"})
+BUFFER_BYTES = 1 << 20
+"""A body up to this size (declared, or chunked of any size) is gathered here whole before the application is called:
+a slow client costs the ingress nothing until its body is in (as nginx buffers request bodies); a larger declared
+body streams on as it arrives."""
+COALESCE_BYTES = 64 << 10
+"""Body bytes handed to the application at once, at least (unless the body ends first)."""
+
+
+class _TooSlow(Exception):
+    pass
+
+
+class Structure:
+    """A body's structural characters (``{ [ , :``), counted chunk by chunk as it passes (base64 holds none)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.count = limit, 0
+
+    def add(self, chunk: bytes) -> None:
+        for char in STRUCTURAL:
+            self.count += chunk.count(char)
+        if self.count > self.limit:
+            raise InvalidRequestError(
+                f"request JSON has more than {self.limit} structural characters ({{ [ , :), the limit",
+                code="json_too_wide",
+            )
+
+
+class Arrival:
+    """How long a body may keep the server waiting: ``grace_s``, plus ``1 / min_rate`` per byte received — counted
+    only while someone waits on the client for more."""
+
+    def __init__(self, grace_s: float, min_rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace_s, self.min_rate, self.clock = grace_s, min_rate, clock
+        self.waited, self.received = 0.0, 0
+
+    def allowance(self) -> float:
+        return self.grace_s + self.received / self.min_rate - self.waited
+
+    async def receive(self, receive: Receive) -> Message:
+        left = self.allowance()
+        if left <= 0:
+            raise _TooSlow
+        start = self.clock()
+        try:
+            message = await asyncio.wait_for(receive(), timeout=left)
+        except TimeoutError:
+            raise _TooSlow from None
+        finally:
+            self.waited += self.clock() - start
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+        return message
+
+
+class ProxyGuard:
+    def __init__(self, app: App, settings: GuardSettings, on_refusal: Callable[[int, str], None] | None = None) -> None:
+        self.app, self.settings = app, settings
+        self.on_refusal = on_refusal or _count_refusal
+        self.stores: dict[str, KeyStore] = {r.app: r.key_store() for r in settings.routes}
+        self.gathering = 0
+        """Bytes of chunked uploads this proxy holds right now."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if not _serve_control(k)]
+        try:
+            declared = self._admit(scope)
+        except PrismError as exc:
+            await self._refuse(send, exc)
+            return
+        arrival = Arrival(self.settings.body_grace_s, self.settings.body_min_bytes_per_s)
+        if declared is not None and declared > BUFFER_BYTES:
+            await self._stream(scope, receive, send, arrival)
+        else:
+            await self._gathered(scope, receive, send, arrival)
+
+    def _admit(self, scope: Scope) -> int | None:
+        """The checks on the headers (steps 2–3); the declared body length, ``None`` when there is none to trust."""
+        declared, chunked = _content_length(scope)
+        method = scope.get("method", "GET").upper()
+        if method in BODYLESS:
+            if chunked or declared:
+                raise InvalidRequestError(f"a {method} request carries no body here")
+            return 0
+        route = self.settings.route(scope.get("path", "/"))
+        if route is not None:
+            self.stores[route.app].tenant(_bearer(scope))  # 401 before a body byte is read
+        if declared is not None and declared > self.settings.max_body_bytes:
+            raise RequestTooLarge(
+                f"request body is larger than {self.settings.max_body_bytes} bytes, the server's limit"
+            )
+        return declared
+
+    async def _stream(self, scope: Scope, receive: Receive, send: Send, arrival: Arrival) -> None:
+        """A body of declared length, streamed on as the application pulls it, under the arrival rule."""
+        state = {"responded": False, "started": False, "done": False}
+        structure = Structure(self.settings.max_json_structure)
+
+        async def guarded_receive() -> Message:
+            if state["responded"]:
+                return {"type": "http.disconnect"}
+            if state["done"]:  # the whole body is in: the application listens for a disconnect, unguarded
+                return await receive()
+            try:
+                message = await self._coalesced(receive, arrival, structure)
+            except (_TooSlow, PrismError) as exc:
+                if not state["started"]:
+                    state["responded"] = True
+                    await self._refuse(send, _too_slow(self.settings) if isinstance(exc, _TooSlow) else exc)
+                return {"type": "http.disconnect"}  # the application sees the client leave: it frees what it held
+            state["done"] = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if state["responded"]:
+                return  # the guard answered already
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        await self.app(scope, guarded_receive, guarded_send)
+
+    async def _coalesced(self, receive: Receive, arrival: Arrival, structure: Structure) -> Message:
+        """The next body message for the application: the client's pieces joined until ``COALESCE_BYTES`` or the end
+        of the body — a client that trickles its body costs the application one message per 64 KiB, not one per
+        packet (each is a call from the ingress replica to this proxy)."""
+        message = await arrival.receive(receive)
+        if message["type"] != "http.request":
+            return message
+        parts = [message.get("body", b"")]
+        size, more = len(parts[0]), message.get("more_body", False)
+        structure.add(parts[0])
+        while more and size < COALESCE_BYTES:
+            nxt = await arrival.receive(receive)
+            if nxt["type"] != "http.request":
+                return nxt  # the client left mid-body: that is what the application must see
+            parts.append(nxt.get("body", b""))
+            structure.add(parts[-1])
+            size, more = size + len(parts[-1]), nxt.get("more_body", False)
+        return {"type": "http.request", "body": b"".join(parts), "more_body": more}
+
+    async def _gathered(self, scope: Scope, receive: Receive, send: Send, arrival: Arrival) -> None:
+        """A body of unknown length, gathered here (step 5) and handed on as one message; the bytes count against
+        the proxy's budget until the application takes them (or returns without)."""
+        held = [0]
+
+        def give_back() -> None:
+            self.gathering -= held[0]
+            held[0] = 0
+
+        try:
+            body = await self._gather(receive, arrival, held)
+        except _TooSlow:
+            give_back()
+            await self._refuse(send, _too_slow(self.settings))
+            return
+        except PrismError as exc:
+            give_back()
+            await self._refuse(send, exc)
+            from services.platform.memory import release_freed_memory
+
+            release_freed_memory()
+            return
+        if body is None:  # the client went away mid-upload: nobody to answer, nothing to run
+            give_back()
+            return
+        try:
+            await self.app(scope, _replay(body, receive, give_back), send)
+        finally:
+            give_back()
+
+    async def _gather(self, receive: Receive, arrival: Arrival, held: list[int]) -> bytearray | None:
+        # One growing buffer rather than a list of chunks: past glibc's mmap threshold it lives in its own mapping, so
+        # a refused body's memory goes back to the system at once instead of staying in the heap.
+        body = bytearray()
+        structure = Structure(self.settings.max_json_structure)
+        while True:
+            message = await arrival.receive(receive)
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            structure.add(chunk)
+            if len(body) + len(chunk) > self.settings.max_body_bytes:
+                raise RequestTooLarge(f"request body is larger than {self.settings.max_body_bytes} bytes, the limit")
+            if self.gathering + len(chunk) > self.settings.chunked_bytes_in_flight:
+                raise ProxyBusy("the server is gathering as many uploads as it may hold; retry later",
+                                retry_after_s=self.settings.retry_after_s)  # fmt: skip
+            self.gathering += len(chunk)
+            held[0] += len(chunk)
+            body += chunk
+            if not message.get("more_body", False):
+                return body
+
+    async def _refuse(self, send: Send, exc: PrismError) -> None:
+        self.on_refusal(exc.http_status, exc.code)
+        body = _json(exc.to_body())
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        if exc.retry_after_s is not None:
+            headers.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
+        await send({"type": "http.response.start", "status": exc.http_status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _too_slow(settings: GuardSettings) -> RequestTimeout:
+    return RequestTimeout(
+        f"the request body arrived slower than {settings.body_min_bytes_per_s} bytes/s after "
+        f"{settings.body_grace_s:g} s; it was dropped"
+    )
+
+
+def _json(obj: dict) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()
+
+
+def _serve_control(name: bytes) -> bool:
+    name = name.lower()
+    return name in SERVE_CONTROL_HEADERS or name.startswith(SERVE_CONTROL_PREFIXES)
+
+
+def _bearer(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            text = value.decode("latin-1")
+            return text[7:].strip() if text.lower().startswith("bearer ") else None
+    return None
+
+
+def _replay(body: bytearray, receive: Receive, taken: Callable[[], None]) -> Receive:
+    """A ``receive`` that gives the gathered body as one message (calling ``taken``), then defers to the real one
+    (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            message = {"type": "http.request", "body": bytes(body), "more_body": False}
+            taken()
+            return message
+        return await receive()
+
+    return replay
+
+
+def _content_length(scope: Scope) -> tuple[int | None, bool]:
+    """The declared body length — ``None`` when there is none to trust: absent, malformed (the HTTP server's to
+    refuse), or beside ``Transfer-Encoding`` (which then frames the body, RFC 9112 §6.3) — and whether the body is
+    framed by ``Transfer-Encoding``."""
+    declared = None
+    for name, value in scope.get("headers", ()):
+        name = name.lower()
+        if name == b"transfer-encoding":
+            return None, True
+        if name == b"content-length":
+            declared = ascii_int(value.decode("latin-1"))
+    return declared, False
+
+
+_counter: Any = None
+
+
+def _count_refusal(status: int, code: str) -> None:
+    """``prism_requests_total{protocol="http", status, code, deployment="proxy"}``, recorded in the proxy actor (Ray's
+    metrics agent exports it beside the ingress's series)."""
+    global _counter
+    try:
+        import ray
+        from ray.util.metrics import Counter
+
+        from common.obs.catalogue import BY_NAME, SERVE_TAGS
+
+        if _counter is None:
+            spec = BY_NAME["prism_requests_total"]
+            _counter = Counter(spec.name, description=spec.description, tag_keys=(*SERVE_TAGS, *spec.tags))
+        node = ray.get_runtime_context().get_node_id()[:12]  # one proxy per node
+        tags = {"application": "", "deployment": "proxy", "replica": node}
+        _counter.inc(1.0, tags={**tags, "protocol": "http", "status": str(status), "code": code})
+    except Exception:  # metrics must never turn a refusal into a failure
+        pass
