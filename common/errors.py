@@ -90,6 +90,13 @@ class HandoffError(PrismError):
     default_code = "invalid_handoff"
 
 
+class HandoffLost(HandoffError):
+    """A hand-off's sender went away before its bytes were read (its replica died mid-transfer, or the hand-off is
+    gone): like a lost replica, the ingress issues the request's chain again (before its first token; else 503)."""
+
+    default_code = "handoff_lost"
+
+
 class MediaFetchBlocked(PrismError):
     """Fetch refused by policy: scheme, userinfo, domain list, non-global address, ``file://`` outside the root."""
 

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loadtest import bench_cache, bench_engine, bench_plots, bench_results, figures
+from loadtest import bench_cache, bench_engine, bench_hops, bench_plots, bench_results, figures
 from loadtest import bench_servers as servers
 from loadtest import bench_sessions as sessions
 from loadtest.bench_settings import Settings
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> Path:
     def say(msg: str) -> None:
         print(f"[bench {time.time() - started:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
-    metrics, plots, slo = _measure(args.model, args.cache_model, st, out.parent, say)
+    metrics, plots, slo, hops = _measure(args.model, args.cache_model, st, out.parent, say)
     summary = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> Path:
         "wall_s": round(time.time() - started, 1),
         "plots": [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in plots],
         "metrics": {f.name: metrics[f.name] for f in figures.FIGURES},
+        "per_hop_fixed_cost": hops,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
@@ -102,8 +103,8 @@ def main(argv: list[str] | None = None) -> Path:
 
 def _measure(
     model: str, cache_model: str, st: Settings, plots_dir: Path, say: sessions.Say
-) -> tuple[dict[str, Any], list[Path], dict[str, Any]]:
-    """Every figure (see the module docstring), the plots, and the goodput SLOs."""
+) -> tuple[dict[str, Any], list[Path], dict[str, Any], dict[str, Any]]:
+    """Every figure (see the module docstring), the plots, the goodput SLOs and the per-hop reports."""
     say("decode engine")
     decode_out = (QUICK if st.quick else RESULTS) / "decode.json"
     n_decode = st.runs("decode_speedup_32_vs_sequential")  # (the roofline comes from the same runs: declared alike)
@@ -128,7 +129,7 @@ def _measure(
         bench_plots.goodput_vs_rate(plots_dir / bench_plots.GOODPUT_PNG, curves, at),
         bench_plots.ttft_cdfs(plots_dir / bench_plots.TTFT_PNG, panels),
     ]
-    return metrics, plots, prism.sweep[at][0]["slo"]
+    return metrics, plots, prism.sweep[at][0]["slo"], {"prism": prism.hops, "monolith": mono.hops}
 
 
 def table(summary: dict[str, Any], doc_dir: Path = DOC.parent) -> str:
@@ -152,7 +153,9 @@ def table(summary: dict[str, Any], doc_dir: Path = DOC.parent) -> str:
         f"[{Path(p).stem.removeprefix('bench_').replace('_', ' ')}]({os.path.relpath(ROOT / p, doc_dir)})"
         for p in summary.get("plots", [])
     )
-    return head + "\n\n" + "\n".join(rows) + (f"\n\nPlots: {plots}." if plots else "")
+    hops = bench_hops.table(summary.get("per_hop_fixed_cost") or {})
+    hops = f"\n\nThe fixed cost of each hop (`loadtest/bench_hops.py`):\n\n{hops}" if hops else ""
+    return head + "\n\n" + "\n".join(rows) + (f"\n\nPlots: {plots}." if plots else "") + hops
 
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest import bench_cache
+from loadtest import bench_cache, bench_hops
 from loadtest import bench_loads as loads
 from loadtest import bench_servers as servers
 from loadtest.bench_loads import Flood, seed_of
@@ -47,6 +47,8 @@ class ServerRuns:
     tenants: list[Flood] = field(default_factory=list)
     """Tenant beta's text probes idle / under tenant alpha's flood."""
     sweep: dict[float, Any] = field(default_factory=dict)
+    hops: dict[str, Any] = field(default_factory=dict)
+    """The per-hop fixed costs from the server's traces (:mod:`loadtest.bench_hops`), measured first."""
 
 
 def _warm_up(url: str, model: str) -> None:
@@ -72,6 +74,8 @@ def prism_session(config: dict[str, Any], model: str, st: Settings, rates: list[
     n_tenant = st.runs("tenant_ttft_p95_flood_vs_idle")
     with servers.prism_app(config) as url:
         _warm_up(url, model)
+        say("Prism: the fixed cost of each hop (sequential traced requests, text-only and one small image)")
+        out.hops = bench_hops.hop_costs(url, model, st.hop_requests, api_key=servers.KEY)
         for i in range(max(n_ttft, n_flood, n_tenant)):
             say(f"Prism, run {i + 1}: light load of medium images; text probes idle / under a flood")
             if i < n_ttft:
@@ -99,6 +103,8 @@ def monolith_session(config: dict[str, Any], model: str, st: Settings, rates: li
     n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
     with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
         _warm_up(url, model)
+        say("monolith: the same spans with every hop in process")
+        out.hops = bench_hops.hop_costs(url, model, st.hop_requests, api_key=servers.KEY)
         for i in range(max(n_ttft, n_flood)):
             say(f"monolith, run {i + 1}: light load, medium images; text probes idle / flood")
             if i < n_ttft:

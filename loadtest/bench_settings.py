@@ -16,6 +16,8 @@ class Settings:
         """Requests each point of the goodput sweep sends at least."""
         self.decode_tokens = 16 if quick else 32
         self.ucx_transports = {"default": None} if quick else bench_ucx.TRANSPORTS
+        self.hop_requests = 8 if quick else 20
+        """Sequential requests of each kind behind the per-hop report (:mod:`loadtest.bench_hops`)."""
 
     def runs(self, name: str) -> int:
         return figures.runs(name, self.quick)

@@ -28,7 +28,7 @@ class Peer:
     """One NIXL agent with one registered buffer: the sender exposes it, the receiver READs into its own."""
 
     def __init__(self, name: str) -> None:
-        from common.kv.transport.nixl import new_agent
+        from common.kv.transport.nixl_agent import new_agent
 
         self.agent = new_agent(name)
         self.buffer: np.ndarray | None = None

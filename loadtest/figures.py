@@ -50,6 +50,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("decode_roofline_fraction_b32", ">=", 0.7, runs=3, ours=True),
     Figure("handoff_bw_fraction_of_memcpy", ">=", 0.4, runs=5),
     Figure("nixl_bw_fraction_of_memcpy", ">=", 0.25, runs=5, ours=True),
+    Figure("nixl_vs_ucx_read", ">=", 0.8, runs=5),
     Figure("ttft_ratio_epd_vs_monolith", "<=", 1.10, runs=3),
     Figure("encoder_cache_hot_cold_ttft_ratio", "<=", 0.5, runs=3),
     Figure("encoder_hit_rate_2_replicas", ">=", 0.9, runs=3, ours=True),

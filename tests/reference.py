@@ -1,7 +1,8 @@
-"""The reference answer for one video clip: every ``common/`` stage chained in this process, greedy.
+"""The reference answer for one media item (a video clip, an image): every ``common/`` stage chained in this process,
+greedy.
 
-The deployed Qwen2-VL app is checked token for token against it (``tests/e2e/test_video.py``), and so is the
-offline batch job (``tests/batch``).
+The deployed Qwen2-VL app is checked token for token against it (``tests/e2e/test_video.py``; over NIXL:
+``tests/e2e/test_transports.py``), and so is the offline batch job (``tests/batch``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from common.stages.process import process_loaded
 from common.stages.prompt import build_prompt
 
 
-def video_tokens(
+def media_tokens(
     lm: LoadedModel,
     ref: MediaRef,
     text: str,
@@ -29,10 +30,10 @@ def video_tokens(
     max_prompt_tokens: int = 8192,
     block_size: int = 16,
 ) -> list[int]:
-    """Token ids the model generates for ``text`` about the clip ``ref`` (fetched and sampled under ``media_cfg``)."""
+    """Token ids the model generates for ``text`` about ``ref`` (fetched, and a clip sampled, under ``media_cfg``)."""
     cfg = media_cfg or MediaConfig()
     media = process_loaded(lm, load_media([ref], cfg, MediaFetcher(cfg)))
-    content = [{"type": "video"}, {"type": "text", "text": text}]
+    content = [{"type": ref.kind}, {"type": "text", "text": text}]
     prompt = build_prompt(lm, [{"role": "user", "content": content}], media, max_prompt_tokens)
     pre = prefill(lm, merge(lm, prompt, encode_media(lm, media)), sampling, block_size)
     return list(decode(lm, pre, sampling).token_ids)

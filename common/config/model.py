@@ -24,6 +24,9 @@ class ModelConfig(Strict):
     """Weights/activation dtype; ``auto`` takes the checkpoint's own dtype."""
     torch_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads for this process; set it to the replica's CPU share so replicas don't fight."""
+    transport: Literal["object_store", "nixl"] | None = None
+    """How this model's visual embeddings (encode → prefill) and KV (prefill → decode) move; ``None``: the
+    application's ``server.transport``. Each model of a several-model application may choose its own."""
 
     @property
     def name(self) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from common.config.admission import AdmissionConfig
@@ -64,6 +66,11 @@ class PrismConfig(Strict):
                     f"models must have distinct names (also as deployment names); {twice[0]!r} appears twice"
                 )
         return self
+
+    @property
+    def transport(self) -> Literal["object_store", "nixl"]:
+        """The transport of this config's (first) model: its own, or ``server.transport``."""
+        return self.model.transport or self.server.transport
 
     def served(self) -> list[PrismConfig]:
         """One single-model config per served model (what its stage deployments and its ingress client take): the

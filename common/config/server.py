@@ -45,7 +45,9 @@ class ServerConfig(Strict):
     """Requests one ingress replica carries at once; more get 429 with an OpenAI error body (keep it below the
     ingress's ``max_ongoing_requests`` so Serve's own, body-less backpressure is only the last line of defence)."""
     transport: Literal["object_store", "nixl"] = "object_store"
-    """How embeddings and KV move between stages."""
+    """How visual embeddings and KV move between stages (a model's own ``transport`` wins): ``object_store`` — in
+    the stage responses, through Ray's object store; ``nixl`` — NIXL agents owned by the replicas (UCX, RDMA where
+    the NIC has it) read them straight into registered memory (:mod:`common.kv.transport`)."""
     max_body_bytes: int | None = Field(default=None, ge=1024)
     """Largest request body (HTTP) or message (gRPC) accepted, in bytes; bigger ones get 413 ``request_too_large``
     while they are read — in Serve's HTTP proxy already (:mod:`services.platform.proxy_guard`). ``None``: what the other

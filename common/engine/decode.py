@@ -3,10 +3,12 @@
 Queues and lifecycle of one sequence:
 
 ``submit`` → (lease queue, if the pool is full) → **admitted**: its prefill KV blocks are copied into pool blocks
-and its first token (sampled by prefill) is emitted → **running**: every :meth:`step` generates one token for up to
-``max_batch`` running sequences in a single forward pass → finished (EOS / stop string / max_tokens), cancelled,
-past its deadline (``timeout`` event) or hit by a failed step (``error`` event) → its lease is released, which may
-admit waiting sequences. Sequences join and leave the batch at every step.
+and its first token (sampled by prefill) is emitted → **running**; or, when the lease can be had at once,
+``claim`` → **landing**: the blocks are allocated before the KV is here, and the transport moves the hand-off straight
+into them (the decode stage, outside the engine's lock) → ``start`` → **running**: every :meth:`step` generates one
+token for up to ``max_batch`` running sequences in a single forward pass → finished (EOS / stop string / max_tokens),
+cancelled, past its deadline (``timeout`` event) or hit by a failed step (``error`` event) → its lease is released,
+which may admit waiting sequences. Sequences join and leave the batch at every step.
 
 **Reservations** (KV before prefill): the decode stage may take a sequence's lease before prefill computes it —
 :meth:`DecodeEngine.reserve` under the attempt's key, with the blocks the request is known to need — so a full pool
@@ -43,12 +45,13 @@ from typing import Literal
 import torch
 
 from common.engine.paged_step import build_step_context
+from common.errors import HandoffError
 from common.kv.blocks import check_prefill, to_torch
 from common.kv.native import load_decode_kernel
 from common.kv.paged_attention import enable_paged_attention
 from common.kv.pool import KVPool, Lease
 from common.model.loader import LoadedModel
-from common.protocol.handoff import FinishReason, PrefillOutput
+from common.protocol.handoff import FinishReason, Prefilled, PrefillOutput
 from common.protocol.sampling import SamplingParams
 from common.stages.sampler import sample_token
 from common.stages.stops import StopChecker
@@ -119,6 +122,8 @@ class DecodeEngine:
         )
         self._running: OrderedDict[str, _Sequence] = OrderedDict()
         self._events: list[TokenEvent] = []
+        self._landing: dict[str, tuple[SamplingParams, tuple[int, ...]]] = {}
+        """Sequences :meth:`claim` gave blocks whose KV is on its way into them (not yet started: :meth:`start`)."""
         self._reserved: dict[str, float | None] = {}
         """Reservations not yet claimed by a submit (granted or waiting in the pool's queue) → their deadline."""
 
@@ -127,6 +132,8 @@ class DecodeEngine:
         """Take (or queue, by ``rank``: :meth:`KVPool.request_lease`) a lease of ``blocks`` for a sequence not
         prefilled yet; True if granted now. Raises :class:`LeaseTooLarge` past the per-request limit."""
         if request_id in self._reserved or request_id in self._pending or request_id in self._running:
+            raise ValueError(f"request {request_id} is already known to this engine")
+        if request_id in self._landing:
             raise ValueError(f"request {request_id} is already known to this engine")
         granted = self.pool.request_lease(request_id, blocks, rank) is not None
         self._reserved[request_id] = deadline
@@ -183,15 +190,12 @@ class DecodeEngine:
         deadline: float | None = None,
         replay: Sequence[int] = (),
     ) -> None:
-        """Queue a prefilled sequence (``deadline`` on this engine's clock); raises :class:`LeaseTooLarge` if it
-        can never fit its lease. ``replay``: the tokens a client already received from a lost replica (the first
-        one in place of prefill's); they are rebuilt, not emitted, and the sequence goes on from the next one."""
+        """Queue a prefilled sequence whose KV is at hand (``deadline`` on this engine's clock): admitted — its KV
+        copied into its blocks — when its lease is granted. Raises :class:`LeaseTooLarge` if it can never fit its
+        lease. ``replay``: the tokens a client already received from a lost replica (the first one in place of
+        prefill's); they are rebuilt, not emitted, and the sequence goes on from the next one."""
         check_prefill(self.lm, pre)
-        sampling = sampling.resolved()
-        replay = tuple(int(t) for t in replay)
-        if len(replay) >= sampling.max_tokens:
-            raise ValueError(f"a replay of {len(replay)} tokens leaves nothing of max_tokens={sampling.max_tokens}")
-        need = self.pool.blocks_for(pre.kv.num_tokens + sampling.max_tokens)
+        sampling, replay, need = self._needs(pre, sampling, replay)
         reserved = self._reserved.pop(request_id, False) is not False
         self._pending[request_id] = (pre, sampling, deadline, replay)
         others: list[str] = []
@@ -208,10 +212,61 @@ class DecodeEngine:
             self._admit(request_id)
         self._admit_granted(others)  # (a lease made smaller lets the queue move)
 
+    def claim(
+        self, request_id: str, pre: Prefilled, sampling: SamplingParams, replay: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Lease and allocate a sequence's blocks *before* its KV is here, when the pool can give them at once — its
+        reservation made the exact need (if what it lacks is available now), or a new lease granted now — and return
+        the blocks its hand-off must land in, in order; the sequence is then *landing* until :meth:`start` runs it
+        (or :meth:`cancel` frees it). ``None`` when its lease would have to wait: nothing changed (a reservation stays
+        as it was), and the caller fetches the KV and queues it with :meth:`submit`. Checks the hand-off's
+        layout first; raises :class:`LeaseTooLarge` past the per-request limit."""
+        check_prefill(self.lm, pre)
+        if pre.layout.block_size != self.pool.block_size:
+            size = pre.layout.block_size
+            raise HandoffError(f"KV in blocks of {size} tokens; this pool's are {self.pool.block_size}")
+        sampling, replay, need = self._needs(pre, sampling, replay)
+        if request_id in self._reserved:
+            lease = self.pool.lease(request_id)
+            if lease is None or need - lease.reserved > self.pool.available_blocks:
+                return None
+            del self._reserved[request_id]
+            self._admit_granted(self.pool.resize_lease(request_id, need))  # (a smaller lease lets the queue move)
+        else:
+            if request_id in self._pending or request_id in self._running or request_id in self._landing:
+                raise ValueError(f"request {request_id} is already known to this engine")
+            if self.pool.num_waiting or need > self.pool.available_blocks:
+                return None  # (never ahead of a queued lease)
+            self.pool.request_lease(request_id, need)
+        lease = self.pool.lease(request_id)
+        assert lease is not None  # granted just now
+        blocks = self._allocate(lease, pre.layout.num_blocks)
+        self._landing[request_id] = (sampling, replay)
+        return blocks
+
+    def start(self, request_id: str, pre: Prefilled, deadline: float | None = None) -> None:
+        """Run a sequence whose KV landed in the blocks :meth:`claim` gave it: its first token is emitted (or its
+        replay begins) as for one admitted from :meth:`submit`."""
+        sampling, replay = self._landing.pop(request_id)
+        lease = self.pool.lease(request_id)
+        assert lease is not None  # a landing sequence holds its lease until start or cancel
+        self._begin(request_id, lease, pre, sampling, deadline, replay)
+
+    def _needs(
+        self, pre: Prefilled, sampling: SamplingParams, replay: Sequence[int]
+    ) -> tuple[SamplingParams, tuple[int, ...], int]:
+        """The resolved sampling, the replay, and the blocks the sequence's lease needs (prompt + ``max_tokens``)."""
+        sampling = sampling.resolved()
+        replay = tuple(int(t) for t in replay)
+        if len(replay) >= sampling.max_tokens:
+            raise ValueError(f"a replay of {len(replay)} tokens leaves nothing of max_tokens={sampling.max_tokens}")
+        return sampling, replay, self.pool.blocks_for(pre.layout.num_tokens + sampling.max_tokens)
+
     def cancel(self, request_id: str) -> bool:
         """Drop a sequence wherever it is and free its KV (its reservation too, if it never claimed one); True if the
         sequence was known (submitted)."""
         known = self._pending.pop(request_id, None) is not None or self._running.pop(request_id, None) is not None
+        known = self._landing.pop(request_id, None) is not None or known
         self._reserved.pop(request_id, None)
         self._release(request_id)
         return known
@@ -223,6 +278,10 @@ class DecodeEngine:
     @property
     def num_waiting(self) -> int:
         return len(self._pending)
+
+    @property
+    def num_landing(self) -> int:
+        return len(self._landing)
 
     def has_work(self) -> bool:
         return bool(self._running or self._events)
@@ -241,16 +300,31 @@ class DecodeEngine:
         pre, sampling, deadline, replay = self._pending.pop(request_id)
         lease = self.pool.lease(request_id)
         assert lease is not None  # granted by the pool just now
-        # The whole lease as one run when possible: attention then reads this sequence's KV through a view.
-        run = self.pool.allocate_run(lease, lease.reserved) if self.prefer_contiguous else None
-        blocks = run[: pre.kv.num_blocks] if run is not None else self.pool.allocate(lease, pre.kv.num_blocks)
+        blocks = self._allocate(lease, pre.kv.num_blocks)
         self.pool.store_blocks(blocks, to_torch(pre.kv.keys, pre.kv.dtype), to_torch(pre.kv.values, pre.kv.dtype))
+        self._begin(request_id, lease, pre, sampling, deadline, replay)
+
+    def _allocate(self, lease: Lease, prompt_blocks: int) -> list[int]:
+        """The prompt's blocks in a granted lease: the whole lease as one run when possible (attention then reads the
+        sequence's KV through a view), the first ``prompt_blocks`` of it returned."""
+        run = self.pool.allocate_run(lease, lease.reserved) if self.prefer_contiguous else None
+        return run[:prompt_blocks] if run is not None else self.pool.allocate(lease, prompt_blocks)
+
+    def _begin(
+        self,
+        request_id: str,
+        lease: Lease,
+        pre: Prefilled,
+        sampling: SamplingParams,
+        deadline: float | None,
+        replay: tuple[int, ...],
+    ) -> None:
         seq = _Sequence(
             request_id=request_id,
             sampling=sampling,
             lease=lease,
             rope_delta=pre.rope_delta,
-            length=pre.kv.num_tokens,
+            length=pre.layout.num_tokens,
             last_token=pre.first_token_id,
             step=0,
             stops=StopChecker(self.lm, sampling),
@@ -310,6 +384,11 @@ class DecodeEngine:
             for seq in batch:
                 if seq.request_id in self._running:
                     self._running.move_to_end(seq.request_id)
+        return self.take_events()
+
+    def take_events(self) -> list[TokenEvent]:
+        """Every event produced since the last call, without a forward pass: a sequence's first token is known
+        when it starts (prefill sampled it), so its caller need not wait for the next step to see it."""
         events, self._events = self._events, []
         return events
 

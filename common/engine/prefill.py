@@ -35,7 +35,7 @@ from transformers import DynamicCache
 from common.admission.budget import rank
 from common.cache.scope import cache_scope
 from common.engine.chunking import next_chunk_end, usable_prefix_blocks
-from common.kv.blocks import export_kv, to_torch
+from common.kv.blocks import Buffers, export_sealed_kv, fresh_buffers, to_torch
 from common.kv.pool import KVPool
 from common.kv.prefix_cache import PrefixCache
 from common.kv.prefix_hash import block_hashes
@@ -94,8 +94,12 @@ class PrefillEngine:
         clock: Callable[[], float] = time.monotonic,
         aging_tokens_per_s: float | None = None,
         batch_delay_s: float = 0.0,
+        kv_buffers: Buffers = fresh_buffers,
     ) -> None:
+        """``kv_buffers``: where a finished prompt's KV is exported (its transport's staging memory, by default
+        fresh arrays)."""
         self.lm = lm
+        self.kv_buffers = kv_buffers
         self.aging, self.batch_delay_s = aging_tokens_per_s, batch_delay_s
         self.computed_tokens = 0
         """Prompt tokens computed over the engine's life (work counter: tests check admission refused before it)."""
@@ -223,7 +227,7 @@ class PrefillEngine:
     def _finish(self, state: _State) -> PrefillResult:
         assert state.logits is not None
         first = sample_token(state.logits, state.sampling, step=0)
-        kv = export_kv(state.cache, self.block_size)
+        kv, checksum = export_sealed_kv(state.cache, self.block_size, self.kv_buffers)
         if self.prefix is not None:
             self._insert_prefix(state.hashes, kv, state.stats.cached_tokens // self.block_size)
         output = PrefillOutput(
@@ -232,6 +236,7 @@ class PrefillEngine:
             kv=kv,
             rope_delta=state.rope_delta,
             model_revision=self.lm.contract.model_revision,
+            checksum=checksum,  # (the stage's seal binds it to the attempt)
         )
         return PrefillResult(state.request_id, output, state.stats)
 

@@ -1,28 +1,32 @@
 r"""Conversion between a transformers ``DynamicCache`` and :class:`KVBlocks` (numpy, fixed block size).
 
 Prefill exports its cache as blocks so decode — possibly in another process — can import it. The hand-off layout
-is ``[layers, blocks, kv_heads, block_size, head_dim]`` (head-major, as transformers' caches hold it); the paged pool
-stores blocks token-major and converts once per request (:meth:`common.kv.pool.KVPool.store_blocks`). Import
-validates the blocks against the receiving model's geometry and refuses anything inconsistent with
-:class:`HandoffError` (a corrupt or foreign hand-off must never reach attention). The prefill stage :func:`seal`\ s
-its output before publishing it — the attempt's key and a CRC-32 of the KV bytes — and the decode stage
-:func:`verify_handoff`\ s what it fetched: a payload of another request or attempt (stale), or whose bytes changed on
-the way with its shape intact (a bad copy, a buffer reused before the READ), is refused rather than decoded into a
-plausible answer.
+is the decode pool's own, ``[layers, blocks, block_size, kv_heads, head_dim]`` (token-major inside a block:
+:mod:`common.kv.pool`), so a hand-off lands in the pool's blocks by plain copies of contiguous runs — or by one
+transfer straight into them (:mod:`common.kv.transport`) — with no transpose after it; the one permutation (from
+transformers' head-major cache) happens once, in :func:`export_kv`, which writes into buffers the caller chooses (a
+staging slot registered with a transport, or fresh arrays). Import validates the blocks against the receiving model's
+geometry and refuses anything inconsistent with :class:`HandoffError` (a corrupt or foreign hand-off must never reach
+attention). The prefill stage :func:`seal`\ s its output before publishing it — the attempt's key and the XXH3-64 of
+the KV bytes (:mod:`common.kv.digest`) — and the decode stage checks what landed in its pool against it: a payload of
+another request or attempt (stale), or whose bytes changed on the way with its shape intact (a bad copy, a buffer
+reused before the read), is refused rather than decoded into a plausible answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import xxhash
 from transformers import DynamicCache
 
 from common.errors import HandoffError
-from common.protocol.handoff import KVBlocks, PrefillOutput
+from common.kv.digest import digest, flat_bytes
+from common.protocol.handoff import KVBlocks, KVLayout, Prefilled, PrefillOutput
 
 if TYPE_CHECKING:
     from common.model.loader import LoadedModel
@@ -43,67 +47,115 @@ def to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
 
-def export_kv(cache: DynamicCache, block_size: int) -> KVBlocks:
-    """Cut a batch-1 cache into blocks; the tail of the last block is zero."""
-    keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [L, H, T, D]
-    values = torch.stack([layer.values[0] for layer in cache.layers])
-    dtype = str(keys.dtype).removeprefix("torch.")
+Buffers = Callable[[tuple[int, ...], np.dtype], tuple[np.ndarray, np.ndarray]]
+"""Where an export writes: ``(shape, numpy dtype) -> (keys, values)``, two C-contiguous arrays of that shape."""
+
+
+def fresh_buffers(shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    return np.empty(shape, dtype), np.empty(shape, dtype)
+
+
+def kv_geometry(n_layers: int, n_tokens: int, block_size: int, n_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The hand-off shape of ``n_tokens`` tokens: ``[layers, blocks, block_size, kv_heads, head_dim]``."""
+    return (n_layers, -(-n_tokens // block_size), block_size, n_heads, head_dim)
+
+
+def export_kv(cache: DynamicCache, block_size: int, buffers: Buffers = fresh_buffers) -> KVBlocks:
+    """Cut a batch-1 cache into blocks in the pool's layout, written into ``buffers``; the tail of the last block is
+    zero."""
+    return _export(cache, block_size, buffers, None)
+
+
+def export_sealed_kv(cache: DynamicCache, block_size: int, buffers: Buffers = fresh_buffers) -> tuple[KVBlocks, int]:
+    """:func:`export_kv` and the XXH3-64 of what it wrote (:func:`kv_checksum`'s value), each layer hashed right
+    after it is written, while its bytes are still in cache: the seal costs a pass over cached bytes, not a second
+    trip through the whole KV."""
+    h = xxhash.xxh3_64()
+    kv = _export(cache, block_size, buffers, h)
+    return kv, h.intdigest()
+
+
+def _export(cache: DynamicCache, block_size: int, buffers: Buffers, h: xxhash.xxh3_64 | None) -> KVBlocks:
+    dtype = str(cache.layers[0].keys.dtype).removeprefix("torch.")
     if dtype not in _TORCH_DTYPES:
         raise HandoffError(f"cannot export KV of dtype {dtype}")
-    n_layers, n_heads, n_tokens, head_dim = keys.shape
-    n_blocks = -(-n_tokens // block_size)
-    pad = n_blocks * block_size - n_tokens
-
-    def blocks(x: torch.Tensor) -> np.ndarray:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        x = x.view(n_layers, n_heads, n_blocks, block_size, head_dim).permute(0, 2, 1, 3, 4)
-        return to_numpy(x, dtype)
-
-    return KVBlocks(block_size=block_size, num_tokens=n_tokens, dtype=dtype, keys=blocks(keys), values=blocks(values))
+    _, n_heads, n_tokens, head_dim = cache.layers[0].keys.shape
+    shape = kv_geometry(len(cache.layers), n_tokens, block_size, n_heads, head_dim)
+    keys, values = buffers(shape, np.dtype(_WIRE_NUMPY[dtype]))
+    for name, out in (("keys", keys), ("values", values)):  # (keys first, then values: the digest's byte order)
+        dst = to_torch(out, dtype).view(shape[0], shape[1] * block_size, n_heads, head_dim)
+        for i, layer in enumerate(cache.layers):  # a layer at a time: [H, T, D] -> [T, H, D], one copy
+            dst[i, :n_tokens].copy_(getattr(layer, name)[0].transpose(0, 1))
+            dst[i, n_tokens:].zero_()
+            if h is not None:
+                h.update(flat_bytes(out[i]))
+    return KVBlocks(block_size=block_size, num_tokens=n_tokens, dtype=dtype, keys=keys, values=values)
 
 
 def validate_kv(kv: KVBlocks, kv_shape: tuple[int, int, int], dtype: torch.dtype) -> None:
     """Refuse blocks that do not fit a model with ``kv_shape`` = (layers, kv_heads, head_dim) and ``dtype``."""
+    if kv.values.shape != kv.keys.shape or kv.values.dtype != kv.keys.dtype:
+        raise HandoffError(f"KV values {kv.values.shape} {kv.values.dtype} do not match the keys")
+    check_layout(kv.layout, kv_shape, dtype)
+
+
+def check_layout(layout: KVLayout, kv_shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """Refuse a hand-off whose KV (held here, or described by a remote sender) does not fit its own token count and a
+    model with ``kv_shape`` = (layers, kv_heads, head_dim) and ``dtype``."""
     n_layers, n_heads, head_dim = kv_shape
     want_dtype = str(dtype).removeprefix("torch.")
-    if kv.dtype != want_dtype:
-        raise HandoffError(f"KV dtype {kv.dtype} does not match the model's {want_dtype}")
-    if kv.block_size <= 0 or kv.num_tokens <= 0:
+    if layout.dtype != want_dtype:
+        raise HandoffError(f"KV dtype {layout.dtype} does not match the model's {want_dtype}")
+    if layout.block_size <= 0 or layout.num_tokens <= 0:
         raise HandoffError("KV hand-off has no tokens")
-    shape = (n_layers, -(-kv.num_tokens // kv.block_size), n_heads, kv.block_size, head_dim)
-    for name, arr in (("keys", kv.keys), ("values", kv.values)):
-        if tuple(arr.shape) != shape:
-            raise HandoffError(f"KV {name} shape {tuple(arr.shape)} != expected {shape}")
-        if arr.dtype != _WIRE_NUMPY[kv.dtype]:
-            raise HandoffError(f"KV {name} numpy dtype {arr.dtype} does not encode {kv.dtype}")
+    want = kv_geometry(n_layers, layout.num_tokens, layout.block_size, n_heads, head_dim)
+    if tuple(layout.shape) != want:
+        raise HandoffError(f"KV shape {tuple(layout.shape)} != expected {want}")
+    if np.dtype(layout.numpy_dtype) != _WIRE_NUMPY[layout.dtype]:
+        raise HandoffError(f"KV numpy dtype {layout.numpy_dtype} does not encode {layout.dtype}")
 
 
 def kv_checksum(kv: KVBlocks) -> int:
-    """CRC-32 of the blocks' bytes, keys then values (~1.5 GB/s here: a few ms for a few MB of KV)."""
-    crc = zlib.crc32(memoryview(np.ascontiguousarray(kv.keys)).cast("B"))
-    return zlib.crc32(memoryview(np.ascontiguousarray(kv.values)).cast("B"), crc)
+    """XXH3-64 of the blocks' bytes, keys then values (:mod:`common.kv.digest`: faster than a copy)."""
+    return digest((np.ascontiguousarray(kv.keys), np.ascontiguousarray(kv.values)))
 
 
 def seal(out: PrefillOutput, request_key: str) -> PrefillOutput:
-    """``out`` bound to the attempt it was computed for, with the checksum of its KV."""
-    return dataclasses.replace(out, request_key=request_key, checksum=kv_checksum(out.kv))
+    """``out`` bound to the attempt it was computed for, with the checksum of its KV (computed now unless the export
+    already did: :func:`export_sealed_kv`)."""
+    checksum = out.checksum if out.checksum >= 0 else kv_checksum(out.kv)
+    return dataclasses.replace(out, request_key=request_key, checksum=checksum)
 
 
 def verify_handoff(pre: PrefillOutput, request_key: str) -> None:
     """Refuse a sealed hand-off of another request or attempt, or one whose KV bytes are not the ones sealed."""
-    if pre.request_key and pre.request_key != request_key:
-        raise HandoffError(f"stale KV hand-off: it was computed for {pre.request_key!r}, not {request_key!r}")
-    if pre.checksum >= 0 and kv_checksum(pre.kv) != pre.checksum:
-        raise HandoffError("KV hand-off corrupted: its bytes do not match the checksum prefill sealed it with")
+    check_key(pre, request_key)
+    check_landed(pre, kv_checksum(pre.kv) if pre.checksum >= 0 else -1)
 
 
-def check_prefill(lm: LoadedModel, pre: PrefillOutput) -> None:
-    """Refuse a prefill hand-off from another model, or whose KV does not match its prompt or the model's geometry."""
+def check_prefill(lm: LoadedModel, pre: Prefilled) -> None:
+    """Refuse a prefill hand-off from another model, or whose KV does not match its prompt or the model's geometry
+    (on its layout: before any block is leased or any byte moves)."""
     if pre.model_revision != lm.contract.model_revision:
         raise HandoffError(f"KV from model revision {pre.model_revision}, this is {lm.contract.model_revision}")
-    if pre.kv.num_tokens != len(pre.prompt_token_ids):
-        raise HandoffError(f"KV holds {pre.kv.num_tokens} tokens but the prompt has {len(pre.prompt_token_ids)}")
-    validate_kv(pre.kv, lm.kv_shape, lm.dtype)
+    layout = pre.layout
+    if layout.num_tokens != len(pre.prompt_token_ids):
+        raise HandoffError(f"KV holds {layout.num_tokens} tokens but the prompt has {len(pre.prompt_token_ids)}")
+    check_layout(layout, lm.kv_shape, lm.dtype)
+    if isinstance(pre, PrefillOutput):
+        validate_kv(pre.kv, lm.kv_shape, lm.dtype)
+
+
+def check_key(pre: Prefilled, request_key: str) -> None:
+    """Refuse a sealed hand-off of another request or attempt (stale)."""
+    if pre.request_key and pre.request_key != request_key:
+        raise HandoffError(f"stale KV hand-off: it was computed for {pre.request_key!r}, not {request_key!r}")
+
+
+def check_landed(pre: Prefilled, landed_digest: int) -> None:
+    """Refuse a sealed hand-off whose bytes, where they landed, are not the ones prefill sealed."""
+    if pre.checksum >= 0 and landed_digest != pre.checksum:
+        raise HandoffError("KV hand-off corrupted: its bytes do not match the checksum prefill sealed it with")
 
 
 def import_kv(kv: KVBlocks, config, kv_shape: tuple[int, int, int], dtype: torch.dtype) -> DynamicCache:
@@ -112,7 +164,7 @@ def import_kv(kv: KVBlocks, config, kv_shape: tuple[int, int, int], dtype: torch
     n_layers, n_heads, head_dim = kv_shape
 
     def tokens(arr: np.ndarray) -> torch.Tensor:
-        t = to_torch(arr, kv.dtype).permute(0, 2, 1, 3, 4).reshape(n_layers, n_heads, -1, head_dim)
+        t = to_torch(arr, kv.dtype).reshape(n_layers, -1, n_heads, head_dim).transpose(1, 2)
         return t[:, :, : kv.num_tokens].contiguous()
 
     keys, values = tokens(kv.keys), tokens(kv.values)

@@ -3,8 +3,10 @@
 Storage: one key and one value tensor per pool, ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` —
 token-major inside a block, so gathering a sequence's blocks gives ``[tokens, heads, dim]`` rows that attention can
 read through a transposed *view* (head-major blocks would need a second, permuting copy every step; measured 2×
-slower on CPU). The hand-off layout (:class:`KVBlocks`) stays head-major; :meth:`store_blocks` and
-:meth:`load_tokens` convert, once per request.
+slower on CPU). The hand-off layout (:class:`KVBlocks`) is the same, so a hand-off lands in its blocks by plain
+copies of contiguous runs (:mod:`common.kv.landing`), or by a transport's transfer straight into the pool's memory
+(:meth:`arrays` is what it registers, once); :meth:`load_tokens` gives a prefix-cache hit back in transformers'
+head-major layout.
 
 Accounting, as queues:
 
@@ -98,10 +100,17 @@ class KVPool:
 
     # ---- data -----------------------------------------------------------------------------------------------
     def store_blocks(self, blocks: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write hand-off-layout blocks ``[layers, n, kv_heads, block_size, head_dim]`` into pool ``blocks``."""
+        """Write hand-off-layout blocks ``[layers, n, block_size, kv_heads, head_dim]`` into pool ``blocks``."""
         index = torch.tensor(blocks, dtype=torch.long)
-        self.keys[:, index] = keys.transpose(2, 3).to(self.dtype)
-        self.values[:, index] = values.transpose(2, 3).to(self.dtype)
+        self.keys[:, index] = keys.to(self.dtype)
+        self.values[:, index] = values.to(self.dtype)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The keys and values storage as numpy views (bfloat16 as its raw ``uint16`` bits, as hand-offs carry it):
+        where hand-offs land, and what a transport registers once."""
+        if self.dtype == torch.bfloat16:
+            return self.keys.view(torch.uint16).numpy(), self.values.view(torch.uint16).numpy()
+        return self.keys.numpy(), self.values.numpy()
 
     def load_tokens(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy ``blocks`` out as ``[layers, kv_heads, n * block_size, head_dim]`` keys and values."""

@@ -13,9 +13,9 @@ Layout notes that the stages rely on:
 * ``ProcessedMedia.pixel_values`` is in the family's own layout (LLaVA: ``[3, H, W]``; Qwen2-VL: flattened
   patches ``[num_patches, patch_dim]``); ``grid_thw`` is the patch grid before any spatial merge.
 * ``VisualEmbeddings.embeddings`` is ``[num_visual_tokens, lm_hidden]``: exactly one block per media item.
-* ``KVBlocks.keys/values`` are ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``; the last block
-  is zero-padded past ``num_tokens``. bfloat16 has no numpy dtype, so it travels as its raw ``uint16`` bits with
-  ``dtype="bfloat16"``.
+* ``KVBlocks.keys/values`` are ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` — the decode pool's
+  own layout, so a hand-off lands in pool blocks with no transpose; the last block is zero-padded past
+  ``num_tokens``. bfloat16 has no numpy dtype, so it travels as its raw ``uint16`` bits with ``dtype="bfloat16"``.
 """
 
 from __future__ import annotations
@@ -213,6 +213,33 @@ class MergedInputs:
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """What a hand-off's KV is, without its bytes: what a receiver checks, and leases blocks for, before any byte
+    moves."""
+
+    block_size: int
+    num_tokens: int
+    dtype: str
+    shape: tuple[int, ...]
+    """Keys' shape (values' is the same): ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    numpy_dtype: str
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.shape[1])
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer, keys or values."""
+        return int(np.prod(self.shape[2:])) * np.dtype(self.numpy_dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Keys and values."""
+        return 2 * self.shape[0] * self.num_blocks * self.block_bytes
+
+
+@dataclass(frozen=True)
 class KVBlocks:
     """A sequence's KV cache cut into fixed-size blocks (see module docstring for the layout)."""
 
@@ -230,6 +257,38 @@ class KVBlocks:
     def nbytes(self) -> int:
         return int(self.keys.nbytes + self.values.nbytes)
 
+    @property
+    def layout(self) -> KVLayout:
+        """The keys' geometry (the values must match it: :func:`common.kv.blocks.validate_kv`)."""
+        return KVLayout(self.block_size, self.num_tokens, self.dtype, tuple(self.keys.shape), str(self.keys.dtype))
+
+
+class Prefilled(Protocol):
+    """A prefill's result as a decode replica receives it, before its KV is where decode reads it: a
+    :class:`PrefillOutput` (the arrays at hand) or a transport's remote descriptor of one (the same fields, the KV
+    described by its :class:`KVLayout`)."""
+
+    @property
+    def prompt_token_ids(self) -> np.ndarray: ...
+
+    @property
+    def first_token_id(self) -> int: ...
+
+    @property
+    def rope_delta(self) -> int: ...
+
+    @property
+    def model_revision(self) -> str: ...
+
+    @property
+    def request_key(self) -> str: ...
+
+    @property
+    def checksum(self) -> int: ...
+
+    @property
+    def layout(self) -> KVLayout: ...
+
 
 @dataclass(frozen=True)
 class PrefillOutput:
@@ -245,8 +304,12 @@ class PrefillOutput:
     """The attempt this was computed for (:attr:`RequestContext.key`), set when the prefill stage seals it: decode
     refuses the hand-off of another request or attempt (``""``: not sealed)."""
     checksum: int = -1
-    """CRC-32 of the KV bytes (keys, then values) as prefill exported them (-1: not sealed): decode refuses a payload
-    whose bytes changed on the way (:func:`common.kv.blocks.verify_handoff`)."""
+    """XXH3-64 of the KV bytes (keys, then values) as prefill exported them (-1: not sealed): decode refuses a
+    payload whose bytes, as they landed in its pool, are not these (:mod:`common.kv.digest`)."""
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.kv.layout
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledEr
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException, RequestCancelledError
 from starlette.requests import ClientDisconnect
 
-from common.errors import Overloaded, PrismError, StageUnavailable
+from common.errors import HandoffLost, Overloaded, PrismError, StageUnavailable
 
 log = logging.getLogger("prism.ingress")
 
-REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
-"""Failures that say a stage replica went away under the request (retried before the first token, else 503)."""
+REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError, HandoffLost)
+"""Failures that say a stage replica went away under the request (retried before the first token, else 503) — a
+hand-off whose sender died before it was read among them."""
 
 
 def replica_lost(exc: BaseException) -> BaseException | None:
@@ -46,7 +47,7 @@ CANCELLED_STATUS = 499
 def typed_error(exc: BaseException, retry_after_s: float) -> PrismError:
     """The typed error a failure maps to: Serve's backpressure is a 429, a lost replica a 503, anything unexpected a
     500 ``internal_error``."""
-    if isinstance(exc, PrismError):
+    if isinstance(exc, PrismError) and replica_lost(exc) is None:
         return exc
     if isinstance(exc, BackPressureError):
         return Overloaded("a stage is at capacity; retry later", retry_after_s=retry_after_s)

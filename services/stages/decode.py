@@ -3,7 +3,11 @@
 ``generate`` is a streaming method yielding typed events (:mod:`common.protocol.handoff`): a :class:`StreamStart`
 with the prompt's token ids (for usage and ``return_token_ids``), then a :class:`StreamToken` per token as the
 :class:`DecodeEngine` produces it until one carries a finish reason — or a :class:`StreamAbort` when the engine ended
-the sequence (deadline, failed step). The KV arrives through the replica's transport (:mod:`common.kv.transport`).
+the sequence (deadline, failed step). The KV arrives through the replica's transport (:mod:`common.kv.transport`),
+whose pool arrays it registered once at start (``attach``): when the sequence's blocks can be had at once
+(:meth:`DecodeEngine.claim`) the KV lands straight in them — one READ with NIXL, one copy out of the store's shared
+memory with the object store — and is checked against the attempt's seal where it lies; otherwise it is fetched as
+arrays and queued (:meth:`DecodeEngine.submit`).
 When the caller goes away (client disconnect → Serve cancels the call), the ``finally`` cancels the sequence in the
 engine, which frees its KV blocks at once.
 
@@ -43,7 +47,8 @@ from common.admission.stage import StageAdmission
 from common.config import PrismConfig
 from common.engine.decode import DecodeEngine, TokenEvent
 from common.errors import Overloaded
-from common.kv.blocks import verify_handoff
+from common.kv.blocks import check_key, check_landed, kv_checksum
+from common.kv.landing import Landing
 from common.kv.pool import KVPool
 from common.kv.transport import KVTransport, make_transport
 from common.model.loader import load_model
@@ -51,6 +56,7 @@ from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import (
     DecodeEvent,
     KVReservation,
+    Prefilled,
     PrefillOutput,
     RequestContext,
     StreamAbort,
@@ -64,6 +70,8 @@ from services.stages.driver import EngineDriver, check_engines
 
 RESERVATION_SWEEP_S = 1.0
 """How often unclaimed reservations are checked against their deadlines while any is held."""
+INLINE_LAND_BYTES = 1 << 20
+"""A hand-off up to this size lands on the event loop (~0.1 ms of copy and hash here, less than a thread hop)."""
 
 
 @dataclass
@@ -105,7 +113,9 @@ class DecodeDeployment:
         self.driver = EngineDriver(
             self.engine.step, self._has_work, self._deliver, executor=ThreadPoolExecutor(1, "prism-decode")
         )
-        self.transport = transport or make_transport(self.cfg.server.transport)
+        self.transport = transport or make_transport(self.cfg.transport)
+        self.pool_arrays = self.pool.arrays()
+        self.transport.attach(self.pool_arrays)  # (NIXL registers the pool here, once: hand-offs land in it)
         self.metrics = Metrics("decode")
         self.metrics.keep_fresh(self._load)
         adm = self.cfg.admission
@@ -176,7 +186,7 @@ class DecodeDeployment:
         try:  # (from the fetch on: a hand-off refused before submit still frees this attempt's reservation)
             prefilled, transfer_s = await self._import(unwrap(pre), sampling, stream)
             yield StreamStart(tuple(prefilled.prompt_token_ids.tolist()), tuple(stream.timeline.spans))
-            async for event in self._tokens(stream, prefilled.kv.num_tokens, transfer_s):
+            async for event in self._tokens(stream, prefilled.layout.num_tokens, transfer_s):
                 yield event
         finally:
             self.queues.pop(ctx.key, None)
@@ -187,29 +197,62 @@ class DecodeDeployment:
             if stream.tokens > len(ctx.replay):
                 self.metrics.observe("prism_stage_work_seconds", time.time() - stream.timeline.last)
 
-    async def _import(self, handle: Any, sampling: SamplingParams, stream: _Stream) -> tuple[PrefillOutput, float]:
-        """Fetch the prefilled KV through the transport (checked against the attempt's seal, off the event loop: a few
-        ms of checksum per few MB) and submit the sequence, which claims its reservation; returns the KV and the
-        transfer's seconds."""
-        ctx, fetch = stream.ctx, self.transport.fetch
-
-        def fetch_checked() -> PrefillOutput:
-            out = fetch(handle)
-            verify_handoff(out, ctx.key)  # never a stale or altered payload into the pool
-            return out
-
-        prefilled = await asyncio.to_thread(fetch_checked)
-        self.fetches += 1
-        backend, nbytes = self.transport.name, prefilled.kv.nbytes
-        where = {"replica": self.replica_id} if self.replica_id is not None else {}
-        transfer = stream.timeline.mark("decode.transfer", backend=backend, bytes=nbytes, **where)
-        self.metrics.transfer(backend, "kv", nbytes, transfer.duration_s)
+    async def _import(self, handle: Any, sampling: SamplingParams, stream: _Stream) -> tuple[Prefilled, float]:
+        """Bring the prefilled KV in through the transport and start the sequence; returns the prefill's result and
+        the transfer's seconds. When the sequence's lease can be had at once (its reservation, or free blocks) the KV
+        lands straight in the blocks it was given (:meth:`DecodeEngine.claim`, :meth:`_land`); otherwise it is
+        fetched here as arrays and queued with them (:meth:`DecodeEngine.submit`), copied in when the lease comes.
+        Either way what arrived is checked against the attempt's seal — key first, bytes where they lie — before a
+        token is made from it (off the event loop)."""
+        ctx, transport = stream.ctx, self.transport
+        pre = await asyncio.to_thread(transport.open, handle) if transport.open_blocks else transport.open(handle)
+        check_key(pre, ctx.key)  # never another attempt's KV, not even for a moment in the pool
         async with self.driver.lock:
-            self.engine.submit(ctx.key, prefilled, sampling, deadline=ctx.monotonic_deadline(), replay=ctx.replay)
+            blocks = self.engine.claim(ctx.key, pre, sampling, replay=ctx.replay)
+        if blocks is not None:
+            await self._land(pre, blocks)
+        else:
+            prefilled = await asyncio.to_thread(self._fetch_checked, pre)
+        self.fetches += 1
+        where = {"replica": self.replica_id} if self.replica_id is not None else {}
+        nbytes = pre.layout.nbytes
+        transfer = stream.timeline.mark("decode.transfer", backend=transport.name, bytes=nbytes, **where)
+        self.metrics.transfer(transport.name, "kv", nbytes, transfer.duration_s)
+        deadline = ctx.monotonic_deadline()
+        async with self.driver.lock:
+            if blocks is not None:
+                self.engine.start(ctx.key, pre, deadline)
+            else:
+                self.engine.submit(ctx.key, prefilled, sampling, deadline=deadline, replay=ctx.replay)
+            self._deliver(self.engine.take_events())  # (its first token now, not after the next forward pass)
         self._pool_changed()  # (its own first token; a reservation made exact may let others in)
         if self.engine.num_waiting:
             self.kv.keep_sweeping()  # (waiting for its lease: timed out by the sweep if nothing steps)
-        return prefilled, transfer.duration_s
+        return pre, transfer.duration_s
+
+    async def _land(self, pre: Prefilled, blocks: list[int]) -> None:
+        """Move the KV into its pool blocks and check the bytes there against the seal. A caller that goes away
+        meanwhile still waits for the move to end: the blocks go back to the pool only when no byte can still
+        arrive in them."""
+        landing = Landing.of(pre.layout, self.pool_arrays, blocks)
+
+        def land_checked() -> None:
+            check_landed(pre, self.transport.land(pre, landing))
+
+        if self.transport.lands_from_memory and pre.layout.nbytes <= INLINE_LAND_BYTES:
+            land_checked()  # (a copy and hash of this size take less than a worker thread's round trip)
+            return
+        moving = asyncio.ensure_future(asyncio.to_thread(land_checked))
+        try:
+            await asyncio.shield(moving)
+        except asyncio.CancelledError:
+            await asyncio.gather(moving, return_exceptions=True)
+            raise
+
+    def _fetch_checked(self, pre: Prefilled) -> PrefillOutput:
+        out = self.transport.fetch(pre)
+        check_landed(pre, kv_checksum(out.kv) if pre.checksum >= 0 else -1)
+        return out
 
     async def _tokens(self, stream: _Stream, prompt_tokens: int, transfer_s: float) -> AsyncIterator[DecodeEvent]:
         """The engine's events for the sequence as stream events, until one finishes it (or the engine aborts it)."""

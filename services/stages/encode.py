@@ -22,6 +22,7 @@ from common.admission.stage import budget_admission
 from common.cache.encoder_cache import EncoderCache
 from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
+from common.kv.transport import make_transport
 from common.media.stage import decode_options
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
@@ -30,6 +31,7 @@ from common.sched.encoder_batcher import EncoderBatcher
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
 from services.stages.driver import AwaitedEngine, check_engines
+from services.stages.releaser import Releaser
 from services.stages.threads import nice_process, nice_thread
 
 
@@ -60,6 +62,8 @@ class EncodeDeployment:
             executor,
         )
         self.metrics = Metrics("encode")
+        self.transport = make_transport(self.cfg.transport)  # (how the embeddings travel to prefill)
+        self.releaser = Releaser(self.transport)
         adm = self.cfg.admission
         self.admission = budget_admission("encode", "patches", adm.encode_patch_budget, adm, self.metrics)
         self.metrics.keep_fresh(self._load)
@@ -68,7 +72,8 @@ class EncodeDeployment:
         self,
         media: Traced[list[ProcessedMedia]] | list[ProcessedMedia],
         ctx: RequestContext,
-    ) -> Traced[list[VisualEmbeddings]]:
+    ) -> Traced[Any]:
+        """The items' visual embeddings, as the transport's handle (the list itself over the object store)."""
         timeline = Timeline.after(media, ctx.sent_at)
         items = unwrap(media)
         nbytes = sum(int(m.pixel_values.nbytes) for m in items)
@@ -97,7 +102,9 @@ class EncodeDeployment:
         if self.cache is not None:
             self.metrics.cache_lookups("encoder", hits, misses)
             self.metrics.cache_bytes("encoder", self.cache.stats().bytes)
-        return timeline.wrap(out)
+        handle = self.transport.send_embeddings(out, expires_at=ctx.deadline)
+        self.releaser.kick()
+        return timeline.wrap(handle)
 
     def _submit(self, ctx: RequestContext, items: list[ProcessedMedia]) -> list[VisualEmbeddings] | None:
         done = self.engine.submit(

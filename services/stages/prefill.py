@@ -13,11 +13,16 @@ Two lanes, each an engine with its own driver thread and budget: text-only promp
 runs at a lower OS priority (``long_lane_nice``). A short prompt therefore never waits for a large image prompt's
 chunk to finish, and gets the cores first when both compute (the trace's ``prefill.queue`` names the lane).
 
-The result is a :class:`PrefillOutput` (first token + KV blocks as numpy) that travels through the
-replica's KV transport publishes (:mod:`common.kv.transport`): with ``object_store`` the output itself travels in the
-response; with ``nixl`` a small descriptor does, the decode replica reads the KV straight from this replica's memory,
-and a poller frees it on the reader's notification or at the request's deadline. Prompt rendering and tokenisation
-run in a worker thread so the replica's event loop keeps accepting calls.
+The visual embeddings arrive through the model's transport (``model.transport``, else ``server.transport``): by value
+or as the encode replica's object-store result, or as a NIXL descriptor that is read into this replica's registered
+landing arena and checked against the sender's digest (:meth:`KVTransport.receive_embeddings`); the arena slot is
+given back once the embeddings are merged into the prompt. The result is a :class:`PrefillOutput` (first token + KV
+blocks, exported in the decode pool's token-major layout, sealed with the attempt's key and an XXH3 digest computed
+layer by layer as it is exported) that travels through the transport: with ``object_store`` the output itself
+travels in the response; with ``nixl`` the KV is exported straight into the transport's registered staging arena and
+a small descriptor travels, the decode replica reads the KV from there into its pool's blocks, and a
+:class:`~services.stages.releaser.Releaser` frees the slot on the reader's notification or at the request's
+deadline. Prompt rendering and tokenisation run in a worker thread so the replica's event loop keeps accepting calls.
 
 Trace: ``prefill.transfer`` (encode done → this call starts: the embeddings' hand-off; for a text-only request, from
 the end of the ingress's ``decode.reserve`` span — or from when it sent the call, without a reservation),
@@ -37,6 +42,7 @@ from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
 from common.kv.blocks import seal
 from common.kv.transport import KVTransport, make_transport
+from common.kv.transport.base import Received
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import MergedInputs, RequestContext, VisualEmbeddings
@@ -45,7 +51,8 @@ from common.stages.merge import merge
 from common.stages.prompt import build_prompt
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
-from services.stages.driver import AwaitedEngine, check_engines
+from services.stages.driver import AwaitedEngine
+from services.stages.releaser import Releaser
 from services.stages.threads import nice_thread
 
 
@@ -66,6 +73,7 @@ class PrefillDeployment:
         self.lm = load_model(self.cfg.model)
         eng, adm = self.cfg.engine, self.cfg.admission
         self.metrics = Metrics("prefill")
+        self.transport = transport or make_transport(self.cfg.transport)
         long_nice = self.cfg.deployments.prefill.long_lane_nice
         self.long = self._lane("long", eng.prefix_cache_blocks, adm.prefill_token_budget, long_nice)
         self.lanes = [self.long]
@@ -74,8 +82,7 @@ class PrefillDeployment:
             quarter = max(1, adm.prefill_token_budget // 4)
             self.short = self._lane("short", eng.prefix_cache_blocks // 4, quarter, 0)
             self.lanes.append(self.short)
-        self.transport = transport or make_transport(self.cfg.server.transport)
-        self._releaser: asyncio.Task | None = None
+        self.releaser = Releaser(self.transport)
         self.metrics.keep_fresh(self._load)
 
     def _lane(self, name: str, prefix_blocks: int, budget: int, nice: int) -> _Lane:
@@ -88,6 +95,7 @@ class PrefillDeployment:
             shared_prefix_scope=eng.shared_cache_scope,
             aging_tokens_per_s=adm.aging_tokens_per_s,
             batch_delay_s=adm.batch_delay_s,
+            kv_buffers=self.transport.buffers,  # (NIXL: a slot of the replica's staging arena, registered once)
         )
 
         # Each lane steps in a thread of its own, niced once when it starts: the long lane's lowered priority stays
@@ -113,19 +121,24 @@ class PrefillDeployment:
     async def prefill(
         self,
         messages: list[dict[str, Any]],
-        embeddings: Traced[list[VisualEmbeddings]] | list[VisualEmbeddings],
+        embeddings: Traced[Any] | list[VisualEmbeddings],
         sampling: SamplingParams,
         ctx: RequestContext,
     ) -> Traced[Any]:
         """The prefill result as the KV transport's handle (the output itself over the object store)."""
         timeline = Timeline.after(embeddings, ctx.sent_at)
-        visual = unwrap(embeddings)
-        nbytes = sum(int(e.embeddings.nbytes) for e in visual)
-        transfer = timeline.mark("prefill.transfer", backend="object_store", bytes=nbytes)
-        if visual:
-            self.metrics.transfer("object_store", "embeddings", nbytes, transfer.duration_s)
-        ctx.check_deadline("prefill")
-        merged = await asyncio.to_thread(self._merge, messages, visual)
+        handle = unwrap(embeddings)
+        visual, free = await self._receive(handle)
+        try:
+            nbytes = sum(int(e.embeddings.nbytes) for e in visual)
+            backend = "object_store" if isinstance(handle, list) else self.transport.name
+            transfer = timeline.mark("prefill.transfer", backend=backend, bytes=nbytes)
+            if visual:
+                self.metrics.transfer(backend, "embeddings", nbytes, transfer.duration_s)
+            ctx.check_deadline("prefill")
+            merged = await asyncio.to_thread(self._merge, messages, visual)
+        finally:
+            free()  # (merged: the embeddings' landing memory goes back)
         prep = timeline.mark("prefill.prompt", prompt_tokens=len(merged.token_ids))
         tokens, lane = len(merged.token_ids), self._lane_for(merged)
         try:
@@ -135,11 +148,24 @@ class PrefillDeployment:
         finally:
             self._load()
         self._trace(timeline, lane, result, transfer.duration_s, prep.duration_s)
-        sealed = await asyncio.to_thread(seal, result.output, ctx.key)  # (CRC of the KV: off the event loop)
-        handle = self.transport.publish(sealed, expires_at=ctx.deadline)
-        if self.transport.held and (self._releaser is None or self._releaser.done()):
-            self._releaser = asyncio.get_running_loop().create_task(self._release_loop())
-        return timeline.wrap(handle)
+        sealed = seal(result.output, ctx.key)  # (its checksum was computed with the export, in the engine's thread)
+        out = self.transport.publish(sealed, expires_at=ctx.deadline)
+        self.releaser.kick()
+        return timeline.wrap(out)
+
+    async def _receive(self, handle: Any) -> Received:
+        """The visual embeddings behind the encode stage's handle (read off the event loop when they are elsewhere).
+        A caller that goes away during the read still waits for it, and gives back the memory it landed in."""
+        if isinstance(handle, list):
+            return self.transport.receive_embeddings(handle)
+        reading = asyncio.ensure_future(asyncio.to_thread(self.transport.receive_embeddings, handle))
+        try:
+            return await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            done = await asyncio.gather(reading, return_exceptions=True)
+            if not isinstance(done[0], BaseException):
+                done[0][1]()
+            raise
 
     def _merge(self, messages: list[dict[str, Any]], visual: list[VisualEmbeddings]) -> MergedInputs:
         prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens)
@@ -191,17 +217,3 @@ class PrefillDeployment:
 
     def _load(self) -> None:
         self.metrics.load(sum(len(x.runner.waiting) for x in self.lanes), self.queued_tokens)
-
-    async def _release_loop(self) -> None:
-        """Free published hand-offs once read (or expired); stops when the transport holds nothing."""
-        # `held` is re-read on the event loop: a publish that landed while the last release ran in its thread would
-        # otherwise be left to the next request's poller.
-        while await asyncio.to_thread(self.transport.release) or self.transport.held:
-            await asyncio.sleep(0.02)
-
-    def check_health(self) -> None:
-        """Serve's health check: unhealthy once a lane's engine failed steps in a row (:func:`check_engines`)."""
-        check_engines("prefill", [lane.runner.driver.failures for lane in self.lanes])
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        return {"queue_depth": float(self.queued_tokens)}

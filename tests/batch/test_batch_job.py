@@ -38,7 +38,7 @@ def _reference_texts(config_path: Path, manifest: Path) -> dict[str, str]:
     from common.protocol.sampling import SamplingParams
     from common.stages.stops import visible_text
     from services.batch.job import load_config
-    from tests.reference import video_tokens
+    from tests.reference import media_tokens
 
     cfg = load_config(str(config_path), manifest.parent)
     lm = load_model(cfg.model)
@@ -49,7 +49,7 @@ def _reference_texts(config_path: Path, manifest: Path) -> dict[str, str]:
         sampling = SamplingParams(max_tokens=row.max_tokens or cfg.batch.default_max_tokens, temperature=0)
         ref = MediaRef("video", row.video, fps=row.fps)
         eng = cfg.engine
-        ids = video_tokens(lm, ref, row.prompt, sampling, cfg.media, eng.max_prompt_tokens, eng.kv_block_size)
+        ids = media_tokens(lm, ref, row.prompt, sampling, cfg.media, eng.max_prompt_tokens, eng.kv_block_size)
         texts[row.id] = visible_text(lm.tokenizer, ids, sampling)
     return texts
 

@@ -16,6 +16,7 @@ from tests.netutil import free_port
 
 GRPC_SERVICER = "services.proto.prism_pb2_grpc.add_PrismServicer_to_server"
 API_KEY = "test-key-a"
+QWEN = "prism-tiny-qwen2vl"
 OTHER_KEY = "test-key-b"
 
 
@@ -92,17 +93,23 @@ def prism_server(model_cache, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def nixl_base(prism_server):
-    """Base URL of a second application in the same cluster whose KV hand-off goes through NIXL (UCX). Module-scoped:
-    each NIXL agent's progress thread polls UCX (≈ 0.6 of a core per replica here, idle or not), which the modules
-    after the one that uses it should not pay for on a 2-core machine."""
+def nixl_base(prism_server, model_cache):
+    """Base URL of a second application in the same cluster whose visual embeddings and KV go through NIXL (UCX): two
+    models, LLaVA (by ``server.transport``) and Qwen2-VL (by its own ``transport``). Module-scoped: its replicas'
+    NIXL agents, and their memory, are not kept for the modules after the one that uses it."""
     from ray import serve
 
+    from common.model.builder import resolve_model_dir
     from services.app import build_app
 
     base, config = prism_server
-    nixl = {k: v for k, v in config.items() if not k.startswith("_")}
+    resolve_model_dir(QWEN, model_cache)
+    stages = {s: config["deployments"][s] for s in ("media", "encode", "prefill", "decode")}
+    nixl = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("model", "deployments")}
     nixl["server"] = {**config["server"], "transport": "nixl"}
+    nixl["deployments"] = {"ingress": config["deployments"]["ingress"]}
+    qwen = {"model": QWEN, "cache_dir": model_cache, "torch_threads": 1, "transport": "nixl"}
+    nixl["models"] = [{**config["model"], "deployments": stages}, {**qwen, "deployments": stages}]
     serve.run(build_app({"config": nixl}), name="prism-nixl", route_prefix="/nixl")
     yield f"{base}/nixl"
     serve.delete("prism-nixl")

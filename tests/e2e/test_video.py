@@ -14,7 +14,7 @@ from common.protocol.handoff import MediaRef
 from common.protocol.sampling import SamplingParams
 from tests.e2e.conftest import API_KEY
 from tests.mediakit import video_bytes
-from tests.reference import video_tokens
+from tests.reference import media_tokens
 
 QWEN = "prism-tiny-qwen2vl"
 
@@ -37,7 +37,7 @@ def qwen_base(prism_server, model_cache):
 
 def _reference(url: str, text: str, model_cache: str) -> list[int]:
     lm = load_model(ModelConfig(model=QWEN, cache_dir=model_cache))
-    return video_tokens(lm, MediaRef("video", url), text, SamplingParams(max_tokens=12))
+    return media_tokens(lm, MediaRef("video", url), text, SamplingParams(max_tokens=12))
 
 
 def test_short_video_matches_in_process_pipeline(qwen_base, model_cache):

@@ -1,12 +1,13 @@
-"""KV transports: how a prefill's KV blocks reach the decode replica.
+"""Transports: how a prefill's KV blocks reach the decode replica, and an encode's visual embeddings the prefill.
 
-Every backend implements :class:`KVTransport` — ``publish`` on the sending side (prefill) turns a
-:class:`PrefillOutput` into the handle that travels through the normal stage call, ``fetch`` on the receiving side
-(decode) turns the handle back into a :class:`PrefillOutput`, ``release`` frees what the sender still holds once
-it was read or its request's deadline passed. Backends, one module each:
+Every backend implements :class:`KVTransport` (:mod:`.base` has a hand-off's lifecycle): ``buffers`` / ``publish`` /
+``release`` on the sending side, ``attach`` / ``open`` / ``land`` (into the decode pool's blocks) / ``fetch`` on the
+receiving side, and ``send_embeddings`` / ``receive_embeddings`` for the encode → prefill hop. Backends, one module
+each:
 
 * :mod:`.object_store` — the handle *is* the output; Ray's object store moves it with the stage's response (default).
-* :mod:`.nixl` — NIXL agents owned by the replicas (UCX; RDMA where the NIC has it): the handle is a small descriptor.
+* :mod:`.nixl` — NIXL agents owned by the replicas (UCX; RDMA where the NIC has it), memory registered once
+  (:mod:`.nixl_agent`): the handle is a small descriptor, the receiver READs straight into its pool's blocks.
 * :mod:`.fake` — in-process, for tests: the KV crosses as wire bytes, and faults can be injected per hand-off.
 """
 
@@ -16,7 +17,8 @@ from common.kv.transport.base import KVTransport, TransportName
 
 
 def make_transport(name: TransportName) -> KVTransport:
-    """The backend a config names (``server.transport``); NIXL is imported only when asked for."""
+    """The backend a config names (a model's ``transport``, else ``server.transport``); NIXL is imported only when
+    asked for."""
     if name == "object_store":
         from common.kv.transport.object_store import ObjectStoreTransport
 

@@ -1,15 +1,16 @@
 """An in-process KV transport for tests, with fault injection.
 
 The sender encodes the :class:`PrefillOutput` to wire bytes (:mod:`common.protocol.wire`: no pickle) and keeps them
-under a transfer id; the handle is that id. The receiver decodes the bytes — so a test through this backend proves
-the hand-off survives a byte boundary, as NIXL's or a file's would — and marks the hand-off read, which ``release``
-then frees (or expiry, like NIXL). Faults queued with :meth:`FakeTransport.inject` apply to the next fetches, one
-each: ``lose`` (the sender's copy is gone: a replica died or the hand-off expired), ``truncate`` (half the bytes
-arrive), ``delay`` (the read takes ``delay_s``), ``corrupt`` (one KV value arrives altered, shape and dtype intact:
-a bad copy, or a sender buffer reused before the read) and ``stale`` (another attempt's hand-off arrives: its request
-key differs). ``lose`` and ``truncate`` raise :class:`HandoffError` here; ``corrupt`` and ``stale`` decode cleanly
-and must be caught by the receiver (:func:`common.kv.blocks.verify_handoff`).
-"""
+under a transfer id; the handle is that id. The receiver's :meth:`FakeTransport.open` decodes the bytes — so a test
+through this backend proves the hand-off survives a byte boundary, as NIXL's or a file's would — and marks the
+hand-off read, which ``release`` then frees (or expiry, like NIXL); it lands by copying into the pool like the object
+store. Faults queued with :meth:`FakeTransport.inject` apply to the next opens, one each: ``lose`` (the sender's copy
+is gone: a replica died or the hand-off expired), ``truncate`` (half the bytes arrive), ``delay`` (the read takes
+``delay_s``), ``corrupt`` (one KV value arrives altered, shape and dtype intact: a bad copy, or a sender buffer reused
+before the read) and ``stale`` (another attempt's hand-off arrives: its request key differs). ``lose`` and
+``truncate`` raise here — :class:`HandoffLost` (the ingress issues the chain again, as for a lost replica) and
+:class:`HandoffError`; ``corrupt`` and ``stale`` decode cleanly and must be caught by the
+receiver (the seal's checks: :mod:`common.kv.blocks`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from common.errors import HandoffError
+from common.errors import HandoffError, HandoffLost
 from common.kv.transport.base import KVTransport
 from common.protocol.handoff import PrefillOutput
 from common.protocol.wire import from_bytes, to_bytes
@@ -50,7 +51,7 @@ class FakeTransport(KVTransport):
         self._held: dict[str, tuple[bytes, float, bool]] = {}  # id → (bytes, expires_at, read)
 
     def inject(self, *faults: Fault) -> None:
-        """Queue faults for the next fetches (one fault per fetch, in order)."""
+        """Queue faults for the next opens (one fault per hand-off, in order)."""
         self.faults.extend(faults)
 
     def publish(self, out: PrefillOutput, expires_at: float) -> FakeHandle:
@@ -60,7 +61,9 @@ class FakeTransport(KVTransport):
             self._held[tid] = (data, expires_at, False)
         return FakeHandle(tid, len(data))
 
-    def fetch(self, handle: object) -> PrefillOutput:
+    open_blocks = True  # (it decodes the wire bytes)
+
+    def open(self, handle: object) -> PrefillOutput:
         if not isinstance(handle, FakeHandle):
             raise HandoffError(f"received a {type(handle).__name__} KV handle but this replica's transport is fake")
         fault = self.faults.popleft() if self.faults else None
@@ -71,7 +74,7 @@ class FakeTransport(KVTransport):
                 del self._held[handle.transfer_id]
                 held = None
         if held is None:
-            raise HandoffError("the KV hand-off is gone (sender lost or hand-off expired)")
+            raise HandoffLost("the KV hand-off is gone (sender lost or hand-off expired)")
         data = held[0]
         if fault == "truncate":
             data = data[: len(data) // 2]

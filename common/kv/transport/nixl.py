@@ -1,53 +1,68 @@
-"""KV transport over NIXL (RDMA where the hardware has it; UCX over shared memory/TCP on CPU machines).
+"""Hand-offs over NIXL (RDMA where the hardware has it; UCX over shared memory/TCP on CPU machines).
 
 Serve replicas are actors Serve creates, so Ray Direct Transport cannot be attached to them; instead each replica
-owns a NIXL agent (made on first use), and the handle that travels through the normal Serve call is tiny:
+owns a NIXL agent (:class:`common.kv.transport.nixl_agent.Agent`), and the handle that travels through the normal
+Serve call is small. Memory is registered once per replica, never per hand-off.
 
-1. ``publish`` (prefill) registers the KV arrays with the agent and returns a :class:`RemotePrefillOutput` — the
-   agent's name and metadata, the arrays' addresses/sizes/shapes, and a transfer id — instead of the arrays.
-2. ``fetch`` (decode) loads the sender's agent metadata (refreshed per hand-off: it lists the sender's registered
-   memory), allocates and registers destination arrays, and READs both arrays in one transfer whose notification
-   (``done:<id>``) reaches the sender on completion.
-3. ``release`` (sender) deregisters the buffers whose notification arrived or whose hand-off expired (the request's
-   deadline), so an abandoned request cannot pin memory.
+**KV** (prefill → decode):
 
-NIXL registers numpy memory as ``(address, nbytes, device 0, "")`` in ``DRAM``. The receiver's output is validated
-exactly like object-store blocks by the decode engine (:func:`common.kv.blocks.check_prefill`).
+* the prefill engine exports each hand-off's KV straight into a slot of the replica's staging arena
+  (:meth:`NixlTransport.buffers`: the export's one permuting copy is the only one on this side); ``publish`` returns
+  a :class:`RemotePrefillOutput` — the prefill's fields, the KV's :class:`KVLayout`, the agent's name and metadata,
+  the slot's addresses and a transfer id. A hand-off that found the arena full was exported into fresh arrays and
+  travels by value instead (the object store carries it), counted in :attr:`NixlTransport.allocations`.
+* the decode replica registers its KV pool once (:meth:`NixlTransport.attach`); ``land`` READs the hand-off
+  straight into the pool blocks the sequence was given — one descriptor per array, layer and run of blocks
+  (:class:`common.kv.landing.Landing`), a few transfers of :data:`GROUP_BYTES` — and hashes each transfer's bytes where
+  they landed as soon as it is done, on a thread of its own, while the next one moves (over shared memory UCX copies
+  inside the post, with the GIL released): the seal's check costs about the last group's hash.
+* Why READ and not WRITE: the receiver knows where the blocks are when the hand-off arrives, and nothing about it
+  has to travel to the sender — a reservation's answer stays a replica id, a sequence without a reservation (a
+  migration, ``reserve_kv`` off) lands the same way in blocks leased on arrival, and a receiver that died
+  mid-transfer leaves the sender nothing to undo but a slot its deadline frees.
+* ``fetch`` (a sequence whose lease must wait: the KV comes here as arrays, copied in when the lease comes) reads into
+  the landing arena, or — past it — into arrays allocated and registered for the one hand-off (counted).
+
+**Visual embeddings** (encode → prefill): :meth:`NixlTransport.send_embeddings` copies each item into a staging slot
+(the encoder cache keeps its own arrays) and sends a :class:`RemoteEmbeddings` with their XXH3-64;
+:meth:`NixlTransport.receive_embeddings` READs them into a slot of the prefill replica's landing arena, checks the
+digest there, and hands back views of it that the prefill's merge consumes — the slot is freed once merged.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-import uuid
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from common.errors import HandoffError
-from common.kv.transport.base import KVTransport
-from common.protocol.handoff import KVBlocks, PrefillOutput
+from common.kv.blocks import fresh_buffers
+from common.kv.digest import copy_digest, digest, flat_bytes
+from common.kv.landing import Landing
+from common.kv.transport.base import KVTransport, Received
+from common.kv.transport.nixl_agent import STAGING_BYTES, Agent, PeerRef, Spans
+from common.protocol.handoff import KVBlocks, KVLayout, Prefilled, PrefillOutput, VisualEmbeddings
+
+GROUP_BYTES = 16 << 20
+"""About how many bytes each of a landing's transfers moves (a KV of a few MB goes as one)."""
 
 
 @dataclass(frozen=True)
 class RemoteKV:
-    agent_name: str
-    agent_metadata: bytes
-    transfer_id: str
+    peer: PeerRef
     keys_addr: int
     values_addr: int
-    nbytes: int
-    shape: tuple[int, ...]
-    numpy_dtype: str
-    dtype: str
-    block_size: int
-    num_tokens: int
+    layout: KVLayout
 
 
 @dataclass(frozen=True)
 class RemotePrefillOutput:
-    """A :class:`PrefillOutput` whose KV stays in the sender's memory until the receiver reads it."""
+    """A :class:`PrefillOutput` whose KV stays in the sender's staging arena until the receiver reads it."""
 
     prompt_token_ids: np.ndarray
     first_token_id: int
@@ -57,131 +72,206 @@ class RemotePrefillOutput:
     request_key: str = ""
     checksum: int = -1
 
+    @property
+    def layout(self) -> KVLayout:
+        return self.kv.layout
 
-def new_agent(name: str) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config  # imported lazily: only replicas using NIXL pay for it
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+@dataclass(frozen=True)
+class RemoteItem:
+    """One :class:`VisualEmbeddings` whose array stays in the sender's staging arena."""
+
+    fields: VisualEmbeddings
+    """The item with an empty array in place of its embeddings (what it is, not its bytes)."""
+    addr: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RemoteEmbeddings:
+    peer: PeerRef
+    items: tuple[RemoteItem, ...]
+    checksum: int
+    """XXH3-64 of the items' bytes, in order."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(i.shape)) * np.dtype(i.dtype).itemsize for i in self.items)
 
 
 class NixlTransport(KVTransport):
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None, timeout_s: float = 30.0) -> None:
-        self.agent_name = agent_name or f"prism-{uuid.uuid4().hex[:12]}"
-        self.timeout_s = timeout_s
-        self._agent: Any = None
-        self._lock = threading.Lock()
-        self._held: dict[str, tuple[KVBlocks, Any, float]] = {}
+    def __init__(self, agent_name: str | None = None, timeout_s: float = 30.0, staging_bytes: int = STAGING_BYTES):
+        self.agent = Agent(agent_name, timeout_s, staging_bytes)
+        self._hasher = ThreadPoolExecutor(1, "prism-nixl-hash")
 
     @property
-    def agent(self) -> Any:
-        with self._lock:
-            if self._agent is None:
-                self._agent = new_agent(self.agent_name)
-            return self._agent
+    def registrations(self) -> int:
+        return self.agent.registrations
+
+    @property
+    def allocations(self) -> int:
+        return self.agent.allocations
 
     # ---- sender ---------------------------------------------------------------------------------------------
-    def publish(self, out: PrefillOutput, expires_at: float) -> RemotePrefillOutput:
+    def buffers(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        staged = self.agent.stage(2 * nbytes)
+        if staged is None:
+            return fresh_buffers(shape, dtype)
+        arena, offset = staged
+        return arena.view(offset, shape, dtype), arena.view(offset + nbytes, shape, dtype)
+
+    def publish(self, out: PrefillOutput, expires_at: float) -> RemotePrefillOutput | PrefillOutput:
         kv = out.kv
-        keys, values = np.ascontiguousarray(kv.keys), np.ascontiguousarray(kv.values)
-        agent = self.agent
-        reg = agent.register_memory(
-            [(keys.ctypes.data, keys.nbytes, 0, ""), (values.ctypes.data, values.nbytes, 0, "")], "DRAM"
-        )
-        tid = uuid.uuid4().hex
-        with self._lock:
-            self._held[tid] = (KVBlocks(kv.block_size, kv.num_tokens, kv.dtype, keys, values), reg, expires_at)
-        remote = RemoteKV(
-            agent_name=self.agent_name,
-            agent_metadata=agent.get_agent_metadata(),
-            transfer_id=tid,
-            keys_addr=keys.ctypes.data,
-            values_addr=values.ctypes.data,
-            nbytes=keys.nbytes,
-            shape=tuple(keys.shape),
-            numpy_dtype=str(keys.dtype),
-            dtype=kv.dtype,
-            block_size=kv.block_size,
-            num_tokens=kv.num_tokens,
-        )
-        return RemotePrefillOutput(
-            out.prompt_token_ids,
-            out.first_token_id,
-            remote,
-            out.rope_delta,
-            out.model_revision,
-            out.request_key,
-            out.checksum,
-        )
+        peer = self.agent.publish(kv.keys, expires_at)
+        if peer is None:  # exported into fresh arrays (the arena was full): it travels by value
+            return out
+        remote = RemoteKV(peer, int(kv.keys.ctypes.data), int(kv.values.ctypes.data), kv.layout)
+        fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+        return RemotePrefillOutput(**{**fields, "kv": remote})
+
+    def send_embeddings(self, items: list[VisualEmbeddings], expires_at: float) -> Any:
+        nbytes = sum(int(i.embeddings.nbytes) for i in items)
+        staged = self.agent.stage(nbytes) if nbytes else None
+        if staged is None:
+            return items  # (nothing to send, or the arena is full: by value)
+        arena, offset = staged
+        remote, at = [], offset
+        for item in items:
+            view = arena.view(at, item.embeddings.shape, item.embeddings.dtype)
+            view[...] = item.embeddings
+            empty = np.empty((0, *item.embeddings.shape[1:]), item.embeddings.dtype)
+            fields = dataclasses.replace(item, embeddings=empty)
+            remote.append(RemoteItem(fields, int(view.ctypes.data), tuple(view.shape), str(view.dtype)))
+            at += int(view.nbytes)
+        peer = self.agent.publish(arena.view(offset, (nbytes,), np.uint8), expires_at)
+        assert peer is not None  # staged just now
+        checksum = digest(arena.view(offset, (nbytes,), np.uint8)[None])
+        return RemoteEmbeddings(peer, tuple(remote), checksum)
 
     def release(self, now: float | None = None) -> int:
-        if self._agent is None:  # nothing was ever published
-            return 0
-        done = set()
-        for messages in self._agent.get_new_notifs().values():
-            for msg in messages:
-                if msg.startswith(b"done:"):
-                    done.add(msg[5:].decode())
-        now = time.time() if now is None else now
-        with self._lock:
-            for tid, (_, reg, expires) in list(self._held.items()):
-                if tid in done or expires <= now:
-                    self._agent.deregister_memory(reg)
-                    del self._held[tid]
-            return len(self._held)
+        return self.agent.release(now)
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        return self.agent.held
 
     # ---- receiver -------------------------------------------------------------------------------------------
-    def fetch(self, handle: object) -> PrefillOutput:
-        if not isinstance(handle, RemotePrefillOutput):
-            raise HandoffError(f"received a {type(handle).__name__} KV handle but this replica's transport is nixl")
-        ref, agent = handle.kv, self.agent
-        # The sender's metadata describes its registered memory, which changes with every publish: load it each
-        # time (NIXL updates a known agent in place).
-        peer = agent.add_remote_agent(ref.agent_metadata)
-        peer = peer.decode() if isinstance(peer, bytes) else peer
-        keys = np.empty(ref.shape, dtype=np.dtype(ref.numpy_dtype))
-        values = np.empty_like(keys)
-        if keys.nbytes != ref.nbytes:
-            raise HandoffError("NIXL KV descriptor size does not match its shape")
-        local = [(keys.ctypes.data, keys.nbytes, 0, ""), (values.ctypes.data, values.nbytes, 0, "")]
-        reg = agent.register_memory(local, "DRAM")
-        xfer = None
-        try:
-            xfer = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs([d[:3] for d in local], "DRAM"),
-                agent.get_xfer_descs([(ref.keys_addr, ref.nbytes, 0), (ref.values_addr, ref.nbytes, 0)], "DRAM"),
-                peer,
-                f"done:{ref.transfer_id}".encode(),
-            )
-            self._wait(xfer)
-        finally:
-            if xfer is not None:
-                agent.release_xfer_handle(xfer)
-            agent.deregister_memory(reg)
-        kv = KVBlocks(ref.block_size, ref.num_tokens, ref.dtype, keys, values)
-        return PrefillOutput(
-            handle.prompt_token_ids,
-            handle.first_token_id,
-            kv,
-            handle.rope_delta,
-            handle.model_revision,
-            handle.request_key,
-            handle.checksum,
-        )
+    def attach(self, arrays: tuple[np.ndarray, ...]) -> None:
+        self.agent.attach(arrays)
 
-    def _wait(self, xfer: Any) -> None:
-        state = self.agent.transfer(xfer)
-        deadline = time.monotonic() + self.timeout_s
-        while state not in ("DONE", "ERR"):
-            if time.monotonic() > deadline:
-                raise HandoffError(f"NIXL KV read did not finish in {self.timeout_s}s")
-            time.sleep(0.0005)
-            state = self.agent.check_xfer_state(xfer)
-        if state == "ERR":
-            raise HandoffError("NIXL KV read failed")
+    def open(self, handle: object) -> Prefilled:
+        if not isinstance(handle, (RemotePrefillOutput, PrefillOutput)):
+            raise HandoffError(f"received a {type(handle).__name__} KV handle but this replica's transport is nixl")
+        return handle
+
+    def land(self, pre: Prefilled, landing: Landing) -> int:
+        if isinstance(pre, PrefillOutput):  # sent by value (its sender's arena was full)
+            return copy_digest(landing.pairs(pre.kv.keys, pre.kv.values))
+        assert isinstance(pre, RemotePrefillOutput)
+        local = list(landing.destinations())
+        spans = [(int(d.ctypes.data), int(d.nbytes)) for d in local]
+        if not self.agent.registered(spans):
+            raise HandoffError("a NIXL landing outside the receiver's registered pool")
+        bases = (pre.kv.keys_addr, pre.kv.values_addr)
+        remote = [(bases[array] + offset, n) for array, offset, n in landing.remote_pieces()]
+        groups = _groups([n for _, n in spans], GROUP_BYTES)
+        h, hashing = xxhash.xxh3_64(), []
+
+        def hash_group(group: int) -> None:
+            for i in groups[group]:
+                h.update(flat_bytes(local[i]))
+
+        def landed(group: int) -> None:  # (hashed in order on the one hashing thread, while the next group moves)
+            hashing.append(self._hasher.submit(hash_group, group))
+
+        try:
+            self.agent.read(pre.kv.peer, [([spans[i] for i in g], [remote[i] for i in g]) for g in groups], landed)
+        finally:
+            for done in hashing:  # (even on a failure: nothing of ours reads the blocks once we return)
+                done.exception()
+        for done in hashing:
+            done.result()
+        return h.intdigest()
+
+    def fetch(self, pre: Prefilled) -> PrefillOutput:
+        if isinstance(pre, PrefillOutput):
+            return pre
+        assert isinstance(pre, RemotePrefillOutput)
+        layout, kv = pre.layout, pre.kv
+        half = layout.nbytes // 2
+        flat, free = self._read_flat(kv.peer, [(kv.keys_addr, half), (kv.values_addr, half)])
+        try:  # (copied out: the sequence waits for its lease with them, the landing slot goes back now)
+            keys = flat[:half].view(layout.numpy_dtype).reshape(layout.shape).copy()
+            values = flat[half:].view(layout.numpy_dtype).reshape(layout.shape).copy()
+            self.agent.allocations += 1
+        finally:
+            free()
+        blocks = KVBlocks(layout.block_size, layout.num_tokens, layout.dtype, keys, values)
+        fields = {f.name: getattr(pre, f.name) for f in dataclasses.fields(pre)}
+        return PrefillOutput(**{**fields, "kv": blocks})
+
+    def receive_embeddings(self, handle: Any) -> Received:
+        if not isinstance(handle, RemoteEmbeddings):
+            return super().receive_embeddings(handle)
+        sizes = [int(np.prod(i.shape)) * np.dtype(i.dtype).itemsize for i in handle.items]
+        flat, free = self._read_flat(handle.peer, [(i.addr, n) for i, n in zip(handle.items, sizes, strict=True)])
+        try:
+            if digest(flat[None]) != handle.checksum:
+                raise HandoffError("visual embeddings corrupted: their bytes do not match the encoder's checksum")
+            items, at = [], 0
+            for item, n in zip(handle.items, sizes, strict=True):
+                array = flat[at : at + n].view(item.dtype).reshape(item.shape)
+                items.append(dataclasses.replace(item.fields, embeddings=array))
+                at += n
+        except BaseException:
+            free()
+            raise
+        return items, free
+
+    def _read_flat(self, peer: PeerRef, remote: Spans) -> tuple[np.ndarray, Callable[[], None]]:
+        """The remote spans READ, in order, into one flat region — a slot of the landing arena, or (past it) an
+        array registered for this one read — and how to give it back."""
+        agent, nbytes = self.agent, sum(n for _, n in remote)
+        slot = agent.land_slot(nbytes)
+        if slot is not None:
+            arena, offset = slot
+            flat = arena.view(offset, (nbytes,), np.uint8)
+
+            def free() -> None:
+                agent.free_landing(offset)
+
+        else:
+            flat = np.empty(nbytes, np.uint8)
+            agent.allocations += 1
+            reg = agent.register([(int(flat.ctypes.data), nbytes)])
+
+            def free() -> None:
+                agent.deregister(reg)
+
+        local, at = [], int(flat.ctypes.data)
+        for _, n in remote:
+            local.append((at, n))
+            at += n
+        try:
+            agent.read(peer, [(local, remote)])
+        except BaseException:
+            free()
+            raise
+        return flat, free
+
+
+def _groups(sizes: list[int], target: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` cut into groups of about ``target`` bytes (at least one, none empty)."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(sizes):
+        if groups[-1] and total + n > target:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups

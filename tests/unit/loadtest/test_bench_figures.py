@@ -32,16 +32,18 @@ SHORT = (
     "decode_roofline_fraction_b32",
     "handoff_bw_fraction_of_memcpy",
     "nixl_bw_fraction_of_memcpy",
+    "nixl_vs_ucx_read",
 )
 
 
 def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     names = [f.name for f in figures.FIGURES]
-    assert len(names) == len(set(names)) == 11
+    assert len(names) == len(set(names)) == 12
     assert all(f.op in ("<=", ">=") and f.target > 0 for f in figures.FIGURES)
     assert all(figures.runs(n) >= 3 for n in SHORT)
-    # the two decode figures come from the same runs of bench_decode: declared alike
+    # the two decode figures come from the same runs of bench_decode, the NIXL two from the same repeats
     assert figures.runs("decode_speedup_32_vs_sequential") == figures.runs("decode_roofline_fraction_b32")
+    assert figures.runs("nixl_bw_fraction_of_memcpy") == figures.runs("nixl_vs_ucx_read")
     # the three cache-reach figures come from the same hot runs
     assert len({figures.runs(n) for n in bench_cache.FIGURES}) == 1
 

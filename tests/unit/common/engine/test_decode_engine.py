@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
 from common.engine.decode import DecodeEngine
 from common.engine.paged_step import is_run
+from common.kv.landing import Landing
 from common.kv.pool import KVPool, LeaseTooLarge
+from common.kv.transport import make_transport
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode
@@ -344,4 +347,56 @@ def test_a_replay_that_waits_for_its_lease_or_outlives_its_deadline(tiny_llava):
     assert [t for t, _ in got["moved"]] == full[9:] and got["moved"][-1][1] == "length"
     assert got["late"] == [(None, "timeout")]
     assert engine.replayed == 9 and engine.replay_mismatches == 0
+    pool.check_no_leaks()
+
+
+def _land_and_start(engine: DecodeEngine, transport, rid: str, pre, sampling: SamplingParams) -> list[int] | None:
+    """The decode stage's one-copy path in process: claim blocks, land the published KV in them, start."""
+    blocks = engine.claim(rid, pre, sampling)
+    if blocks is not None:
+        opened = transport.open(transport.publish(pre, expires_at=time.time() + 60))
+        transport.land(opened, Landing.of(opened.layout, engine.pool.arrays(), blocks))
+        engine.start(rid, opened)
+    return blocks
+
+
+def test_kv_landed_in_claimed_blocks_decodes_as_submitted_kv(tiny_llava):
+    """Claim (blocks allocated before the KV exists), land, start: the same tokens as :meth:`submit` with the KV in
+    hand, with the landed blocks scattered among other sequences' — and nothing left in the pool after."""
+    lm = tiny_llava
+    requests = _mixed_requests(lm, 8)
+    expected = _run(DecodeEngine(lm, KVPool(200, 16, lm.kv_shape, lm.dtype), max_batch=8), requests)
+    pool = KVPool(200, 16, lm.kv_shape, lm.dtype)
+    engine, transport = DecodeEngine(lm, pool, max_batch=8), make_transport("fake")
+    tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    for i, (rid, pre, sampling) in enumerate(requests):
+        if i % 2:
+            engine.submit(rid, pre, sampling)
+        else:
+            assert _land_and_start(engine, transport, rid, pre, sampling) is not None
+        for ev in engine.step():
+            tokens[ev.request_id].append(ev.token_id)
+    while engine.has_work():
+        for ev in engine.step():
+            tokens[ev.request_id].append(ev.token_id)
+    assert tokens == expected
+    pool.check_no_leaks()
+
+
+def test_a_claim_that_would_wait_changes_nothing_and_a_cancelled_landing_frees_its_blocks(tiny_qwen):
+    lm = tiny_qwen
+    sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+    pre = _prefilled(lm, 0, 1, sampling)
+    need = -(-(len(pre.prompt_token_ids) + 20) // 16)
+    pool = KVPool(2 * need + 1, 16, lm.kv_shape, lm.dtype)
+    engine = DecodeEngine(lm, pool, max_batch=4)
+    assert engine.claim("a", pre, sampling) is not None and engine.claim("b", pre, sampling) is not None
+    free = pool.available_blocks
+    assert engine.claim("c", pre, sampling) is None, "the pool cannot give c its blocks now"
+    assert (pool.available_blocks, engine.num_landing, pool.lease("c")) == (free, 2, None)
+    assert engine.reserve("d", need) is False  # a reservation queued behind a and b
+    assert engine.claim("d", pre, sampling) is None, "a queued reservation is not claimed"
+    assert engine.cancel("a") and engine.cancel("b")  # the decode replica's landing was cancelled (client gone)
+    assert engine.num_landing == 0 and pool.granted("d"), "freed blocks went to the queued reservation"
+    engine.cancel("d")
     pool.check_no_leaks()

@@ -71,7 +71,7 @@ def test_blocks_round_trip_exactly(dtype, n_tokens, block):
         cache.update(k, v, i)
         originals.append((k, v))
     kv = export_kv(cache, block)
-    assert kv.keys.shape == (layers, -(-n_tokens // block), heads, block, dim)
+    assert kv.keys.shape == (layers, -(-n_tokens // block), block, heads, dim)  # the decode pool's own layout
     kv = from_bytes(type(kv), to_bytes(kv))  # through the wire, too
     back = import_kv(kv, None, (layers, heads, dim), dtype)
     for i, (k, v) in enumerate(originals):
@@ -90,8 +90,11 @@ def test_inconsistent_handoffs_are_refused(tiny_llava):
         decode(lm, replace(pre, kv=replace(pre.kv, keys=pre.kv.keys[:, :-1])), sampling)
     with pytest.raises(HandoffError, match="dtype"):
         decode(lm, replace(pre, kv=replace(pre.kv, dtype="bfloat16")), sampling)
-    with pytest.raises(HandoffError, match="numpy dtype"):
+    with pytest.raises(HandoffError, match="do not match the keys"):
         decode(lm, replace(pre, kv=replace(pre.kv, values=pre.kv.values.astype(np.float64))), sampling)
+    wide = replace(pre.kv, keys=pre.kv.keys.astype(np.float64), values=pre.kv.values.astype(np.float64))
+    with pytest.raises(HandoffError, match="numpy dtype"):
+        decode(lm, replace(pre, kv=wide), sampling)
 
 
 def test_a_sealed_handoff_is_bound_to_its_attempt_and_its_bytes(tiny_llava):

@@ -78,7 +78,19 @@ def test_streamed_answer_equals_unary(apps):
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
 
-@pytest.mark.parametrize("fault", ["lose", "truncate", "corrupt", "stale"])
+def test_a_lost_handoff_is_issued_again_like_a_lost_replica(apps):
+    """The sender of a KV hand-off went away before it was read (its replica died mid-transfer): the chain is issued
+    again before the first token — the same tokens, nothing left leased or reserved."""
+    store_app, fake_app, fake = apps
+    want = asyncio.run(_ask(store_app)).json()["choices"][0]["token_ids"]
+    fake.inject("lose")
+    again = asyncio.run(_ask(fake_app, settle=True))
+    assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == want
+    assert not fake.faults
+    _nothing_held(fake_app.state.stages[3])
+
+
+@pytest.mark.parametrize("fault", ["truncate", "corrupt", "stale"])
 def test_handoff_fault_is_a_typed_500_and_frees_everything(apps, fault):
     _, fake_app, fake = apps
     fake.inject(fault)
@@ -96,7 +108,7 @@ def test_without_the_receivers_check_a_corrupted_handoff_would_be_a_200(apps, mo
     import services.stages.decode
 
     _, fake_app, fake = apps
-    monkeypatch.setattr(services.stages.decode, "verify_handoff", lambda pre, key: None)
+    monkeypatch.setattr(services.stages.decode, "check_landed", lambda pre, landed: None)
     fake.inject("corrupt")
     assert asyncio.run(_ask(fake_app)).status_code == 200
 
