@@ -74,6 +74,7 @@ class PrefillDeployment:
         eng, adm = self.cfg.engine, self.cfg.admission
         self.metrics = Metrics("prefill")
         self.transport = transport or make_transport(self.cfg.transport)
+        self.transport.prepare()  # (not on the first request's time)
         long_nice = self.cfg.deployments.prefill.long_lane_nice
         self.long = self._lane("long", eng.prefix_cache_blocks, adm.prefill_token_budget, long_nice)
         self.lanes = [self.long]

@@ -107,6 +107,9 @@ class NixlTransport(KVTransport):
         self.agent = Agent(agent_name, timeout_s, staging_bytes)
         self._hasher = ThreadPoolExecutor(1, "prism-nixl-hash")
 
+    def prepare(self) -> None:
+        self.agent.prepare()
+
     @property
     def registrations(self) -> int:
         return self.agent.registrations

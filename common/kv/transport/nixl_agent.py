@@ -112,6 +112,11 @@ class Agent:
                 self._agent = new_agent(self.name)
             return self._agent
 
+    def prepare(self) -> None:
+        """The agent and both arenas now (their pages still arrive on first use)."""
+        self._arena("_staging", self.staging_bytes)
+        self._arena("_landing", LANDING_BYTES)
+
     def register(self, spans: Spans) -> Any:
         reg = self.agent.register_memory([(addr, n, 0, "") for addr, n in spans], "DRAM")
         self.registrations += 1

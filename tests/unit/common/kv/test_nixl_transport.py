@@ -245,3 +245,21 @@ def test_a_decode_replica_killed_mid_read_leaves_nothing_held_by_the_sender():
     _, landed = Receiver(NixlTransport(timeout_s=30)).receive(handle, nbytes)
     assert landed == handle.layout.nbytes and time.monotonic() - start < 10
     assert _wait_released(sender.transport) == 0 and sender.transport.registrations == registered
+
+
+def test_a_prepared_transport_makes_nothing_on_its_first_handoff(tiny_llava):
+    """The stages prepare their transport at start: the agent (~0.5 s to make here) and both arenas exist before
+    the first request, whose hand-offs — KV and embeddings — then register nothing."""
+    sender, receiver = NixlTransport(staging_bytes=8 << 20), NixlTransport()
+    for transport in (sender, receiver):
+        transport.prepare()
+    pool = KVPool(32, 16, tiny_llava.kv_shape, tiny_llava.dtype)
+    receiver.attach(pool.arrays())
+    assert sender.agent._agent is not None and (sender.registrations, receiver.registrations) == (2, 3)
+    out = seal(staged(sender, fixed_request(tiny_llava, 1, SamplingParams(max_tokens=2))), "req")
+    blocks = [30, 2, *range(5, 5 + out.kv.num_blocks - 2)]  # (scattered: three runs)
+    check_landed(out, _land(receiver, pool, sender.publish(out, expires_at=time.time() + 60), blocks))
+    handle = sender.send_embeddings(_embeddings(tiny_llava, 1), expires_at=time.time() + 60)
+    receiver.receive_embeddings(handle)[1]()
+    assert (sender.registrations, receiver.registrations, sender.allocations, receiver.allocations) == (2, 3, 0, 0)
+    assert _wait_released(sender) == 0
