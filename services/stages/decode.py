@@ -115,7 +115,7 @@ class DecodeDeployment:
         )
         self.transport = transport or make_transport(self.cfg.transport)
         self.pool_arrays = self.pool.arrays()
-        self.transport.prepare()  # (not on the first request's time)
+        self.transport.prepare(sends=False, receives=True)  # (not on the first request's time)
         self.transport.attach(self.pool_arrays)  # (NIXL registers the pool here, once: hand-offs land in it)
         self.metrics = Metrics("decode")
         self.metrics.keep_fresh(self._load)

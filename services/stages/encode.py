@@ -63,7 +63,7 @@ class EncodeDeployment:
         )
         self.metrics = Metrics("encode")
         self.transport = make_transport(self.cfg.transport)  # (how the embeddings travel to prefill)
-        self.transport.prepare()  # (not on the first request's time)
+        self.transport.prepare(sends=True, receives=False)  # (not on the first request's time)
         self.releaser = Releaser(self.transport)
         adm = self.cfg.admission
         self.admission = budget_admission("encode", "patches", adm.encode_patch_budget, adm, self.metrics)

@@ -51,7 +51,7 @@ from common.stages.merge import merge
 from common.stages.prompt import build_prompt
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
-from services.stages.driver import AwaitedEngine
+from services.stages.driver import AwaitedEngine, check_engines
 from services.stages.releaser import Releaser
 from services.stages.threads import nice_thread
 
@@ -218,3 +218,10 @@ class PrefillDeployment:
 
     def _load(self) -> None:
         self.metrics.load(sum(len(x.runner.waiting) for x in self.lanes), self.queued_tokens)
+
+    def check_health(self) -> None:
+        """Serve's health check: unhealthy once a lane's engine failed steps in a row (:func:`check_engines`)."""
+        check_engines("prefill", [lane.runner.driver.failures for lane in self.lanes])
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"queue_depth": float(self.queued_tokens)}

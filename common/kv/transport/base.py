@@ -49,9 +49,10 @@ class KVTransport(abc.ABC):
     """Whether :meth:`land` only copies bytes already in this process's memory (no peer to wait on): a small
     hand-off may then land inline, where a worker thread's round trip would cost more than the copy."""
 
-    def prepare(self) -> None:
+    def prepare(self, sends: bool = True, receives: bool = True) -> None:
         """Make at the replica's start what the first hand-off would otherwise make on a request's time (NIXL: the
-        agent — ~0.5 s here — and its registered arenas); nothing for a transport that makes nothing."""
+        agent — ~0.5 s here — and the registered arenas of the replica's roles: it ``sends`` hand-offs, it
+        ``receives`` them); nothing for a transport that makes nothing."""
         return None
 
     # ---- sender ---------------------------------------------------------------------------------------------------

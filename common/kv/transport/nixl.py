@@ -107,8 +107,8 @@ class NixlTransport(KVTransport):
         self.agent = Agent(agent_name, timeout_s, staging_bytes)
         self._hasher = ThreadPoolExecutor(1, "prism-nixl-hash")
 
-    def prepare(self) -> None:
-        self.agent.prepare()
+    def prepare(self, sends: bool = True, receives: bool = True) -> None:
+        self.agent.prepare(sends, receives)
 
     @property
     def registrations(self) -> int:

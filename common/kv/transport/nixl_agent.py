@@ -21,6 +21,7 @@ rounds instead of spinning.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -33,6 +34,8 @@ import xxhash
 
 from common.errors import HandoffError, HandoffLost
 from common.kv.transport.arena import Arena
+
+log = logging.getLogger("prism.nixl")
 
 STAGING_BYTES = 256 << 20
 LANDING_BYTES = 64 << 20
@@ -103,6 +106,7 @@ class Agent:
         self._metadata = b""
         self._slots: dict[int, _Slot] = {}  # staging offset → its hand-off
         self._peers: dict[str, int] = {}  # agent name → digest of the metadata loaded for it
+        self._peers_lock = threading.Lock()
         self._attached: Spans = []
 
     @property
@@ -112,10 +116,14 @@ class Agent:
                 self._agent = new_agent(self.name)
             return self._agent
 
-    def prepare(self) -> None:
-        """The agent and both arenas now (their pages still arrive on first use)."""
-        self._arena("_staging", self.staging_bytes)
-        self._arena("_landing", LANDING_BYTES)
+    def prepare(self, sends: bool, receives: bool) -> None:
+        """The agent now, and the arenas of the roles the replica has (their pages still arrive on first use; with an
+        RDMA NIC registered memory is pinned, so a role it lacks gets none)."""
+        self.agent  # noqa: B018 (made here)
+        if sends:
+            self._arena("_staging", self.staging_bytes)
+        if receives:
+            self._arena("_landing", LANDING_BYTES)
 
     def register(self, spans: Spans) -> Any:
         reg = self.agent.register_memory([(addr, n, 0, "") for addr, n in spans], "DRAM")
@@ -228,24 +236,29 @@ class Agent:
                 raise HandoffLost(f"NIXL read from {peer} failed ({type(exc).__name__})") from exc
             raise
         finally:
-            for xfer in xfers:
-                agent.release_xfer_handle(xfer)
+            for xfer in xfers:  # (each on its own: one that fails must not hide the read's error or keep the others)
+                try:
+                    agent.release_xfer_handle(xfer)
+                except Exception:
+                    log.warning("NIXL transfer handle from %s not released", peer, exc_info=True)
 
     def _peer(self, ref: PeerRef) -> None:
         version = xxhash.xxh3_64_intdigest(ref.agent_metadata)
-        if self._peers.get(ref.agent_name) != version:
-            name = self.agent.add_remote_agent(ref.agent_metadata)
-            name = name.decode() if isinstance(name, bytes) else name
-            if name != ref.agent_name:
-                raise HandoffError(f"NIXL metadata names agent {name!r}, the hand-off {ref.agent_name!r}")
-            self._peers[ref.agent_name] = version
+        with self._peers_lock:  # (reads run on several threads: one peer is loaded once, not removed mid-load)
+            if self._peers.get(ref.agent_name) != version:
+                name = self.agent.add_remote_agent(ref.agent_metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                if name != ref.agent_name:
+                    raise HandoffError(f"NIXL metadata names agent {name!r}, the hand-off {ref.agent_name!r}")
+                self._peers[ref.agent_name] = version
 
     def _forget(self, peer: str) -> None:
-        if self._peers.pop(peer, None) is not None:
-            try:
-                self.agent.remove_remote_agent(peer)
-            except Exception:  # (already gone)
-                pass
+        with self._peers_lock:
+            if self._peers.pop(peer, None) is not None:
+                try:
+                    self.agent.remove_remote_agent(peer)
+                except Exception:  # (already gone)
+                    pass
 
     def _post(self, peer: str, local: Spans, remote: Spans) -> Any:
         agent = self.agent
@@ -255,9 +268,9 @@ class Agent:
             agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM"),
             peer,
         )
-        if agent.transfer(xfer) == "ERR":
+        if agent.transfer(xfer) == "ERR":  # (what NIXL answers when the sender is gone)
             agent.release_xfer_handle(xfer)
-            raise HandoffError("NIXL read failed")
+            raise HandoffLost(f"NIXL read from {peer} could not start")
         return xfer
 
     def _wait(self, xfer: Any, deadline: float) -> None:
@@ -267,8 +280,8 @@ class Agent:
                 raise HandoffLost(f"NIXL read did not finish in {self.timeout_s}s")
             time.sleep(0.0002)
             state = self.agent.check_xfer_state(xfer)
-        if state == "ERR":
-            raise HandoffError("NIXL read failed")
+        if state == "ERR":  # (the sender died, or its connection did, mid-read)
+            raise HandoffLost("NIXL read failed")
 
     def _settle(self, xfers: list[Any]) -> None:
         """Wait (bounded) until none of ``xfers`` is still moving bytes."""

@@ -263,3 +263,6 @@ def test_a_prepared_transport_makes_nothing_on_its_first_handoff(tiny_llava):
     receiver.receive_embeddings(handle)[1]()
     assert (sender.registrations, receiver.registrations, sender.allocations, receiver.allocations) == (2, 3, 0, 0)
     assert _wait_released(sender) == 0
+    decode_side = NixlTransport()
+    decode_side.prepare(sends=False, receives=True)  # (a role the replica lacks gets no arena: RDMA pins them)
+    assert decode_side.registrations == 1 and decode_side.agent._staging is None

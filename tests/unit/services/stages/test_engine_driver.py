@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.stages.driver import EngineDriver
+from services.stages.driver import UNHEALTHY_AFTER, EngineDriver
 
 
 def test_failing_step_fails_waiters_and_the_loop_goes_on():
@@ -73,7 +73,7 @@ def test_awaited_engine_routes_results_fails_waiters_and_cancels_leavers():
 def test_an_engine_failing_steps_in_a_row_reports_unhealthy_and_one_good_step_heals_it():
     import pytest
 
-    from services.stages.driver import UNHEALTHY_AFTER, check_engines
+    from services.stages.driver import check_engines
 
     async def scenario() -> list[int]:
         work = ["bad"] * UNHEALTHY_AFTER + ["good", "bad"]
@@ -123,3 +123,24 @@ def test_the_decode_stage_reports_unhealthy_when_its_steps_keep_failing(model_ca
     with pytest.raises(RuntimeError, match="decode engine failed its last 3 steps"):
         d.check_health()
     d.pool.check_no_leaks()
+
+
+def test_every_stage_reports_its_queue_depth_and_the_engine_stages_their_health(model_cache):
+    """Serve's autoscaling reads each stage's ``record_autoscaling_stats`` (:class:`QueueDepthPolicy`: a stage that
+    reports nothing is scaled to its minimum) and replaces a replica whose ``check_health`` raises: a prefill replica
+    whose lane keeps failing steps reports unhealthy, and an idle one a queue depth of 0."""
+    import pytest
+
+    from services.stages import decode, encode, media, prefill
+
+    for cls in (media.MediaDeployment, encode.EncodeDeployment, prefill.PrefillDeployment, decode.DecodeDeployment):
+        assert callable(getattr(cls, "record_autoscaling_stats", None)), cls.__name__
+    for cls in (encode.EncodeDeployment, prefill.PrefillDeployment, decode.DecodeDeployment):
+        assert callable(getattr(cls, "check_health", None)), cls.__name__
+    model = {"model": "prism-tiny-llava", "cache_dir": model_cache, "torch_threads": 1}
+    p = prefill.PrefillDeployment({"model": model})
+    assert p.record_autoscaling_stats() == {"queue_depth": 0.0}
+    p.check_health()
+    p.lanes[0].runner.driver.failures = UNHEALTHY_AFTER
+    with pytest.raises(RuntimeError, match="prefill engine failed its last 3 steps"):
+        p.check_health()
