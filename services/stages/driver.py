@@ -102,8 +102,11 @@ class AwaitedEngine:
         expire: Callable[[], list[str]] | None = None,
         stage: str = "engine",
         executor: Any = None,
+        orphaned: Callable[[Any], None] | None = None,
     ) -> None:
+        """``orphaned(value)``: a result whose caller went away before it was delivered (what it holds goes back)."""
         self._results, self._cancel, self._stage = results, cancel, stage
+        self._orphaned = orphaned
         self.waiting: dict[str, asyncio.Future] = {}
 
         def expire_then_step() -> tuple[list[str], Any]:
@@ -142,6 +145,8 @@ class AwaitedEngine:
             future = self.waiting.get(rid)
             if future is not None and not future.done():
                 future.set_result(value)
+            elif self._orphaned is not None:
+                self._orphaned(value)
 
     def _fail(self, exc: BaseException) -> None:
         for rid, future in list(self.waiting.items()):

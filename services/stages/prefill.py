@@ -110,6 +110,7 @@ class PrefillDeployment:
             engine.expire,
             "prefill",
             executor,
+            orphaned=lambda result: self.transport.discard(result.output),
         )
         return _Lane(name, engine, runner, budget_admission("prefill", "tokens", budget, adm, self.metrics))
 
@@ -142,15 +143,20 @@ class PrefillDeployment:
             free()  # (merged: the embeddings' landing memory goes back)
         prep = timeline.mark("prefill.prompt", prompt_tokens=len(merged.token_ids))
         tokens, lane = len(merged.token_ids), self._lane_for(merged)
+        result: PrefillResult | None = None
         try:
             async with lane.admission.held(ctx, tokens, tokens):
                 submit = lambda: self._submit(lane, ctx, merged, sampling)  # noqa: E731
-                result: PrefillResult = await lane.runner.run(ctx.key, submit)
+                result = await lane.runner.run(ctx.key, submit)
+            self._trace(timeline, lane, result, transfer.duration_s, prep.duration_s)
+            sealed = seal(result.output, ctx.key)  # (its checksum was computed with the export, in the engine thread)
+            out = self.transport.publish(sealed, expires_at=ctx.deadline)
+        except BaseException:
+            if result is not None:  # exported, never published: its staging memory goes back now
+                self.transport.discard(result.output)
+            raise
         finally:
             self._load()
-        self._trace(timeline, lane, result, transfer.duration_s, prep.duration_s)
-        sealed = seal(result.output, ctx.key)  # (its checksum was computed with the export, in the engine's thread)
-        out = self.transport.publish(sealed, expires_at=ctx.deadline)
         self.releaser.kick()
         return timeline.wrap(out)
 

@@ -69,6 +69,11 @@ class KVTransport(abc.ABC):
         them with the response)."""
         return items
 
+    def discard(self, out: PrefillOutput) -> None:
+        """``out`` was exported into this transport's :meth:`buffers` but will never be published (its caller went
+        away): give its memory back now rather than when it lapses."""
+        return None
+
     def release(self, now: float | None = None) -> int:
         """Free what was read or expired; returns how many hand-offs the sender still holds."""
         return 0

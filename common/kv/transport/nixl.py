@@ -155,6 +155,9 @@ class NixlTransport(KVTransport):
         checksum = digest(arena.view(offset, (nbytes,), np.uint8)[None])
         return RemoteEmbeddings(peer, tuple(remote), checksum)
 
+    def discard(self, out: PrefillOutput) -> None:
+        self.agent.unstage(out.kv.keys)
+
     def release(self, now: float | None = None) -> int:
         return self.agent.release(now)
 

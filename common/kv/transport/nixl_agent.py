@@ -167,6 +167,18 @@ class Agent:
             slot.transfer_id, slot.expires_at = uuid.uuid4().hex, expires_at
             return PeerRef(self.name, self._metadata, slot.transfer_id)
 
+    def unstage(self, array: np.ndarray) -> bool:
+        """Free the staging slot that holds ``array`` if it was never published (its request went away between the
+        export and the publish); True if one was freed."""
+        with self._lock:
+            offset = self._staging.offset_of(array) if self._staging is not None else None
+            slot = self._slots.get(offset) if offset is not None else None
+            if slot is None or slot.transfer_id is not None:
+                return False
+            del self._slots[offset]
+            self._staging.free(offset)  # type: ignore[union-attr]  (slots exist only with an arena)
+            return True
+
     def release(self, now: float | None = None) -> int:
         """Free the slots read (their notification came) or expired; how many are still held."""
         if self._agent is None:

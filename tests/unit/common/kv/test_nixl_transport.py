@@ -266,3 +266,18 @@ def test_a_prepared_transport_makes_nothing_on_its_first_handoff(tiny_llava):
     decode_side = NixlTransport()
     decode_side.prepare(sends=False, receives=True)  # (a role the replica lacks gets no arena: RDMA pins them)
     assert decode_side.registrations == 1 and decode_side.agent._staging is None
+
+
+def test_an_export_never_published_gives_its_staging_slot_back(tiny_llava):
+    """A prefill whose caller went away between the export and the publish discards the export: its slot is free at
+    once (not 60 s later); a published hand-off is not the discarder's to free."""
+    sender = NixlTransport(staging_bytes=8 << 20)
+    out = staged(sender, fixed_request(tiny_llava, 1, SamplingParams(max_tokens=2)))
+    assert sender.held == 1
+    sender.discard(out)
+    assert sender.held == 0 and sender.agent._staging.used_bytes == 0
+    published = staged(sender, out)
+    sender.publish(published, expires_at=time.time() + 60)
+    sender.discard(published)
+    assert sender.held == 1, "a published slot waits for its reader or its expiry"
+    sender.release(now=time.time() + 61)

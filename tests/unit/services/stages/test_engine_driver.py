@@ -144,3 +144,33 @@ def test_every_stage_reports_its_queue_depth_and_the_engine_stages_their_health(
     p.lanes[0].runner.driver.failures = UNHEALTHY_AFTER
     with pytest.raises(RuntimeError, match="prefill engine failed its last 3 steps"):
         p.check_health()
+
+
+def test_a_result_whose_caller_left_is_handed_to_orphaned():
+    """The engine finished a request whose caller had gone (its step was already running): the result is not
+    dropped unseen but handed to ``orphaned`` — prefill gives its exported KV's staging memory back there."""
+    from services.stages.driver import AwaitedEngine
+
+    async def scenario():
+        started, release, orphans = asyncio.Event(), asyncio.Event(), []
+        loop = asyncio.get_running_loop()
+        queue: list[str] = []
+
+        def step():  # (in a worker thread: holds the step until the caller is gone)
+            loop.call_soon_threadsafe(started.set)
+            asyncio.run_coroutine_threadsafe(release.wait(), loop).result(5)
+            return [(queue.pop(0), "kv")]
+
+        runner = AwaitedEngine(step, lambda: bool(queue), lambda out: out, lambda rid: None, orphaned=orphans.append)
+        waiter = asyncio.ensure_future(runner.run("gone", lambda: queue.append("gone")))
+        await started.wait()
+        waiter.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        for _ in range(100):
+            if orphans:
+                break
+            await asyncio.sleep(0.01)
+        return orphans
+
+    assert asyncio.run(scenario()) == ["kv"]
