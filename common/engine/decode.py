@@ -131,10 +131,9 @@ class DecodeEngine:
     def reserve(self, request_id: str, blocks: int, deadline: float | None = None, rank: float | None = None) -> bool:
         """Take (or queue, by ``rank``: :meth:`KVPool.request_lease`) a lease of ``blocks`` for a sequence not
         prefilled yet; True if granted now. Raises :class:`LeaseTooLarge` past the per-request limit."""
-        if request_id in self._reserved or request_id in self._pending or request_id in self._running:
+        if request_id in self._reserved:
             raise ValueError(f"request {request_id} is already known to this engine")
-        if request_id in self._landing:
-            raise ValueError(f"request {request_id} is already known to this engine")
+        self._check_new(request_id)
         granted = self.pool.request_lease(request_id, blocks, rank) is not None
         self._reserved[request_id] = deadline
         return granted
@@ -233,8 +232,7 @@ class DecodeEngine:
             del self._reserved[request_id]
             self._admit_granted(self.pool.resize_lease(request_id, need))  # (a smaller lease lets the queue move)
         else:
-            if request_id in self._pending or request_id in self._running or request_id in self._landing:
-                raise ValueError(f"request {request_id} is already known to this engine")
+            self._check_new(request_id)
             if self.pool.num_waiting or need > self.pool.available_blocks:
                 return None  # (never ahead of a queued lease)
             self.pool.request_lease(request_id, need)
@@ -251,6 +249,11 @@ class DecodeEngine:
         lease = self.pool.lease(request_id)
         assert lease is not None  # a landing sequence holds its lease until start or cancel
         self._begin(request_id, lease, pre, sampling, deadline, replay)
+
+    def _check_new(self, request_id: str) -> None:
+        """Refuse a request already queued, landing or running here."""
+        if request_id in self._pending or request_id in self._running or request_id in self._landing:
+            raise ValueError(f"request {request_id} is already known to this engine")
 
     def _needs(
         self, pre: Prefilled, sampling: SamplingParams, replay: Sequence[int]

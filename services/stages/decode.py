@@ -47,7 +47,7 @@ from common.admission.stage import StageAdmission
 from common.config import PrismConfig
 from common.engine.decode import DecodeEngine, TokenEvent
 from common.errors import Overloaded
-from common.kv.blocks import check_key, check_landed, kv_checksum
+from common.kv.blocks import check_key, check_landed, verify_handoff
 from common.kv.landing import Landing
 from common.kv.pool import KVPool
 from common.kv.transport import KVTransport, make_transport
@@ -67,6 +67,7 @@ from common.protocol.sampling import SamplingParams
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
 from services.stages.driver import EngineDriver, check_engines
+from services.stages.threads import finish_in_thread
 
 RESERVATION_SWEEP_S = 1.0
 """How often unclaimed reservations are checked against their deadlines while any is held."""
@@ -213,7 +214,7 @@ class DecodeDeployment:
         if blocks is not None:
             await self._land(pre, blocks)
         else:
-            prefilled = await asyncio.to_thread(self._fetch_checked, pre)
+            prefilled = await asyncio.to_thread(self._fetch_checked, pre, ctx.key)
         self.fetches += 1
         where = {"replica": self.replica_id} if self.replica_id is not None else {}
         nbytes = pre.layout.nbytes
@@ -243,16 +244,11 @@ class DecodeDeployment:
         if self.transport.lands_from_memory and pre.layout.nbytes <= INLINE_LAND_BYTES:
             land_checked()  # (a copy and hash of this size take less than a worker thread's round trip)
             return
-        moving = asyncio.ensure_future(asyncio.to_thread(land_checked))
-        try:
-            await asyncio.shield(moving)
-        except asyncio.CancelledError:
-            await asyncio.gather(moving, return_exceptions=True)
-            raise
+        await finish_in_thread(land_checked)
 
-    def _fetch_checked(self, pre: Prefilled) -> PrefillOutput:
+    def _fetch_checked(self, pre: Prefilled, key: str) -> PrefillOutput:
         out = self.transport.fetch(pre)
-        check_landed(pre, kv_checksum(out.kv) if pre.checksum >= 0 else -1)
+        verify_handoff(out, key)  # (the bytes fetched against the seal its fields carry over)
         return out
 
     async def _tokens(self, stream: _Stream, prompt_tokens: int, transfer_s: float) -> AsyncIterator[DecodeEvent]:

@@ -53,7 +53,7 @@ from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
 from services.stages.driver import AwaitedEngine, check_engines
 from services.stages.releaser import Releaser
-from services.stages.threads import nice_thread
+from services.stages.threads import finish_in_thread, nice_thread
 
 
 @dataclass
@@ -165,14 +165,7 @@ class PrefillDeployment:
         A caller that goes away during the read still waits for it, and gives back the memory it landed in."""
         if isinstance(handle, list):
             return self.transport.receive_embeddings(handle)
-        reading = asyncio.ensure_future(asyncio.to_thread(self.transport.receive_embeddings, handle))
-        try:
-            return await asyncio.shield(reading)
-        except asyncio.CancelledError:
-            done = await asyncio.gather(reading, return_exceptions=True)
-            if not isinstance(done[0], BaseException):
-                done[0][1]()
-            raise
+        return await finish_in_thread(lambda: self.transport.receive_embeddings(handle), lambda got: got[1]())
 
     def _merge(self, messages: list[dict[str, Any]], visual: list[VisualEmbeddings]) -> MergedInputs:
         prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens)

@@ -8,10 +8,15 @@ only ever raised here — lowering it needs privileges, and Ray starts workers a
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def set_threads(n: int | None) -> None:
@@ -43,3 +48,17 @@ def nice_process(nice: int) -> None:
         tids = [threading.get_native_id()]
     for tid in tids:
         nice_thread(nice, tid)
+
+
+async def finish_in_thread(fn: Callable[[], T], abandoned: Callable[[T], object] | None = None) -> T:
+    """``fn()`` in a worker thread, awaited to its end even when the caller is cancelled first: a hand-off's bytes
+    must stop arriving before the memory they land in is given back. A cancelled caller's result goes to
+    ``abandoned`` (what it holds is freed there), then the cancellation goes on."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        done = (await asyncio.gather(task, return_exceptions=True))[0]
+        if abandoned is not None and not isinstance(done, BaseException):
+            abandoned(done)
+        raise

@@ -42,7 +42,7 @@ import xxhash
 
 from common.errors import HandoffError
 from common.kv.blocks import fresh_buffers
-from common.kv.digest import copy_digest, digest, flat_bytes
+from common.kv.digest import digest, flat_bytes
 from common.kv.landing import Landing
 from common.kv.transport.base import KVTransport, Received
 from common.kv.transport.nixl_agent import STAGING_BYTES, Agent, PeerRef, Spans
@@ -152,7 +152,7 @@ class NixlTransport(KVTransport):
             at += int(view.nbytes)
         peer = self.agent.publish(arena.view(offset, (nbytes,), np.uint8), expires_at)
         assert peer is not None  # staged just now
-        checksum = digest(arena.view(offset, (nbytes,), np.uint8)[None])
+        checksum = digest([arena.view(offset, (nbytes,), np.uint8)])
         return RemoteEmbeddings(peer, tuple(remote), checksum)
 
     def discard(self, out: PrefillOutput) -> None:
@@ -175,8 +175,8 @@ class NixlTransport(KVTransport):
         return handle
 
     def land(self, pre: Prefilled, landing: Landing) -> int:
-        if isinstance(pre, PrefillOutput):  # sent by value (its sender's arena was full)
-            return copy_digest(landing.pairs(pre.kv.keys, pre.kv.values))
+        if isinstance(pre, PrefillOutput):  # sent by value (its sender's arena was full): copied like the store's
+            return super().land(pre, landing)
         assert isinstance(pre, RemotePrefillOutput)
         local = list(landing.destinations())
         spans = [(int(d.ctypes.data), int(d.nbytes)) for d in local]
@@ -226,7 +226,7 @@ class NixlTransport(KVTransport):
         sizes = [int(np.prod(i.shape)) * np.dtype(i.dtype).itemsize for i in handle.items]
         flat, free = self._read_flat(handle.peer, [(i.addr, n) for i, n in zip(handle.items, sizes, strict=True)])
         try:
-            if digest(flat[None]) != handle.checksum:
+            if digest([flat]) != handle.checksum:
                 raise HandoffError("visual embeddings corrupted: their bytes do not match the encoder's checksum")
             items, at = [], 0
             for item, n in zip(handle.items, sizes, strict=True):

@@ -160,8 +160,7 @@ class Agent:
         """Give the staging slot that holds ``array`` a transfer id, held until its read or ``expires_at``; ``None``
         if ``array`` is not in a staged slot."""
         with self._lock:
-            offset = self._staging.offset_of(array) if self._staging is not None else None
-            slot = self._slots.get(offset) if offset is not None else None
+            _, slot = self._slot_of(array)
             if slot is None:
                 return None
             slot.transfer_id, slot.expires_at = uuid.uuid4().hex, expires_at
@@ -171,13 +170,20 @@ class Agent:
         """Free the staging slot that holds ``array`` if it was never published (its request went away between the
         export and the publish); True if one was freed."""
         with self._lock:
-            offset = self._staging.offset_of(array) if self._staging is not None else None
-            slot = self._slots.get(offset) if offset is not None else None
+            offset, slot = self._slot_of(array)
             if slot is None or slot.transfer_id is not None:
                 return False
-            del self._slots[offset]
-            self._staging.free(offset)  # type: ignore[union-attr]  (slots exist only with an arena)
+            self._free_slot(offset)  # type: ignore[arg-type]  (a slot has an offset)
             return True
+
+    def _slot_of(self, array: np.ndarray) -> tuple[int | None, _Slot | None]:
+        """The staging slot holding ``array`` and its offset (under the lock)."""
+        offset = self._staging.offset_of(array) if self._staging is not None else None
+        return offset, (self._slots.get(offset) if offset is not None else None)
+
+    def _free_slot(self, offset: int) -> None:
+        del self._slots[offset]
+        self._staging.free(offset)  # type: ignore[union-attr]  (slots exist only with an arena)
 
     def release(self, now: float | None = None) -> int:
         """Free the slots read (their notification came) or expired; how many are still held."""
@@ -190,8 +196,7 @@ class Agent:
         with self._lock:
             for offset, slot in list(self._slots.items()):
                 if slot.transfer_id in done or slot.expires_at <= now:
-                    del self._slots[offset]
-                    self._staging.free(offset)  # type: ignore[union-attr]  (slots exist only with an arena)
+                    self._free_slot(offset)
             return len(self._slots)
 
     @property
