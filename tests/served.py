@@ -129,8 +129,13 @@ def ray_processes() -> list[tuple[int, str, int]]:
             continue
         if title.startswith("ray::") or "raylet" in title or "gcs_server" in title:
             rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS")), 0)
-            name = title.split(" ")[0].removeprefix("ray::")
-            if name.startswith("ServeReplica:"):  # a worker busy in a method is titled `<actor>.<method>`
-                name = name.split(".", 1)[0]  # (deployment names hold no '.')
+            name = title.split(" ")[0]
+            if name.startswith("ray::"):  # an actor busy in a method is titled `<actor>.<method>`
+                name = name.removeprefix("ray::").split(".", 1)[0]  # (actor and deployment names hold no '.')
             found.append((int(pid), name, rss // 1024))
     return found
+
+
+def serve_processes() -> dict[str, tuple[int, int]]:
+    """Serve's proxy and replicas: name → (pid, RSS in MB); a changed pid is a restarted process."""
+    return {name: (pid, rss) for pid, name, rss in ray_processes() if name.startswith(("ProxyActor", "ServeReplica"))}

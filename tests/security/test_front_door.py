@@ -32,7 +32,7 @@ import httpx
 from services.proto import prism_pb2, prism_pb2_grpc
 from tests.rawhttp import error_code, read_reply, status_of
 from tests.security.conftest import API_KEY, ORIGIN_KEY, OTHER_KEY
-from tests.served import UPSTREAM_TIMEOUTS, ray_processes, server_errors
+from tests.served import UPSTREAM_TIMEOUTS, serve_processes, server_errors
 
 MODEL = "prism-tiny-llava"
 TEXT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "stream": True}
@@ -210,10 +210,6 @@ def _surrogates(base: str, grpc_port: int) -> list[tuple[str, str, float]]:
     return out
 
 
-def _processes() -> dict[str, tuple[int, int]]:
-    return {name: (pid, rss) for pid, name, rss in ray_processes() if name.startswith(("ProxyActor", "ServeReplica"))}
-
-
 def _attack(base: str, grpc_port: int, ready: Any, go: Any, out: Any) -> None:
     """Every hostile load at once, from a process of its own (its client threads must not share the measuring
     client's GIL), started when ``go`` is set (the process's own start-up is not part of the load); puts
@@ -250,7 +246,7 @@ def test_the_front_door_holds_under_a_mixed_hostile_load(served):
     base = served["base"]
     assert _ttft(base)[0] == 200  # (warm)
     idle = [_ttft(base)[1] for _ in range(20)]
-    before = _processes()
+    before = serve_processes()
     spawn = multiprocessing.get_context("spawn")
     ready, go, out = spawn.Event(), spawn.Event(), spawn.Queue()
     attacker = spawn.Process(target=_attack, args=(base, served["grpc"], ready, go, out), daemon=True)
@@ -264,7 +260,7 @@ def test_the_front_door_holds_under_a_mixed_hostile_load(served):
         time.sleep(0.2)
     results = out.get(timeout=240)
     attacker.join(30)
-    after = _processes()
+    after = serve_processes()
     growth = {name: after[name][1] - before[name][1] for name in before if name in after}
     errors = server_errors(served["request_log"])
     figures = {

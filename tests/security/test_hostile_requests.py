@@ -22,7 +22,7 @@ import pytest
 from services.proto import prism_pb2, prism_pb2_grpc
 from tests.rawhttp import read_reply, status_of
 from tests.security.conftest import API_KEY
-from tests.served import ray_processes, server_errors
+from tests.served import serve_processes, server_errors
 
 MODEL = "prism-tiny-llava"
 KEY = {"authorization": f"Bearer {API_KEY}"}
@@ -167,11 +167,6 @@ HEADER_CASES = [
 ]
 
 
-def _processes() -> dict[str, tuple[int, int]]:
-    """Serve's proxy and replicas: name → (pid, RSS in MB)."""
-    return {name: (pid, rss) for pid, name, rss in ray_processes() if name.startswith(("ProxyActor", "ServeReplica"))}
-
-
 def _send(base: str, headers: dict, body: object) -> tuple[httpx.Response, float]:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json", **headers}
@@ -215,7 +210,7 @@ def before(served):
     """Processes before any hostile request (after a first ordinary one warmed every stage)."""
     response, _ = _send(served["base"], KEY, _body())
     assert response.status_code == 200
-    return _processes()
+    return serve_processes()
 
 
 def _check_refusal(response: httpx.Response, seconds: float, status: int, code: str) -> None:
@@ -253,10 +248,10 @@ def test_bad_headers_are_refused_fast(served, before, report, case, headers, sta
     ],
 )
 def test_oversized_bodies_are_refused_in_the_proxy(served, before, report, case, total, chunked, key, status, code):
-    ahead = _processes()
+    ahead = serve_processes()
     got, reply, seconds, sent = _upload(served["base"], total, chunked, key)
     time.sleep(0.5)
-    after = _processes()
+    after = serve_processes()
     growth = {name: after[name][1] - ahead[name][1] for name in ahead if name in after}
     report.append({"case": case, "status": got, "code": code, "seconds": round(seconds, 3),
                    "sent_mb": sent // MB, "rss_growth_mb": growth})  # fmt: skip
@@ -318,7 +313,7 @@ def test_after_the_corpus_nothing_restarted_nothing_leaked_and_service_answers(s
     # runs last in this module (pytest keeps file order)
     response, _ = _send(served["base"], KEY, _body())
     assert response.status_code == 200
-    after = _processes()
+    after = serve_processes()
     assert {n: p for n, (p, _) in after.items()} == {n: p for n, (p, _) in before.items()}, "no process restarted"
     log = served["request_log"].read_text()
     assert SECRET not in log.replace(f'"gpt-{SECRET}"', "")
