@@ -1,13 +1,16 @@
 """The one place that turns Prism's plain deployment classes into a Ray Serve application.
 
 ``build_app(args)`` is the ``import_path`` target of every Serve config (``services.app:build_app``); ``args.config``
-is a :class:`PrismConfig` as a dict. Each served model gets its own four stage deployments (``Media``, ``Encode``,
-``Prefill``, ``Decode``; suffixed ``-<served name>`` when the config lists several ``models``) and one ingress
-routes to them by the request's ``model``; with ``routing.affinity`` the encode and prefill deployments get the
-cache-affinity request router (:mod:`services.routers.affinity`), and decode always gets the router that sends a request
-to the replica holding its KV reservation (:mod:`services.routers.pinned`). Each stage gets its own replicas, resources,
-queue bound and — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its
-own queue depth. The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
+is a :class:`PrismConfig` as a dict. Each served model gets a ``Media`` deployment and one deployment per group of its
+``deployments.topology`` (:mod:`common.config.topology`): ``Encode``, ``Prefill``, ``Decode`` for the default
+``E/P/D``; ``Encode`` and ``PrefillDecode`` for ``E/PD``; ``EncodePrefill`` and ``Decode`` for ``EP/D``;
+``EncodePrefillDecode`` for ``EPD`` (a grouped one is :class:`services.stages.group.GroupDeployment`) — suffixed
+``-<served name>`` when the config lists several ``models`` — and one ingress routes to them by the request's
+``model``. With ``routing.affinity`` a group led by encode or prefill gets the cache-affinity request router
+(:mod:`services.routers.affinity`); decode alone always gets the router that sends a request to the replica holding
+its KV reservation (:mod:`services.routers.pinned`). Each deployment gets its own replicas, resources, queue bound and
+— when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth.
+The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
 """
 
 from __future__ import annotations
@@ -19,28 +22,44 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 
-from common.config import PrismConfig, RoutingConfig, StageConfig, deployment_suffix
+from common.config import ModelStages, PrismConfig, RoutingConfig, StageConfig, deployment_suffix
+from common.config.topology import Group, group_name, groups
 from services.ingress.server import IngressApp
 from services.routers.affinity import AffinityRouter
 from services.routers.pinned import PinnedRouter
 from services.stages.decode import DecodeDeployment
 from services.stages.encode import EncodeDeployment
+from services.stages.group import GroupDeployment
 from services.stages.media import MediaDeployment
 from services.stages.prefill import PrefillDeployment
 
 
-def _router(stage: str, routing: RoutingConfig) -> dict[str, Any]:
-    """The cache-affinity router for a stage the ingress calls by key (encode: media, prefill: prompt prefix); for
-    decode the router that sends ``generate`` to the replica holding the request's KV reservation."""
-    if stage == "Decode":
+def _router(group: Group, routing: RoutingConfig) -> dict[str, Any]:
+    """The router of a deployment holding ``group``: decode alone gets the router that sends ``generate`` to the
+    replica holding the request's KV reservation; otherwise, with ``routing.affinity``, the cache-affinity router keyed
+    by the group's first stage (encode: the media; prefill: the prompt prefix). A group that ends with decode reserves
+    the KV in the replica that prefills, so it needs no pinning."""
+    if group == ("decode",):
         return {"request_router_config": RequestRouterConfig(request_router_class=PinnedRouter)}
-    key = {"Encode": "media", "Prefill": "prefix"}.get(stage)
-    if key is None or not routing.affinity:
+    key = {"encode": "media", "prefill": "prefix"}[group[0]]
+    if not routing.affinity:
         return {}
-    kwargs = {"stage": stage.lower(), "key": key, "load_factor": routing.load_factor}
+    kwargs = {"stage": group[0], "key": key, "load_factor": routing.load_factor}
     return {
         "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter, request_router_kwargs=kwargs)
     }
+
+
+_SINGLE: dict[str, type] = {"encode": EncodeDeployment, "prefill": PrefillDeployment, "decode": DecodeDeployment}
+
+
+def _stage_app(group: Group, stages: ModelStages, routing: RoutingConfig, suffix: str, retry: int, raw: dict) -> Any:
+    """The bound deployment of one group of a model's topology: the stage's own class, or a grouped one."""
+    opts = _options(f"{group_name(group)}{suffix}", stages.group_stage(group), retry)
+    deployment = serve.deployment(**opts, **_router(group, routing))
+    if len(group) == 1:
+        return deployment(_SINGLE[group[0]]).bind(raw)
+    return deployment(GroupDeployment).bind(raw, group)
 
 
 def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any]:
@@ -82,19 +101,9 @@ def build_app(args: dict[str, Any]) -> Application:
         raw["observability"]["media_hash_key"] = key
         suffix = deployment_suffix(sub.model.name) if cfg.models else ""  # one model: plain names, as before
         d = sub.deployments
-        pipelines.append(
-            [
-                serve.deployment(**_options(f"{name}{suffix}", stage, retry), **_router(name, sub.routing))(cls).bind(
-                    raw
-                )
-                for name, stage, cls in (
-                    ("Media", d.media, MediaDeployment),
-                    ("Encode", d.encode, EncodeDeployment),
-                    ("Prefill", d.prefill, PrefillDeployment),
-                    ("Decode", d.decode, DecodeDeployment),
-                )
-            ]
-        )
+        media = serve.deployment(**_options(f"Media{suffix}", d.media, retry))(MediaDeployment).bind(raw)
+        groups_ = [_stage_app(g, d, sub.routing, suffix, retry, raw) for g in groups(d.topology)]
+        pipelines.append([media, *groups_])
     raw = cfg.model_dump(mode="json")
     raw["observability"]["media_hash_key"] = key
     ingress = serve.deployment(**_options("Ingress", cfg.deployments.ingress, retry))(IngressApp)

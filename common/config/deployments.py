@@ -7,6 +7,7 @@ import re
 from pydantic import Field, model_validator
 
 from common.config.base import Strict
+from common.config.topology import Group, Topology
 
 
 class StageConfig(Strict):
@@ -87,12 +88,24 @@ def deployment_suffix(served_name: str) -> str:
 
 
 class ModelStages(Strict):
-    """The four stage deployments that serve one model."""
+    """The four stages that serve one model, and how they group into deployments."""
 
+    topology: Topology = "E/P/D"
+    """Which stages share a deployment (:mod:`common.config.topology`): ``E/P/D`` (each apart), ``E/PD``, ``EP/D`` or
+    ``EPD``; the media stage is always apart. A grouped deployment is sized by its last stage's entry below, with the
+    CPUs and GPUs of its stages added up (:meth:`group_stage`)."""
     media: MediaStageConfig = MediaStageConfig()
     encode: EncodeStageConfig = EncodeStageConfig()
     prefill: PrefillStageConfig = PrefillStageConfig()
     decode: DecodeStageConfig = DecodeStageConfig()
+
+    def group_stage(self, group: Group) -> StageConfig:
+        """The deployment settings of ``group``: its last stage's, with every grouped stage's CPUs and GPUs."""
+        stages = [getattr(self, s) for s in group]
+        last = stages[-1]
+        return last.model_copy(
+            update={"num_cpus": sum(s.num_cpus for s in stages), "num_gpus": sum(s.num_gpus for s in stages)}
+        )
 
 
 class IngressStageConfig(StageConfig):

@@ -83,6 +83,13 @@ class Timeline:
         return Traced(value, tuple(self.spans), self.last)
 
 
+def waited(name: str, since: float, **attrs: AttrValue) -> Traced[list]:
+    """An empty hand-off whose spans show one wait, from ``since`` to now: a text-only request's KV reservation, so
+    prefill's timeline starts after it."""
+    now = time.time()
+    return Traced([], (Span(name, since, max(0.0, now - since), attrs),), now)
+
+
 def unwrap(value: Traced[T] | T) -> T:
     return value.value if isinstance(value, Traced) else value
 

@@ -17,28 +17,36 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from common.config import PrismConfig
+from common.config.topology import groups
 from loadtest.servers.local_handles import LocalHandle
 
 
 def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
     """The app; ``transport`` (a :class:`common.kv.transport.KVTransport`) overrides the config's KV transport for
-    the prefill → decode hand-off (tests pass the fake backend)."""
+    the prefill → decode hand-off (tests pass the fake backend). The stage objects follow the config's
+    ``deployments.topology`` (a group as one object, as in its replica); the baseline is the default, ``E/P/D``."""
     from services.ingress.server import IngressDeployment
     from services.stages.decode import DecodeDeployment
     from services.stages.encode import EncodeDeployment
+    from services.stages.group import GroupDeployment
     from services.stages.media import MediaDeployment
     from services.stages.prefill import PrefillDeployment
 
-    raw = PrismConfig.model_validate(config).model_dump(mode="json")
-    stages = [
-        LocalHandle(MediaDeployment(raw)),
-        LocalHandle(EncodeDeployment(raw)),
-        LocalHandle(PrefillDeployment(raw, transport)),
-        LocalHandle(DecodeDeployment(raw, transport)),
-    ]
-    ingress = IngressDeployment(raw, [stages])
+    cfg = PrismConfig.model_validate(config)
+    pipelines = []
+    for sub in cfg.served():  # per model: its media stage, then its topology's groups, as Serve would deploy them
+        raw = sub.model_dump(mode="json")
+        single = {
+            "encode": lambda raw=raw: EncodeDeployment(raw),
+            "prefill": lambda raw=raw: PrefillDeployment(raw, transport),
+            "decode": lambda raw=raw: DecodeDeployment(raw, transport),
+        }
+        groups_ = groups(sub.deployments.topology)
+        objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g) for g in groups_]
+        pipelines.append([LocalHandle(MediaDeployment(raw)), *(LocalHandle(obj) for obj in objs)])
+    ingress = IngressDeployment(cfg.model_dump(mode="json"), pipelines)
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
-    app.state.stages = [stage._obj for stage in stages]  # for tests: the stage objects behind the handles
+    app.state.stages = [stage._obj for stages in pipelines for stage in stages]  # for tests: the objects behind
     app.state.ingress = ingress
 
     @app.post("/v1/chat/completions")

@@ -1,6 +1,7 @@
 """A request's stage chain, issued as numbered attempts from its :class:`~services.ingress.plan.AdmittedRequest`.
 
-One :class:`Chain` per served model holds the model's four deployment handles. For one admitted request,
+One :class:`Chain` per served model holds the model's media handle and one handle per group of its topology
+(:mod:`common.config.topology`). For one admitted request,
 :meth:`Chain.issuer` returns its :data:`Issue`: each call makes the next attempt (a fresh :class:`RequestContext`:
 attempt number, the time it was sent, the migration's ``replay`` when there is one) and runs it, re-issued on a lost
 replica with bounded, jittered backoff (:mod:`services.ingress.retry`) — never past the deadline. An attempt
@@ -11,7 +12,10 @@ media ──► (its items done) ──► encode ─────┐   (encode t
                            └─► reserve KV ─┴─► prefill ──► decode stream ──► StreamStart (prompt ids, every span)
 ```
 
-so pixels, embeddings and KV go replica to replica (the object store, or NIXL) and never through the ingress. The
+(the default ``E/P/D``), so pixels, embeddings and KV go replica to replica (the object store, or NIXL) and never
+through the ingress. In a grouped topology each group is one call (:mod:`services.stages.group`): ``E/PD`` is media,
+encode, then one streaming call that reserves the KV in its own replica, prefills and decodes; ``EPD`` is media, then
+that call with encode in it too; ``EP/D`` reserves here, then one call encodes and prefills for the decode stream. The
 decode KV is reserved (:mod:`services.ingress.kv_reserver`) before prefill computes — for a request with media once
 the media stage has finished with its items (fetched, checked, decoded: the ingress waits on the call's result without
 fetching it), while encode works; a slow or hostile download then holds no decode blocks and no decode request slot.
@@ -30,9 +34,10 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from common.config import PrismConfig
+from common.config.topology import Group, groups, hops
 from common.errors import HandoffError
 from common.obs.request_trace import RequestTrace
-from common.obs.trace import Span, Traced
+from common.obs.trace import waited
 from common.protocol.handoff import RequestContext, StreamStart
 from services.ingress.failures import REPLICA_LOST
 from services.ingress.kv_reserver import KVReserver
@@ -61,17 +66,18 @@ Issue = Callable[[tuple[int, ...]], Awaitable[Started]]
 
 
 class Chain:
-    def __init__(
-        self,
-        cfg: PrismConfig,
-        media: DeploymentHandle,
-        encode: DeploymentHandle,
-        prefill: DeploymentHandle,
-        decode: DeploymentHandle,
-    ) -> None:
+    def __init__(self, cfg: PrismConfig, media: DeploymentHandle, *deployments: DeploymentHandle) -> None:
+        """``deployments``: one handle per group of the model's topology, in its order (``E/P/D``: encode, prefill,
+        decode)."""
         self.cfg = cfg
-        self.media, self.encode, self.prefill, self.decode = media, encode, prefill, decode
-        self.kv = KVReserver(cfg, decode)
+        self.topology = cfg.deployments.topology
+        self.media = media
+        self.handles = dict(zip(groups(self.topology), deployments, strict=True))
+        self.of = {stage: handle for group, handle in self.handles.items() for stage in group}
+        """Stage → the handle of the deployment that holds it."""
+        self.grouped = {stage for group in self.handles for stage in group if len(group) > 1}
+        """The stages that share a deployment with another (called through the group's own methods)."""
+        self.kv = KVReserver(cfg, self.of["decode"])
 
     def issuer(self, admitted: AdmittedRequest, trace: RequestTrace) -> Issue:
         """The request's :data:`Issue` (its attempts numbered from 1; the first is sent when the ingress span ends)."""
@@ -104,7 +110,7 @@ class Chain:
     async def attempt(self, admitted: AdmittedRequest, ctx: RequestContext) -> Started:
         """Issue one attempt and wait for its decode stream's start (see the module docstring)."""
         responses: list[Any] = []
-        embeddings: Any = []
+        upstream: Any = []  # what the next call takes: the media's response, then each group's
         reserved = False
         try:
             if admitted.refs:
@@ -113,17 +119,15 @@ class Chain:
                 # Encode and KV only once the media stage has the items: a slow or hostile download holds no encode
                 # call, no decode blocks and no decode request slot while it lasts
                 await settled(media, ctx.deadline)
-                embeddings = self.encode.encode.remote(media, ctx)
-                responses.append(embeddings)
-            ctx, reserved = await self.kv.reserve(ctx, admitted.kv_blocks)  # (meanwhile encode works)
-            if reserved and not admitted.refs:  # prefill's timeline starts after the reservation: the trace shows it
-                now = time.time()
-                attrs = {"blocks": admitted.kv_blocks}
-                embeddings = Traced([], (Span("decode.reserve", ctx.sent_at, max(0.0, now - ctx.sent_at), attrs),), now)
-            pre = self.prefill.prefill.remote(admitted.messages, embeddings, admitted.sampling, ctx)
-            stream = self.decode.generate.options(stream=True).remote(pre, admitted.sampling, ctx)
-            responses += [pre, stream]
-            first = await next_event(stream, ctx.deadline)
+                upstream = media
+            for hop in hops(self.topology, bool(admitted.refs)):
+                if "prefill" in hop and "decode" not in hop:  # the KV is reserved here (meanwhile encode works)
+                    ctx, reserved = await self.kv.reserve(ctx, admitted.kv_blocks)
+                    if reserved and not admitted.refs:  # prefill's timeline starts after the reservation
+                        upstream = waited("decode.reserve", ctx.sent_at, blocks=admitted.kv_blocks)
+                upstream = self._call(hop, upstream, admitted, ctx)
+                responses.append(upstream)
+            first = await next_event(upstream, ctx.deadline)
             if not isinstance(first, StreamStart):
                 raise HandoffError(f"the decode stream began with {type(first).__name__}, not its start")
             return Started(responses, ctx, first)
@@ -132,3 +136,18 @@ class Chain:
             if reserved:  # a reservation no generate may claim now (one already claimed is the stream's to free)
                 self.kv.give_back(ctx)
             raise
+
+    def _call(self, hop: Group, upstream: Any, admitted: AdmittedRequest, ctx: RequestContext) -> Any:
+        """Call the deployment that holds ``hop`` with what the stage before it gave: a stage alone by its own method,
+        a group by :meth:`GroupDeployment.run` (or ``run_stream`` when it ends with decode, reserving the KV there)."""
+        handle, messages, sampling = self.of[hop[0]], admitted.messages, admitted.sampling
+        if hop[0] not in self.grouped:
+            if hop == ("encode",):
+                return handle.encode.remote(upstream, ctx)
+            if hop == ("prefill",):
+                return handle.prefill.remote(messages, upstream, sampling, ctx)
+            return handle.generate.options(stream=True).remote(upstream, sampling, ctx)
+        if hop[-1] == "decode":
+            stream = handle.run_stream.options(stream=True)
+            return stream.remote(hop, upstream, messages, sampling, ctx, admitted.kv_blocks)
+        return handle.run.remote(hop, upstream, messages, sampling, ctx)

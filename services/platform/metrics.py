@@ -32,6 +32,10 @@ def _make(spec: MetricSpec) -> Any:
 
 REFRESH_S = 2.0
 
+_MADE: dict[str, Any] = {}
+"""The Ray metric objects this process made, by name: the stages of a grouped deployment (one process) each have a
+:class:`Metrics`, and share these (Ray keeps one series per name and tag set in a process)."""
+
 
 class Metrics:
     def __init__(self, stage: str) -> None:
@@ -42,7 +46,7 @@ class Metrics:
         """The Ray metric, made on first use (so a process only registers what it records)."""
         obj = self._objs.get(name)
         if obj is None:
-            obj = self._objs[name] = _make(BY_NAME[name])
+            obj = self._objs[name] = _MADE.get(name) or _MADE.setdefault(name, _make(BY_NAME[name]))
         return obj
 
     def _tags(self, name: str, tags: dict[str, str]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from common.admission.stage import budget_admission
 from common.cache.encoder_cache import EncoderCache
 from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
-from common.kv.transport import make_transport
+from common.kv.transport import KVTransport, make_transport
 from common.media.stage import decode_options
 from common.model.loader import load_model
 from common.obs.trace import Timeline, Traced, unwrap
@@ -36,12 +36,16 @@ from services.stages.threads import nice_process, nice_thread
 
 
 class EncodeDeployment:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
+        """``transport``: how the embeddings travel to prefill (the model's, or in process when prefill shares this
+        replica — :mod:`services.stages.group` — whose other stages the encoder's priority must not reach: only its
+        own thread is niced then)."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         self.nice = self.cfg.deployments.encode.cpu_nice
-        nice_process(self.nice)
+        if transport is None:
+            nice_process(self.nice)
         eng = self.cfg.engine
         self.cache = None
         if eng.encoder_cache_bytes:
@@ -62,7 +66,7 @@ class EncodeDeployment:
             executor,
         )
         self.metrics = Metrics("encode")
-        self.transport = make_transport(self.cfg.transport)  # (how the embeddings travel to prefill)
+        self.transport = transport or make_transport(self.cfg.transport)  # (how the embeddings travel to prefill)
         self.transport.prepare(sends=True, receives=False)  # (not on the first request's time)
         self.releaser = Releaser(self.transport)
         adm = self.cfg.admission

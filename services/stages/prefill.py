@@ -67,14 +67,21 @@ class _Lane:
 
 
 class PrefillDeployment:
-    def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any], transport: KVTransport | None = None, kv_transport: KVTransport | None = None
+    ) -> None:
+        """``transport``: how the visual embeddings arrive and — unless ``kv_transport`` is given (a decode stage in
+        this replica: :mod:`services.stages.group`) — how the KV leaves; the model's transport by default."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = load_model(self.cfg.model)
         eng, adm = self.cfg.engine, self.cfg.admission
         self.metrics = Metrics("prefill")
         self.transport = transport or make_transport(self.cfg.transport)
-        self.transport.prepare()  # (not on the first request's time)
+        self.kv_transport = kv_transport or self.transport
+        self.transport.prepare(sends=self.kv_transport is self.transport)  # (not on the first request's time)
+        if self.kv_transport is not self.transport:
+            self.kv_transport.prepare(receives=False)
         long_nice = self.cfg.deployments.prefill.long_lane_nice
         self.long = self._lane("long", eng.prefix_cache_blocks, adm.prefill_token_budget, long_nice)
         self.lanes = [self.long]
@@ -83,7 +90,7 @@ class PrefillDeployment:
             quarter = max(1, adm.prefill_token_budget // 4)
             self.short = self._lane("short", eng.prefix_cache_blocks // 4, quarter, 0)
             self.lanes.append(self.short)
-        self.releaser = Releaser(self.transport)
+        self.releaser = Releaser(self.kv_transport)
         self.metrics.keep_fresh(self._load)
 
     def _lane(self, name: str, prefix_blocks: int, budget: int, nice: int) -> _Lane:
@@ -96,7 +103,7 @@ class PrefillDeployment:
             shared_prefix_scope=eng.shared_cache_scope,
             aging_tokens_per_s=adm.aging_tokens_per_s,
             batch_delay_s=adm.batch_delay_s,
-            kv_buffers=self.transport.buffers,  # (NIXL: a slot of the replica's staging arena, registered once)
+            kv_buffers=self.kv_transport.buffers,  # (NIXL: a slot of the replica's staging arena, registered once)
         )
 
         # Each lane steps in a thread of its own, niced once when it starts: the long lane's lowered priority stays
@@ -110,7 +117,7 @@ class PrefillDeployment:
             engine.expire,
             "prefill",
             executor,
-            orphaned=lambda result: self.transport.discard(result.output),
+            orphaned=lambda result: self.kv_transport.discard(result.output),
         )
         return _Lane(name, engine, runner, budget_admission("prefill", "tokens", budget, adm, self.metrics))
 
@@ -133,7 +140,8 @@ class PrefillDeployment:
         visual, free = await self._receive(handle)
         try:
             nbytes = sum(int(e.embeddings.nbytes) for e in visual)
-            backend = "object_store" if isinstance(handle, list) else self.transport.name
+            by_value = isinstance(handle, list) and self.transport.name != "in_process"  # (the response carried them)
+            backend = "object_store" if by_value else self.transport.name
             transfer = timeline.mark("prefill.transfer", backend=backend, bytes=nbytes)
             if visual:
                 self.metrics.transfer(backend, "embeddings", nbytes, transfer.duration_s)
@@ -150,10 +158,10 @@ class PrefillDeployment:
                 result = await lane.runner.run(ctx.key, submit)
             self._trace(timeline, lane, result, transfer.duration_s, prep.duration_s)
             sealed = seal(result.output, ctx.key)  # (its checksum was computed with the export, in the engine thread)
-            out = self.transport.publish(sealed, expires_at=ctx.deadline)
+            out = self.kv_transport.publish(sealed, expires_at=ctx.deadline)
         except BaseException:
             if result is not None:  # exported, never published: its staging memory goes back now
-                self.transport.discard(result.output)
+                self.kv_transport.discard(result.output)
             raise
         finally:
             self._load()

@@ -8,6 +8,7 @@ each:
 * :mod:`.object_store` — the handle *is* the output; Ray's object store moves it with the stage's response (default).
 * :mod:`.nixl` — NIXL agents owned by the replicas (UCX; RDMA where the NIC has it), memory registered once
   (:mod:`.nixl_agent`): the handle is a small descriptor, the receiver READs straight into its pool's blocks.
+* :mod:`.in_process` — between stages that share a replica (a grouped topology): the output itself, one copy.
 * :mod:`.fake` — in-process, for tests: the KV crosses as wire bytes, and faults can be injected per hand-off.
 """
 
@@ -27,6 +28,10 @@ def make_transport(name: TransportName) -> KVTransport:
         from common.kv.transport.nixl import NixlTransport
 
         return NixlTransport()
+    if name == "in_process":
+        from common.kv.transport.in_process import InProcessTransport
+
+        return InProcessTransport()
     if name == "fake":
         from common.kv.transport.fake import FakeTransport
 

@@ -32,7 +32,7 @@ from common.kv.digest import copy_digest
 from common.kv.landing import Landing
 from common.protocol.handoff import Prefilled, PrefillOutput, VisualEmbeddings
 
-TransportName = Literal["object_store", "nixl", "fake"]
+TransportName = Literal["object_store", "nixl", "fake", "in_process"]
 Received = tuple[list[VisualEmbeddings], Callable[[], None]]
 """Visual embeddings as a receiver holds them, and what gives back the memory they lie in once they are consumed."""
 

@@ -25,6 +25,6 @@ class ObjectStoreTransport(KVTransport):
     def open(self, handle: object) -> PrefillOutput:
         if not isinstance(handle, PrefillOutput):
             raise HandoffError(
-                f"received a {type(handle).__name__} KV handle but this replica's transport is object_store"
+                f"received a {type(handle).__name__} KV handle but this replica's transport is {self.name}"
             )
         return handle

@@ -7,6 +7,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from common.config import PrismConfig
+from common.config.topology import group_name, groups
 from tests.paths import ROOT
 
 CONFIGS = sorted((ROOT / "ray_configs").glob("*.yaml"))
@@ -28,11 +29,12 @@ def test_config_is_valid_and_builds(path):
 
     built = build_app(app.args)
     names = {d.name for d in _deployments(built)}
-    stages = ("Media", "Encode", "Prefill", "Decode")
-    if cfg.models:
-        assert names == {"Ingress"} | {f"{s}-{m.name}" for s in stages for m in cfg.models}
-    else:
-        assert names == {"Ingress", *stages}
+    expected = {"Ingress"}
+    for sub in cfg.served():
+        suffix = f"-{sub.model.name}" if cfg.models else ""
+        stages = ["Media", *(group_name(g) for g in groups(sub.deployments.topology))]
+        expected |= {f"{s}{suffix}" for s in stages}
+    assert names == expected
     for sub in cfg.served():
         assert sub.deployments.decode.max_replicas >= sub.deployments.decode.min_replicas
 
@@ -47,6 +49,41 @@ def test_local_default_serves_both_families_and_fits_two_cores():
     cpus = sum(d.ray_actor_options["num_cpus"] * _replicas(d)[0] for d in deployments)
     most = sum(d.ray_actor_options["num_cpus"] * _replicas(d)[1] for d in deployments)
     assert cpus < 2 and most < 2, "Serve never starts a replica whose CPU share does not fit"
+
+
+@pytest.mark.parametrize(
+    ("topology", "names"),
+    [
+        ("E/P/D", {"Media", "Encode", "Prefill", "Decode"}),
+        ("E/PD", {"Media", "Encode", "PrefillDecode"}),
+        ("EP/D", {"Media", "EncodePrefill", "Decode"}),
+        ("EPD", {"Media", "EncodePrefillDecode"}),
+    ],
+)
+def test_each_topology_deploys_its_groups_sized_for_what_they_hold(topology, names):
+    """One deployment per group; a group takes its last stage's replicas and queue bounds, every stage's CPUs and GPUs,
+    and the router of its first stage (decode alone: pinned to the reservation)."""
+    from services.app import build_app
+
+    stages = {
+        "encode": {"num_cpus": 0.1, "num_gpus": 0.1},
+        "prefill": {"num_cpus": 0.2, "num_gpus": 0.2, "max_ongoing_requests": 50},
+        "decode": {"num_cpus": 0.3, "num_gpus": 0.3, "min_replicas": 1, "max_replicas": 3, "max_ongoing_requests": 40},
+    }
+    config = {"deployments": {"topology": topology, **stages}, "routing": {"affinity": True}}
+    built = {d.name: d for d in _deployments(build_app({"config": config}))}
+    assert set(built) == names | {"Ingress"}
+    for group in groups(topology):
+        d = built[group_name(group)]
+        assert d.ray_actor_options["num_cpus"] == pytest.approx(sum(stages[s]["num_cpus"] for s in group))
+        assert d.ray_actor_options["num_gpus"] == pytest.approx(sum(stages[s]["num_gpus"] for s in group))
+        last = stages[group[-1]]
+        assert d.max_ongoing_requests == last.get("max_ongoing_requests", 128)
+        assert _replicas(d) == ((1, 3) if group[-1] == "decode" else (1, 1))
+        router = d._deployment_config.request_router_config.request_router_class
+        assert router.endswith("PinnedRouter" if group == ("decode",) else "AffinityRouter"), router
+        if len(group) > 1:
+            assert list(d.init_args)[1] == group
 
 
 def _replicas(d) -> tuple[int, int]:

@@ -226,11 +226,11 @@ def losing(model_cache):
     app = build(_config(model_cache), transport=FakeTransport())
     client = app.state.ingress.clients["prism-tiny-llava"]
     client.metrics = app.state.counted = _Counted()
-    real = client.chain.decode
+    real = client.chain.of["decode"]
 
     def lose(after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False) -> _LosingDecode:
-        client.chain.decode = _LosingDecode(real, after, losses, unreachable, upstream)
-        return client.chain.decode
+        client.chain.of["decode"] = _LosingDecode(real, after, losses, unreachable, upstream)
+        return client.chain.of["decode"]
 
     return app, lose
 

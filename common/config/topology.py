@@ -1,0 +1,50 @@
+"""How a model's stages group into Serve deployments: ``deployments.topology``.
+
+A topology names the groups of the model-side stages in request order, ``/`` between deployments: ``E/P/D`` (encode,
+prefill and decode each in deployments of their own: the default), ``E/PD`` (encoder apart, prefill and decode in one
+replica), ``EP/D`` (encoder and prefill together, decode apart) and ``EPD`` (all three in one replica). The media
+stage (fetch, decode, processor) is always a deployment of its own: it is where a hostile download or a large image
+waits, and a request's KV is reserved only once its media is done (:mod:`services.ingress.chain`).
+
+Stages in one group hand off in process (no serialisation, no object store; the KV crosses with one copy, from the
+prefill's export into the decode pool's blocks); between groups they go through the model's transport as before. A
+group is one deployment (one router, one ``max_ongoing_requests``), so it is sized by :func:`group_stage`: the entry
+of the stage that ends it — its replicas, autoscaling range and target, queue bounds and custom resources (the group
+runs where that stage would) — with the CPUs and GPUs of every stage it holds added up (they share the replica).
+
+Lifecycle: read from the config at build time (:mod:`services.app` makes one deployment per group) and by the ingress
+(:class:`services.ingress.chain.Chain` calls each group once per request, :func:`hops`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Topology = Literal["E/P/D", "E/PD", "EP/D", "EPD"]
+Stage = Literal["encode", "prefill", "decode"]
+Group = tuple[Stage, ...]
+
+MODEL_STAGES: tuple[Stage, ...] = ("encode", "prefill", "decode")
+_LETTER: dict[str, Stage] = {"E": "encode", "P": "prefill", "D": "decode"}
+
+
+def groups(topology: Topology) -> tuple[Group, ...]:
+    """The topology's deployments, in request order: ``E/PD`` → ``(("encode",), ("prefill", "decode"))``."""
+    return tuple(tuple(_LETTER[c] for c in part) for part in topology.split("/"))
+
+
+def group_name(group: Group) -> str:
+    """A group's deployment name (before the model suffix): ``Encode``, ``PrefillDecode``, ``EncodePrefillDecode``."""
+    return "".join(stage.capitalize() for stage in group)
+
+
+def group_of(topology: Topology, stage: Stage) -> Group:
+    """The group that holds ``stage``."""
+    return next(g for g in groups(topology) if stage in g)
+
+
+def hops(topology: Topology, with_media: bool) -> list[Group]:
+    """The calls one request makes after its media stage, each a group cut to the stages the request runs (a text-only
+    request skips encode): ``EPD`` → ``[("encode", "prefill", "decode")]``, or ``[("prefill", "decode")]`` for text."""
+    out = [tuple(s for s in g if with_media or s != "encode") for g in groups(topology)]
+    return [g for g in out if g]

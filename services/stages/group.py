@@ -1,0 +1,147 @@
+"""A grouped deployment: several stages of one model in one replica (``deployments.topology``: ``E/PD``, ``EP/D``,
+``EPD``; :mod:`common.config.topology`).
+
+The replica builds the stage classes it holds — the same :class:`EncodeDeployment`, :class:`PrefillDeployment` and
+:class:`DecodeDeployment` as the split topology's, with their engines, driver threads, budgets, caches, traces and
+metrics — and wires the hops between them in process (:class:`InProcessTransport`: the embeddings as the encoder made
+them, the KV copied once into the decode pool's blocks and checked against its seal there). A hop that leaves the
+group (encode → a prefill elsewhere; prefill → a decode elsewhere) keeps the model's transport.
+
+The ingress calls a group once per request with the stages that request runs (:func:`common.config.topology.hops`):
+
+* :meth:`run_stream` for a group that ends with decode (``PD``, ``EPD``): the request's KV is reserved on this
+  replica's own pool first (the same gate and rules as :meth:`DecodeDeployment.reserve`, no call to make: the stream
+  that claims the reservation runs here), while encode works when the group holds it; then prefill, then the decode
+  stream, whose events it yields. A reservation no stream claimed is dropped when the call ends, whatever ended it.
+* :meth:`run` for a group that ends with prefill (``EP``): encode then prefill; the answer is the prefill's handle in
+  the model's transport, for the decode deployment.
+
+Serve sizes the group as one deployment (:meth:`common.config.ModelStages.group_stage`); its autoscaling queue depth
+is the busiest of its stages', each scaled to the group's target, so any stage past its own target adds a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+from typing import Any
+
+from common.config import PrismConfig
+from common.config.topology import Group
+from common.errors import Overloaded
+from common.kv.transport import make_transport
+from common.kv.transport.in_process import InProcessTransport
+from common.obs.trace import Traced, waited
+from common.protocol.handoff import RequestContext
+from common.protocol.sampling import SamplingParams
+from services.stages.decode import DecodeDeployment
+from services.stages.encode import EncodeDeployment
+from services.stages.prefill import PrefillDeployment
+
+
+class GroupDeployment:
+    def __init__(self, config: dict[str, Any], group: Group) -> None:
+        self.cfg = PrismConfig.model_validate(config)
+        self.group = group
+        local = InProcessTransport()
+        self.encode = self.prefill = None
+        self.decode: DecodeDeployment | None = None
+        if "encode" in group:
+            self.encode = EncodeDeployment(config, local if "prefill" in group else None)
+        if "prefill" in group:
+            inbound = local if "encode" in group else make_transport(self.cfg.transport)
+            outbound = local if "decode" in group else make_transport(self.cfg.transport)
+            self.prefill = PrefillDeployment(config, inbound, outbound)
+        if "decode" in group:
+            self.decode = DecodeDeployment(config, local if "prefill" in group else None)
+
+    async def run(
+        self,
+        hop: Group,
+        upstream: Any,
+        messages: list[dict[str, Any]],
+        sampling: SamplingParams,
+        ctx: RequestContext,
+    ) -> Traced[Any]:
+        """Encode (when ``hop`` holds it) then prefill: the prefill's handle, for the decode deployment."""
+        assert self.prefill is not None
+        embeddings = await self.encode.encode(upstream, ctx) if "encode" in hop and self.encode else upstream
+        return await self.prefill.prefill(messages, embeddings, sampling, ctx)
+
+    async def run_stream(
+        self,
+        hop: Group,
+        upstream: Any,
+        messages: list[dict[str, Any]],
+        sampling: SamplingParams,
+        ctx: RequestContext,
+        kv_blocks: int,
+    ):
+        """The request's decode events, its KV reserved here before prefill computes (see the module docstring)."""
+        assert self.prefill is not None and self.decode is not None
+        since = ctx.sent_at
+        encoding = None
+        if "encode" in hop and self.encode is not None:  # (encode works while the KV is reserved)
+            encoding = asyncio.ensure_future(self.encode.encode(upstream, ctx))
+        reserved = False
+        try:
+            ctx, reserved = await self._reserve(ctx, kv_blocks)
+            if encoding is not None:
+                embeddings = await encoding
+            elif reserved and upstream == []:  # text: prefill's timeline starts after the reservation (traced)
+                embeddings = waited("decode.reserve", since, blocks=kv_blocks)
+            else:
+                embeddings = upstream
+            pre = await self.prefill.prefill(messages, embeddings, sampling, ctx)
+            async with contextlib.aclosing(self.decode.generate(pre, sampling, ctx)) as events:
+                async for event in events:  # (closed with this call, whatever ends it: the sequence's KV goes back)
+                    yield event
+        finally:
+            if encoding is not None and not encoding.done():
+                encoding.cancel()
+            if reserved:  # (a no-op once the stream claimed it: the stream frees what it holds)
+                await self.decode.unreserve(ctx)
+
+    async def _reserve(self, ctx: RequestContext, blocks: int) -> tuple[RequestContext, bool]:
+        """This replica's pool leases ``blocks`` for the attempt (waits, or 429 / 504 / 400 as the decode stage
+        answers); a migration the pool has no request slot for goes on unreserved, as through the ingress
+        (:class:`services.ingress.kv_reserver.KVReserver`)."""
+        assert self.decode is not None
+        if not self.cfg.admission.reserve_kv or blocks <= 0:
+            return ctx, False
+        try:
+            got = await self.decode.reserve(ctx, blocks)
+        except Overloaded:
+            if ctx.migration:
+                return ctx, False
+            raise
+        outcome = "waited" if got.waited_s > 0 else "reserved"
+        return replace(ctx, decode_replica=got.replica, reservation=outcome), True
+
+    def _stages(self) -> list[Any]:
+        return [s for s in (self.encode, self.prefill, self.decode) if s is not None]
+
+    async def stats(self) -> dict[str, Any]:
+        """Every grouped stage's counters in one answer (their names do not overlap)."""
+        out: dict[str, Any] = {}
+        for stage in self._stages():
+            out.update(await stage.stats())
+        return out
+
+    def check_health(self) -> None:
+        for stage in self._stages():
+            stage.check_health()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The busiest stage's queue depth in the group's unit: each stage's depth times the group's target over the
+        stage's own (so the group wants another replica as soon as any of its stages is past its own target)."""
+        stages = self.cfg.deployments
+        target = stages.group_stage(self.group).target_queue_per_replica
+        depth, out = 0.0, {}
+        for name, stage in zip(self.group, self._stages(), strict=True):
+            got = stage.record_autoscaling_stats()
+            own = getattr(stages, name).target_queue_per_replica
+            depth = max(depth, got.pop("queue_depth", 0.0) * target / own)
+            out.update(got)
+        return {**out, "queue_depth": depth}

@@ -1,0 +1,178 @@
+"""Every grouped topology (``E/PD``, ``EP/D``, ``EPD``) in one process — the ingress and each deployment's object as
+its replica would hold it (:mod:`loadtest.servers.monolith` follows ``deployments.topology``) — against the reference
+pipeline, which equals transformers' ``generate()`` (``tests/unit/common/reference/test_exactness.py``): LLaVA text
+and image, Qwen2-VL image and video, greedy, token for token. The grouped hops show in the trace as in-process
+transfers; a group reserves the request's KV on its own pool before its prefill computes, and a full pool refuses
+before any prefill work; nothing stays held."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import httpx
+import pytest
+
+from common.config.topology import groups
+from common.media.synthetic import synthetic_image, video_bytes
+from common.protocol.handoff import MediaRef, RequestContext
+from common.protocol.sampling import SamplingParams
+from common.reference.pipeline import run_request
+from loadtest.servers.monolith import build
+from tests.mediakit import png_bytes
+from tests.reference import media_tokens
+
+LLAVA, QWEN = "prism-tiny-llava", "prism-tiny-qwen2vl"
+GROUPED = ["E/PD", "EP/D", "EPD"]
+IMAGE = "data:image/png;base64," + base64.b64encode(png_bytes(synthetic_image(120, 90, seed=3))).decode()
+VIDEO = "data:video/mp4;base64," + base64.b64encode(video_bytes(1.0, fps=10)).decode()
+TEXT = "Describe it."
+
+
+def _config(model_cache: str, topology: str, **extra) -> dict:
+    models = [
+        {"model": name, "cache_dir": model_cache, "torch_threads": 1, "deployments": {"topology": topology}}
+        for name in (LLAVA, QWEN)
+    ]
+    return {"models": models, **extra}
+
+
+def _body(model: str, media: tuple[str, str] | None = None, max_tokens: int = 10) -> dict:
+    content: list[dict] = [{"type": "text", "text": TEXT}]
+    if media is not None:
+        kind, url = media
+        content.insert(0, {"type": f"{kind}_url", f"{kind}_url": {"url": url}})
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+
+
+async def _ask(app, body: dict, **headers: str) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=120) as http:
+        response = await http.post("/v1/chat/completions", json=body, headers=headers)
+    await asyncio.sleep(0.05)  # (the streams the ingress closed finish in this loop)
+    return response
+
+
+def _decodes(app) -> list:
+    """Every decode stage object of the app (alone, or inside its group)."""
+    out = []
+    for obj in app.state.stages:
+        decode = getattr(obj, "decode", None)
+        if decode is not None and not callable(decode):
+            out.append(decode)
+        elif type(obj).__name__ == "DecodeDeployment":
+            out.append(obj)
+    return out
+
+
+def _nothing_held(app) -> None:
+    for decode in _decodes(app):
+        assert not decode.engine.num_running and not decode.engine.num_waiting and not decode.engine.num_reserved
+        decode.pool.check_no_leaks()
+
+
+@pytest.fixture(scope="module")
+def references(model_cache, reference_llava, reference_qwen):
+    sampling = SamplingParams(max_tokens=10)
+    text = [{"role": "user", "content": [{"type": "text", "text": TEXT}]}]
+    return {
+        (LLAVA, None): list(run_request(reference_llava, text, [], sampling).output.token_ids),
+        (LLAVA, "image"): media_tokens(reference_llava, MediaRef("image", IMAGE), TEXT, sampling),
+        (QWEN, "image"): media_tokens(reference_qwen, MediaRef("image", IMAGE), TEXT, sampling),
+        (QWEN, "video"): media_tokens(reference_qwen, MediaRef("video", VIDEO), TEXT, sampling),
+    }
+
+
+@pytest.fixture(scope="module", params=GROUPED)
+def app(request, model_cache):
+    return request.param, build(_config(model_cache, request.param))
+
+
+def test_each_topology_gives_the_reference_tokens(app, references):
+    topology, served = app
+    media = {None: None, "image": ("image", IMAGE), "video": ("video", VIDEO)}
+
+    async def ask_all() -> list[httpx.Response]:  # (one event loop: the stages' drivers live in it)
+        return [await _ask(served, _body(model, media[kind]), **{"x-prism-trace": "1"}) for model, kind in references]
+
+    for ((model, kind), expected), response in zip(references.items(), asyncio.run(ask_all()), strict=True):
+        assert response.status_code == 200, (topology, model, kind, response.text)
+        assert response.json()["choices"][0]["token_ids"] == expected, (topology, model, kind)
+        spans = {s["name"]: s for s in response.json()["prism_trace"]["spans"]}
+        grouped = {s for g in groups(topology) if len(g) > 1 for s in g}
+        if {"prefill", "decode"} <= grouped:  # (the KV crossed in process: one copy into the pool)
+            assert spans["decode.transfer"]["attrs"]["backend"] == "in_process"
+        else:
+            assert spans["decode.transfer"]["attrs"]["backend"] == "object_store"
+        if kind is not None:
+            expected_backend = "in_process" if {"encode", "prefill"} <= grouped else "object_store"
+            assert spans["prefill.transfer"]["attrs"]["backend"] == expected_backend
+        if kind is None and {"prefill", "decode"} <= grouped:
+            assert "decode.reserve" in spans, "a text request's reservation shows in its trace"
+    _nothing_held(served)
+
+
+def test_a_group_reserves_kv_on_its_own_pool_before_prefill_computes(model_cache):
+    """``EPD`` with a small pool: a request the pool cannot hold waits or is refused 429 before its prefill computes
+    (like the split topology's reservation through the decode deployment), then is answered once blocks free."""
+    config = _config(model_cache, "EPD", engine={"kv_pool_blocks": 16, "max_prompt_tokens": 100})
+    served = build(config)
+    group = served.state.stages[1]  # (LLaVA's: its media stage, then its one group)
+    assert type(group).__name__ == "GroupDeployment" and group.group == ("encode", "prefill", "decode")
+
+    async def computed() -> int:
+        return (await group.prefill.stats())["computed_tokens"]
+
+    async def scenario():
+        fillers = [RequestContext(f"filler-{i}", "t", time.time() + 60, time.time()) for i in range(2)]
+        for ctx in fillers:  # two requests' reservations hold the whole pool
+            await group.decode.reserve(ctx, 8)
+        before = await computed()
+        refused = await _ask(served, _body(LLAVA), **{"x-prism-deadline-ms": "500"})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "server_overloaded", refused.text
+        assert await computed() == before, "no prefill work for a request its KV could not be reserved for"
+        waiting = asyncio.ensure_future(_ask(served, _body(LLAVA), **{"x-prism-deadline-ms": "20000"}))
+        for _ in range(200):
+            if group.decode.pool.num_waiting:
+                break
+            await asyncio.sleep(0.02)
+        assert not waiting.done() and await computed() == before
+        await group.decode.unreserve(fillers[0])
+        answered = await asyncio.wait_for(waiting, 60)
+        assert answered.status_code == 200 and await computed() > before
+        await group.decode.unreserve(fillers[1])
+
+    asyncio.run(scenario())
+    _nothing_held(served)
+
+
+def test_a_client_that_leaves_a_grouped_stream_frees_its_kv(model_cache):
+    """A stream cancelled mid-way (the client went away) ends its sequence in the group's decode engine: its blocks
+    go back at once."""
+    served = build(_config(model_cache, "E/PD"))
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=served)
+        body = {**_body(LLAVA, max_tokens=200), "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(transport=transport, base_url="http://prism", timeout=60) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = 0
+                async for line in response.aiter_lines():
+                    lines += line.startswith("data: {")
+                    if lines >= 3:
+                        break
+        for _ in range(100):
+            if not any(d.engine.num_running for d in _decodes(served)):
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    _nothing_held(served)
