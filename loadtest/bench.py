@@ -10,7 +10,8 @@ images of its own. ``--quick`` runs each figure once on shorter loads and writes
 The run, in order — each step readable on its own:
 
 1. the decode engine and the KV hand-offs, in process (:mod:`loadtest.bench_engine`);
-2. the server sessions — naive, Prism, Prism's cache-reach application, monolith (:mod:`loadtest.bench_sessions`);
+2. the server sessions — naive, Prism, Prism's cache-reach application, Prism in each grouped topology
+   (:mod:`loadtest.bench_topology`), monolith (:mod:`loadtest.bench_sessions`);
 3. the serving figures read from those runs (:mod:`loadtest.bench_results`; the cache-reach ones:
    :mod:`loadtest.bench_cache`), the plots, the summary and the table (here).
 
@@ -32,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loadtest import bench_cache, bench_engine, bench_hops, bench_plots, bench_results, figures
+from loadtest import bench_cache, bench_engine, bench_hops, bench_plots, bench_results, bench_topology, figures
 from loadtest import bench_servers as servers
 from loadtest import bench_sessions as sessions
 from loadtest.bench_settings import Settings
@@ -116,6 +117,7 @@ def _measure(
     naive = sessions.naive_session(model, st, say)
     prism = sessions.prism_session(config, model, st, naive.rates, say)
     cache = sessions.cache_session(config, cache_model, st, say)
+    grouped = bench_topology.session(config, model, st, naive.rates, say)
     mono = sessions.monolith_session(config, model, st, naive.rates, say)
     metrics["ttft_ratio_epd_vs_monolith"] = bench_results.ttft_ratio(prism, mono)
     metrics.update(bench_cache.figures(cache_model, *cache))
@@ -125,8 +127,11 @@ def _measure(
     at = bench_results.knee_rate(naive)
     curves = bench_results.sweeps(naive, prism, mono)
     panels = bench_results.panels(naive, prism, mono, cache, cache_model)
+    topology, topology_plot = bench_topology.figures(prism, mono, grouped, naive.rates, plots_dir)
+    metrics.update(topology)
     plots = [
         bench_plots.goodput_vs_rate(plots_dir / bench_plots.GOODPUT_PNG, curves, at),
+        topology_plot,
         bench_plots.ttft_cdfs(plots_dir / bench_plots.TTFT_PNG, panels),
     ]
     return metrics, plots, prism.sweep[at][0]["slo"], {"prism": prism.hops, "monolith": mono.hops}

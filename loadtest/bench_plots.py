@@ -2,6 +2,8 @@
 
 * ``bench_goodput_vs_rate.png`` — goodput (requests/s meeting the SLOs) against offered load, one line per server,
   the offered rate itself as the ceiling, and the naive server's knee (where the ratio is read) marked.
+* ``bench_topology_goodput.png`` — the same, one line per topology of the model's stages and the monolith
+  (:mod:`loadtest.bench_topology`).
 * ``bench_ttft_cdf.png`` — TTFT CDF of every load run behind a latency figure, one panel per figure (each repeat
   its own line) and one per server of the goodput sweep (each rate its own line): what a p50 or p95 leaves out.
 
@@ -20,8 +22,13 @@ from loadtest.stats import RequestRecord
 GOODPUT_PNG, TTFT_PNG = "bench_goodput_vs_rate.png", "bench_ttft_cdf.png"
 
 
-def goodput_vs_rate(path: Path, sweeps: dict[str, list[dict[str, Any]]], knee_rps: float | None) -> Path:
-    """``sweeps``: server → its :func:`loadtest.bench_loads.sweep_row` rows."""
+def goodput_vs_rate(
+    path: Path,
+    sweeps: dict[str, list[dict[str, Any]]],
+    knee_rps: float | None,
+    title: str = "Goodput vs offered load (mixed workload)",
+) -> Path:
+    """``sweeps``: server (or topology) → its :func:`loadtest.bench_loads.sweep_row` rows."""
     fig, ax = plt.subplots(figsize=(6, 4))
     top = 0.0
     for server, rows in sweeps.items():
@@ -34,7 +41,7 @@ def goodput_vs_rate(path: Path, sweeps: dict[str, list[dict[str, Any]]], knee_rp
         ax.axvline(knee_rps, color="grey", linestyle="--", label=f"naive knee ({knee_rps:g} rps)")
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("goodput (requests/s within the SLOs)")
-    ax.set_title("Goodput vs offered load (mixed workload)")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return save(fig, path)

@@ -51,7 +51,7 @@ class ServerRuns:
     """The per-hop fixed costs from the server's traces (:mod:`loadtest.bench_hops`), measured first."""
 
 
-def _warm_up(url: str, model: str) -> None:
+def warm_up(url: str, model: str) -> None:
     loads.load(url, model, loads.medium("cold", seed_of("warm_up")), 1.0, 4.0, seed=seed_of("warm_up"))
 
 
@@ -63,7 +63,7 @@ def naive_session(model: str, st: Settings, say: Say) -> NaiveRuns:
         return NaiveRuns(ramp, rates, loads.sweep(url, model, rates, st.duration, st.min_requests))
 
 
-def _light(url: str, model: str, st: Settings, i: int) -> list[RequestRecord]:
+def light(url: str, model: str, st: Settings, i: int) -> list[RequestRecord]:
     s = seed_of("cold", i)
     return loads.load(url, model, loads.medium("cold", s), 0.5, st.duration, seed=s)
 
@@ -73,13 +73,13 @@ def prism_session(config: dict[str, Any], model: str, st: Settings, rates: list[
     n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
     n_tenant = st.runs("tenant_ttft_p95_flood_vs_idle")
     with servers.prism_app(config) as url:
-        _warm_up(url, model)
+        warm_up(url, model)
         say("Prism: the fixed cost of each hop (sequential traced requests, text-only and one small image)")
         out.hops = bench_hops.hop_costs(url, model, st.hop_requests, api_key=servers.KEY)
         for i in range(max(n_ttft, n_flood, n_tenant)):
             say(f"Prism, run {i + 1}: light load of medium images; text probes idle / under a flood")
             if i < n_ttft:
-                out.cold.append(_light(url, model, st, i))
+                out.cold.append(light(url, model, st, i))
             if i < n_flood:
                 out.floods.append(loads.flood(url, model, st.duration, seed_of("flood", i)))
             if i < n_tenant:
@@ -94,7 +94,7 @@ def prism_session(config: dict[str, Any], model: str, st: Settings, rates: list[
 def cache_session(config: dict[str, Any], model: str, st: Settings, say: Say) -> tuple[list, list]:
     """The cache-reach runs (cold loads, hot loads) in an application of their own (:mod:`loadtest.bench_cache`)."""
     with servers.prism_app(bench_cache.app_config(config, model)) as url:
-        _warm_up(url, model)
+        warm_up(url, model)
         return bench_cache.measure(url, model, st.runs("encoder_cache_hot_cold_ttft_ratio"), st.duration, say)
 
 
@@ -102,13 +102,13 @@ def monolith_session(config: dict[str, Any], model: str, st: Settings, rates: li
     out = ServerRuns()
     n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
     with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
-        _warm_up(url, model)
+        warm_up(url, model)
         say("monolith: the same spans with every hop in process")
         out.hops = bench_hops.hop_costs(url, model, st.hop_requests, api_key=servers.KEY)
         for i in range(max(n_ttft, n_flood)):
             say(f"monolith, run {i + 1}: light load, medium images; text probes idle / flood")
             if i < n_ttft:
-                out.cold.append(_light(url, model, st, i))
+                out.cold.append(light(url, model, st, i))
             if i < n_flood:
                 out.floods.append(loads.flood(url, model, st.duration, seed_of("flood", i)))
         say(f"monolith: the goodput sweep at {rates} rps")

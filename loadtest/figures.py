@@ -52,6 +52,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("nixl_bw_fraction_of_memcpy", ">=", 0.25, runs=5, ours=True),
     Figure("nixl_vs_ucx_read", ">=", 0.8, runs=5),
     Figure("ttft_ratio_epd_vs_monolith", "<=", 1.10, runs=3),
+    Figure("ttft_ratio_topology_epd_vs_monolith", "<=", 1.05, runs=3),
     Figure("encoder_cache_hot_cold_ttft_ratio", "<=", 0.5, runs=3),
     Figure("encoder_hit_rate_2_replicas", ">=", 0.9, runs=3, ours=True),
     Figure("prefix_reuse_fraction", ">=", 0.8, runs=3, ours=True),
@@ -59,6 +60,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("tenant_ttft_p95_flood_vs_idle", "<=", 3.0, runs=3),
     # One sweep: each of its points is a run of >= 20 requests, and the sweep itself spans 4 rates x 3 servers.
     Figure("goodput_ratio_vs_naive", ">=", 3.0, runs=1),
+    Figure("peak_goodput_best_topology_vs_monolith", ">=", 1.0, runs=1),
 )
 BY_NAME = {f.name: f for f in FIGURES}
 

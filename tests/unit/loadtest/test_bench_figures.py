@@ -23,6 +23,7 @@ def _failed(n: int) -> list[RequestRecord]:
 
 SHORT = (
     "ttft_ratio_epd_vs_monolith",
+    "ttft_ratio_topology_epd_vs_monolith",
     "encoder_cache_hot_cold_ttft_ratio",
     "encoder_hit_rate_2_replicas",
     "prefix_reuse_fraction",
@@ -38,12 +39,14 @@ SHORT = (
 
 def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     names = [f.name for f in figures.FIGURES]
-    assert len(names) == len(set(names)) == 12
+    assert len(names) == len(set(names)) == 14
     assert all(f.op in ("<=", ">=") and f.target > 0 for f in figures.FIGURES)
     assert all(figures.runs(n) >= 3 for n in SHORT)
     # the two decode figures come from the same runs of bench_decode, the NIXL two from the same repeats
     assert figures.runs("decode_speedup_32_vs_sequential") == figures.runs("decode_roofline_fraction_b32")
     assert figures.runs("nixl_bw_fraction_of_memcpy") == figures.runs("nixl_vs_ucx_read")
+    # the topologies' TTFT runs pair with the monolith's runs of the split path's figure, one for one
+    assert figures.runs("ttft_ratio_topology_epd_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
     # the three cache-reach figures come from the same hot runs
     assert len({figures.runs(n) for n in bench_cache.FIGURES}) == 1
 
@@ -130,3 +133,41 @@ def test_quick_runs_every_figure_once_on_shorter_loads():
     assert all(quick.runs(n) == 1 and full.runs(n) == figures.runs(n) for n in SHORT)
     assert list(quick.ucx_transports) == ["default"] and "tcp" in full.ucx_transports
     assert Settings(quick=True, duration=3.0).duration == 3.0
+
+
+def _runs(ttft_s: float, goodputs: dict[float, float]):
+    from loadtest.bench_sessions import ServerRuns
+    from loadtest.stats import SLO, summarize
+
+    def records(n: int) -> list[RequestRecord]:
+        return [RequestRecord("image", 0.0, 200, ttft_s=ttft_s, e2e_s=ttft_s + 0.1, output_tokens=4) for _ in range(n)]
+
+    sweep = {}
+    for rate, good in goodputs.items():
+        summary = summarize(records(10), 10.0, SLO())
+        sweep[rate] = ({**summary, "goodput_rps": good}, records(10))
+    return ServerRuns(cold=[records(10) for _ in range(3)], sweep=sweep)
+
+
+def test_topology_figures_compare_epd_with_the_monolith_and_the_best_peak_goodput(tmp_path):
+    """EPD's TTFT against the monolith's, run for run; the best topology (E/P/D included) by its peak goodput; every
+    topology's raw runs and the plot of their sweeps."""
+    from loadtest import bench_topology
+
+    rates = [1.0, 2.0]
+    mono = _runs(0.100, {1.0: 1.0, 2.0: 1.5})
+    prism = _runs(0.140, {1.0: 1.0, 2.0: 1.2})
+    grouped = {
+        "E/PD": _runs(0.120, {1.0: 1.0, 2.0: 1.4}),
+        "EP/D": _runs(0.130, {1.0: 1.0, 2.0: 1.3}),
+        "EPD": _runs(0.103, {1.0: 1.0, 2.0: 1.6}),
+    }
+    got, plot = bench_topology.figures(prism, mono, grouped, rates, tmp_path)
+    ttft = got["ttft_ratio_topology_epd_vs_monolith"]
+    assert ttft["value"] == pytest.approx(1.03) and ttft["met"] and ttft["runs"] == 3
+    peak = got["peak_goodput_best_topology_vs_monolith"]
+    assert peak["raw"]["best"] == "EPD" and peak["value"] == pytest.approx(1.6 / 1.5) and peak["met"]
+    per = peak["raw"]["topologies"]
+    assert set(per) == {"E/P/D", "E/PD", "EP/D", "EPD"} and per["E/P/D"]["peak_goodput_rps"] == 1.2
+    assert [row["rate_rps"] for row in per["E/PD"]["sweep"]] == rates
+    assert plot.name == bench_topology.PNG and plot.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,106 @@
+"""``make bench``'s topology session: the same Prism application in each grouped topology (``E/PD``, ``EP/D``,
+``EPD``; ``E/P/D`` is Prism's own session), each against the monolith built from the same stage classes.
+
+Per topology, one application of its own on this machine (one at a time, as every server of the bench): warm-up, the
+per-hop report (:mod:`loadtest.bench_hops`), the light load of medium images behind the TTFT figure (the same runs,
+seeds and count as ``ttft_ratio_epd_vs_monolith``), then the goodput sweep at the naive server's rates. Two figures
+come from it:
+
+* ``ttft_ratio_topology_epd_vs_monolith`` — the ``EPD`` topology's TTFT p50 over the monolith's, run i against run i
+  (median of the runs, its spread beside it): what Serve's hops cost when the model's stages share one replica;
+* ``peak_goodput_best_topology_vs_monolith`` — the best topology's peak goodput over the swept rates (``E/P/D``
+  included) over the monolith's.
+
+Every topology's TTFT runs and sweep go in the raw numbers (``topologies``), and
+``loadtest/results/bench_topology_goodput.png`` plots each topology's goodput against the offered rate beside the
+monolith's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loadtest import bench_hops
+from loadtest import bench_loads as loads
+from loadtest import bench_servers as servers
+from loadtest.bench_plots import goodput_vs_rate
+from loadtest.bench_sessions import Say, ServerRuns, light, warm_up
+from loadtest.bench_settings import Settings
+from loadtest.figures import record
+
+GROUPED = ("E/PD", "EP/D", "EPD")
+PNG = "bench_topology_goodput.png"
+
+
+def with_topology(config: dict[str, Any], topology: str) -> dict[str, Any]:
+    deployments = {**config.get("deployments", {}), "topology": topology}
+    return {**config, "deployments": deployments}
+
+
+def session(config: dict[str, Any], model: str, st: Settings, rates: list[float], say: Say) -> dict[str, ServerRuns]:
+    """Each grouped topology's runs (see the module docstring)."""
+    out = {}
+    for topology in GROUPED:
+        runs = out[topology] = ServerRuns()
+        with servers.prism_app(with_topology(config, topology)) as url:
+            warm_up(url, model)
+            say(f"topology {topology}: the fixed cost of each hop, then the light load of medium images")
+            runs.hops = bench_hops.hop_costs(url, model, st.hop_requests, api_key=servers.KEY)
+            for i in range(st.runs("ttft_ratio_topology_epd_vs_monolith")):
+                runs.cold.append(light(url, model, st, i))
+            say(f"topology {topology}: the goodput sweep at {rates} rps")
+            runs.sweep = loads.sweep(url, model, rates, st.duration, st.min_requests)
+    return out
+
+
+def _peak(sweep: dict[float, Any]) -> float:
+    return max(run[0]["goodput_rps"] for run in sweep.values())
+
+
+def figures(
+    prism: ServerRuns, mono: ServerRuns, grouped: dict[str, ServerRuns], rates: list[float], plots_dir: Path
+) -> tuple[dict[str, Any], Path]:
+    """The two figures, and the plot of every topology's sweep."""
+    everyone = {"E/P/D": prism, **grouped}
+    epd = grouped["EPD"]
+    pairs = list(zip(epd.cold, mono.cold, strict=False))  # (the monolith's runs are the TTFT figure's: as many)
+    raw_ttft = [
+        {"epd_ttft_p50_s": loads.ttft(e), "monolith_ttft_p50_s": loads.ttft(m), "requests": len(e)} for e, m in pairs
+    ]
+    ttft = record(
+        "ttft_ratio_topology_epd_vs_monolith",
+        [loads.ratio(loads.ttft(e), loads.ttft(m)) for e, m in pairs],
+        raw_ttft,
+        sides={"EPD": [r for run in epd.cold for r in run], "monolith": [r for run in mono.cold for r in run]},
+    )
+    peaks = {name: _peak(runs.sweep) for name, runs in everyone.items()}
+    best = max(peaks, key=peaks.__getitem__)
+    mono_peak = _peak(mono.sweep)
+    per_topology = {
+        name: {
+            "ttft_p50_s": [loads.ttft(run) for run in runs.cold],
+            "ttft_ratio_vs_monolith": [
+                loads.ratio(loads.ttft(a), loads.ttft(b)) for a, b in zip(runs.cold, mono.cold, strict=False)
+            ],
+            "peak_goodput_rps": peaks[name],
+            "sweep": [loads.sweep_row(r, runs.sweep[r]) for r in rates],
+            "per_hop_fixed_cost": runs.hops,
+        }
+        for name, runs in everyone.items()
+    }
+    low = rates[0]
+    goodput = record(
+        "peak_goodput_best_topology_vs_monolith",
+        [loads.ratio(peaks[best], mono_peak)],
+        {"best": best, "monolith_peak_goodput_rps": mono_peak, "topologies": per_topology},
+        sides={
+            f"{best} at the lowest rate": everyone[best].sweep[low][1],
+            "monolith at the lowest rate": mono.sweep[low][1],
+        },
+        goodput={f"{best} at its peak": peaks[best], "monolith at its peak": mono_peak},
+    )
+    curves = {name: [loads.sweep_row(r, runs.sweep[r]) for r in rates] for name, runs in everyone.items()}
+    curves["monolith"] = [loads.sweep_row(r, mono.sweep[r]) for r in rates]
+    plot = goodput_vs_rate(plots_dir / PNG, curves, None, "Goodput vs offered load, per topology (mixed workload)")
+    return {"ttft_ratio_topology_epd_vs_monolith": ttft, "peak_goodput_best_topology_vs_monolith": goodput}, plot
