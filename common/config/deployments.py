@@ -93,18 +93,19 @@ class ModelStages(Strict):
     topology: Topology = "E/P/D"
     """Which stages share a deployment (:mod:`common.config.topology`): ``E/P/D`` (each apart), ``E/PD``, ``EP/D`` or
     ``EPD``; the media stage is always apart. A grouped deployment is sized by its last stage's entry below, with the
-    CPUs and GPUs of its stages added up (:meth:`group_stage`)."""
+    CPUs of its stages added up and the most GPUs any of them asks (:meth:`group_stage`)."""
     media: MediaStageConfig = MediaStageConfig()
     encode: EncodeStageConfig = EncodeStageConfig()
     prefill: PrefillStageConfig = PrefillStageConfig()
     decode: DecodeStageConfig = DecodeStageConfig()
 
     def group_stage(self, group: Group) -> StageConfig:
-        """The deployment settings of ``group``: its last stage's, with every grouped stage's CPUs and GPUs."""
+        """The deployment settings of ``group``: its last stage's, with every grouped stage's CPUs (each has threads of
+        its own) and the most GPUs one of them asks (they share the device: one process, one CUDA context)."""
         stages = [getattr(self, s) for s in group]
         last = stages[-1]
         return last.model_copy(
-            update={"num_cpus": sum(s.num_cpus for s in stages), "num_gpus": sum(s.num_gpus for s in stages)}
+            update={"num_cpus": sum(s.num_cpus for s in stages), "num_gpus": max(s.num_gpus for s in stages)}
         )
 
 

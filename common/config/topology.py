@@ -10,7 +10,8 @@ Stages in one group hand off in process (no serialisation, no object store; the 
 prefill's export into the decode pool's blocks); between groups they go through the model's transport as before. A
 group is one deployment (one router, one ``max_ongoing_requests``), so it is sized by :func:`group_stage`: the entry
 of the stage that ends it — its replicas, autoscaling range and target, queue bounds and custom resources (the group
-runs where that stage would) — with the CPUs and GPUs of every stage it holds added up (they share the replica).
+runs where that stage would) — with the CPUs of every stage it holds added up and the most GPUs one of them asks
+(the stages share the replica's device).
 
 Lifecycle: read from the config at build time (:mod:`services.app` makes one deployment per group) and by the ingress
 (:class:`services.ingress.chain.Chain` calls each group once per request, :func:`hops`).

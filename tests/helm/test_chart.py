@@ -193,6 +193,44 @@ def test_several_models_each_get_their_stages_on_the_stage_groups():
     assert len(names) == 9 and "Decode-prism-tiny-qwen2vl" in names
 
 
+@pytest.mark.parametrize(
+    ("topology", "groups"),
+    [
+        ("E/PD", ["media", "encode", "prefill-decode"]),
+        ("EP/D", ["media", "encode-prefill", "decode"]),
+        ("EPD", ["media", "encode-prefill-decode"]),
+    ],
+)
+def test_a_grouped_topology_gets_one_worker_group_per_deployment(topology, groups):
+    """A grouped deployment runs on one worker group of its own (its last stage's workers settings), pinned there by
+    the group's resource; the Serve config carries the topology and builds one deployment per group."""
+    from common.config.topology import group_name
+    from common.config.topology import groups as stage_groups
+    from services.app import build_app
+    from tests.unit.services.test_ray_configs import _deployments
+
+    docs = render({"topology": topology})
+    spec = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    workers = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert list(workers) == groups
+    app = serve_config(docs)["applications"][0]
+    cfg = PrismConfig.model_validate(app["args"]["config"])
+    assert cfg.deployments.topology == topology
+    for group in groups:
+        resource = "prism_" + group.replace("-", "_")
+        assert f'\\"{resource}\\"' in workers[group]["rayStartParams"]["resources"]
+        for stage in group.split("-"):
+            assert getattr(cfg.deployments, stage).resources == {resource: 1}
+        last = group.split("-")[-1]
+        limits = workers[group]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits == _values()["stages"][last]["workers"]["resources"]["limits"]
+    names = {d.name for d in _deployments(build_app(app["args"]))}
+    assert names == {"Ingress", "Media", *(group_name(g) for g in stage_groups(topology))}
+    several = {"topology": topology, "models": [{"name": "prism-tiny-llava"}, {"name": "prism-tiny-qwen2vl"}]}
+    cfg = PrismConfig.model_validate(serve_config(render(several))["applications"][0]["args"]["config"])
+    assert {m.deployments.topology for m in cfg.models} == {topology}
+
+
 def test_monitoring_and_auth_objects(rendered):
     name, _, docs = rendered
     dashboards = one(docs, "ConfigMap")

@@ -80,6 +80,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* The worker groups of the topology, in request order, each named after the stages it holds: a JSON list. */}}
+{{- define "prism.groups" -}}
+{{- $all := dict "E/P/D" (list "media" "encode" "prefill" "decode") "E/PD" (list "media" "encode" "prefill-decode") "EP/D" (list "media" "encode-prefill" "decode") "EPD" (list "media" "encode-prefill-decode") -}}
+{{- toJson (index $all .Values.topology) -}}
+{{- end -}}
+
+{{/* The worker group that holds a stage (argument: dict root, stage); the ingress runs on the media (CPU) group. */}}
+{{- define "prism.groupOf" -}}
+{{- $stage := ternary "media" .stage (eq .stage "ingress") -}}
+{{- range $g := include "prism.groups" .root | fromJsonArray -}}
+{{- if has $stage (splitList "-" $g) -}}{{- $g -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* PrismConfig (args.config of the Serve application) as YAML. */}}
 {{- define "prism.config" -}}
 {{- $cfg := deepCopy (default dict .Values.prism) -}}
@@ -91,13 +105,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $_ := set $cfg "server" $server -}}
 {{- $deployments := dict -}}
 {{- range $stage := list "ingress" "media" "encode" "prefill" "decode" -}}
-{{- $group := ternary "media" $stage (eq $stage "ingress") -}}{{/* the ingress runs on the CPU (media) workers */}}
+{{- $group := include "prism.groupOf" (dict "root" $ "stage" $stage) -}}
 {{- $serve := deepCopy (default dict (index $.Values.stages $stage).serve) -}}
-{{- if (index $.Values.stages $group).workers.enabled -}}
-{{- $_ := set $serve "resources" (dict (printf "prism_%s" $group) 1) -}}
+{{- if (index $.Values.stages (last (splitList "-" $group))).workers.enabled -}}{{/* a group's: its last stage's */}}
+{{- $_ := set $serve "resources" (dict (printf "prism_%s" (replace "-" "_" $group)) 1) -}}
 {{- end -}}
 {{- $_ := set $deployments $stage $serve -}}
 {{- end -}}
+{{- $_ := set $deployments "topology" .Values.topology -}}
 {{- if .Values.models -}}
 {{- $models := list -}}
 {{- range $entry := .Values.models -}}

@@ -61,8 +61,8 @@ def test_local_default_serves_both_families_and_fits_two_cores():
     ],
 )
 def test_each_topology_deploys_its_groups_sized_for_what_they_hold(topology, names):
-    """One deployment per group; a group takes its last stage's replicas and queue bounds, every stage's CPUs and GPUs,
-    and the router of its first stage (decode alone: pinned to the reservation)."""
+    """One deployment per group; a group takes its last stage's replicas and queue bounds, every stage's CPUs, the
+    most GPUs one of its stages asks, and the router of its first stage (decode alone: pinned to the reservation)."""
     from services.app import build_app
 
     stages = {
@@ -76,7 +76,7 @@ def test_each_topology_deploys_its_groups_sized_for_what_they_hold(topology, nam
     for group in groups(topology):
         d = built[group_name(group)]
         assert d.ray_actor_options["num_cpus"] == pytest.approx(sum(stages[s]["num_cpus"] for s in group))
-        assert d.ray_actor_options["num_gpus"] == pytest.approx(sum(stages[s]["num_gpus"] for s in group))
+        assert d.ray_actor_options["num_gpus"] == pytest.approx(max(stages[s]["num_gpus"] for s in group))
         last = stages[group[-1]]
         assert d.max_ongoing_requests == last.get("max_ongoing_requests", 128)
         assert _replicas(d) == ((1, 3) if group[-1] == "decode" else (1, 1))
