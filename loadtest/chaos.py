@@ -2,14 +2,15 @@
 
 Not part of ``make test``: it takes minutes and kills processes. It starts a local Ray cluster of its own (with the
 dashboard, whose state API gives each replica's PID) and the application from the default Serve config's Prism
-settings, scaled to two replicas of media, encode, prefill and decode (one ingress: its in-flight HTTP requests would
-die with it). Clients send a steady mix — text and small images, half of them streamed — while the tool kills, a few
-seconds apart, one replica of media, then encode, prefill and decode (``SIGKILL`` of the replica's process; Serve
-starts a replacement). Then the load stops and it prints, as JSON, what the clients saw: requests by status, streams
+settings, scaled to two replicas of every deployment — media, encode, prefill and decode, or the groups of
+``--topology`` (``E/PD``: media, encode, prefill+decode) — and one ingress (its in-flight HTTP requests would die with
+it). Clients send a steady mix — text and small images, half of them streamed — while the tool kills, a few seconds
+apart, one replica of each deployment in request order (``SIGKILL`` of the replica's process; Serve starts a
+replacement). Then the load stops and it prints, as JSON, what the clients saw: requests by status, streams
 that ended with a finish reason, failures by stage killed before them, the longest gap without a completed request,
 and the KV blocks still in use (and KV reservations still held) on every decode replica once the load drained.
 
-    make chaos [CHAOS_FLAGS="--clients 4 --gap 6 --model prism-tiny-llava"]
+    make chaos [CHAOS_FLAGS="--clients 4 --gap 6 --model prism-tiny-llava --topology E/PD"]
 
 The issue it answers (16) asks for every request 200 and no gap over 5 s. Every request asks for its trace, so the
 output also counts the decode migrations the clients' requests went through (requests migrated, tokens replayed, the
@@ -56,14 +57,28 @@ class Outcome:
         return self.status == 200 and self.finish_reason is not None
 
 
-def app_config(model: str, cache_dir: str | None = None) -> dict[str, Any]:
+def app_config(model: str, cache_dir: str | None = None, topology: str = "E/P/D") -> dict[str, Any]:
     two = {"num_cpus": 0.1, "min_replicas": 2, "max_replicas": 2}
     model_cfg = {"model": model, "torch_threads": 1, **({"cache_dir": cache_dir} if cache_dir else {})}
+    stages = {s.lower(): two for s in STAGES}
     return {
         "model": model_cfg,
         "server": {"api_keys": {KEY: "chaos"}, "max_chain_attempts": 3},
-        "deployments": {"ingress": {"num_cpus": 0.1}, **{s.lower(): two for s in STAGES}},
+        "deployments": {"ingress": {"num_cpus": 0.1}, "topology": topology, **stages},
     }
+
+
+def deployments_of(topology: str) -> list[str]:
+    """The deployments of one model in ``topology``, in request order: one replica of each is killed."""
+    from common.config.topology import group_name, groups
+
+    return ["Media", *(group_name(g) for g in groups(topology))]
+
+
+def decode_deployment(topology: str) -> str:
+    from common.config.topology import group_name, group_of
+
+    return group_name(group_of(topology, "decode"))
 
 
 def _image(seed: int) -> str:
@@ -167,14 +182,16 @@ def replica_pids(app: str, stage: str) -> list[int]:
     return sorted(a.pid for a in actors if a.name and name in a.name and a.pid)
 
 
-def decode_stats(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[int, dict[str, Any]]:
+def decode_stats(
+    app: str, replicas: int = 2, timeout: float = 90.0, deployment: str = "Decode"
+) -> dict[int, dict[str, Any]]:
     """Each decode replica's ``stats`` by PID (answered by whichever replica Serve picks: asked until ``replicas``
     distinct ones answered — a killed one's replacement included — or ``timeout``; a call Serve still sent to a
-    replica just killed is asked again)."""
+    replica just killed is asked again). ``deployment``: the one that holds decode (``PrefillDecode`` in ``E/PD``)."""
     from ray import serve
     from ray.exceptions import RayActorError
 
-    handle = serve.get_deployment_handle("Decode", app_name=app)
+    handle = serve.get_deployment_handle(deployment, app_name=app)
     seen: dict[int, dict[str, Any]] = {}
     deadline = time.time() + timeout
     while len(seen) < replicas and time.time() < deadline:
@@ -188,9 +205,11 @@ def decode_stats(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[int
     return seen
 
 
-def kv_in_use(app: str, replicas: int = 2, timeout: float = 90.0) -> dict[str, dict[str, int]]:
+def kv_in_use(
+    app: str, replicas: int = 2, timeout: float = 90.0, deployment: str = "Decode"
+) -> dict[str, dict[str, int]]:
     """KV blocks used and KV reservations held (unclaimed) per decode replica, by PID."""
-    stats = decode_stats(app, replicas, timeout)
+    stats = decode_stats(app, replicas, timeout, deployment)
     return {str(pid): {"blocks": int(s["kv_blocks_used"]), "reserved": int(s["reserved"])} for pid, s in stats.items()}
 
 
@@ -201,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--warm", type=float, default=8.0, help="seconds of load before the first kill")
     parser.add_argument("--gap", type=float, default=6.0, help="seconds between kills, and after the last")
+    parser.add_argument("--topology", default="E/P/D", choices=["E/P/D", "E/PD", "EP/D", "EPD"])
     args = parser.parse_args(argv)
 
     import ray
@@ -214,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"config": app_config(args.model, args.cache_dir)}), name=app, route_prefix="/")
+        config = app_config(args.model, args.cache_dir, args.topology)
+        serve.run(build_app({"config": config}), name=app, route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         wait_ready(base, key=KEY)
         stop, outcomes = threading.Event(), []
@@ -227,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             t.start()
         time.sleep(args.warm)
         kills = []
-        for stage in STAGES:
+        for stage in deployments_of(args.topology):
             pids = replica_pids(app, stage)
             if not pids:
                 raise RuntimeError(f"no live replica of {stage} to kill")
@@ -240,8 +261,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             t.join(90)
         end = time.time()
         result = summarize(outcomes, kills, start, end)
-        result["kv_blocks_used_after"] = kv_in_use(app)
-        result["config"] = {"model": args.model, "clients": args.clients, "replicas_per_stage": 2}
+        result["kv_blocks_used_after"] = kv_in_use(app, deployment=decode_deployment(args.topology))
+        result["config"] = {
+            "model": args.model,
+            "clients": args.clients,
+            "replicas_per_deployment": 2,
+            "topology": args.topology,
+        }
     finally:
         serve.shutdown()
         ray.shutdown()

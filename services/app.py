@@ -44,7 +44,9 @@ def _router(group: Group, routing: RoutingConfig) -> dict[str, Any]:
     key = {"encode": "media", "prefill": "prefix"}[group[0]]
     if not routing.affinity:
         return {}
-    kwargs = {"stage": group[0], "key": key, "load_factor": routing.load_factor}
+    kwargs: dict[str, Any] = {"stage": group[0], "key": key, "load_factor": routing.load_factor}
+    if key == "media" and "prefill" in group:  # (a text request has no media: it goes by its prompt's prefix)
+        kwargs["fallback"] = "prefix"
     return {
         "request_router_config": RequestRouterConfig(request_router_class=AffinityRouter, request_router_kwargs=kwargs)
     }

@@ -42,11 +42,11 @@ def _upstream_timeout(line: dict) -> bool:
 
 
 @contextlib.contextmanager
-def make_serve(model_cache: str, work: Path, private_media: str = ""):
+def make_serve(model_cache: str, work: Path, private_media: str = "", topology: dict[str, str] | None = None):
     """Yields a dict: ``base`` URL, ``grpc`` and ``metrics`` ports, ``request_log`` path, ``log`` (make serve's
     output), ``config`` (the application's PrismConfig dict) and ``up_s`` (launch → /health answering).
     ``private_media``: CIDRs the media stage may fetch from (``PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS``, e.g. a test's own
-    origin on loopback)."""
+    origin on loopback). ``topology``: a model's ``deployments.topology`` in the config, by model name."""
     http, grpc_port, metrics, ray_port = free_port(), free_port(), free_port(), free_port()
     config = yaml.safe_load((ROOT / "ray_configs" / "local_cpu.yaml").read_text())
     config["http_options"]["port"] = http
@@ -54,6 +54,8 @@ def make_serve(model_cache: str, work: Path, private_media: str = ""):
     app = config["applications"][0]["args"]["config"]
     for model in app.get("models") or [app.setdefault("model", {})]:
         model["cache_dir"] = model_cache
+        if topology and model["model"] in topology:
+            model.setdefault("deployments", {})["topology"] = topology[model["model"]]
     app["server"] = {"api_keys": {API_KEY: "tenant-a", OTHER_KEY: "tenant-b", ORIGIN_KEY: "tenant-c"}}
     app["observability"] = {"request_log_path": str(work / "requests.jsonl"), "trace_cache_hits": True}
     cfg = work / "serve.yaml"

@@ -42,7 +42,7 @@ def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
             "decode": lambda raw=raw: DecodeDeployment(raw, transport),
         }
         groups_ = groups(sub.deployments.topology)
-        objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g) for g in groups_]
+        objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g, transport) for g in groups_]
         pipelines.append([LocalHandle(MediaDeployment(raw)), *(LocalHandle(obj) for obj in objs)])
     ingress = IngressDeployment(cfg.model_dump(mode="json"), pipelines)
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)

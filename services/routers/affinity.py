@@ -8,7 +8,8 @@ Serve resolves the arguments (a chained ``DeploymentResponse`` becomes an ``Obje
 accepts it (a replica whose queue is full refuses; the next rank is tried, then Serve backs off and asks again).
 
 The key is the call's :class:`~common.protocol.handoff.RequestContext` ``route`` field — ``media`` for encode,
-``prefix`` for prefill (``key=`` in the router kwargs) — made by the ingress (:mod:`common.sched.affinity` says how
+``prefix`` for prefill (``key=`` in the router kwargs; a group led by encode that holds prefill falls back to the
+prefix for a request without media, ``fallback=``) — made by the ingress (:mod:`common.sched.affinity` says how
 and why not from the payload). The choice itself is :class:`common.sched.affinity.AffinityTable`'s; this class only
 feeds it Serve's events: which replica accepted a call (``on_request_routed``: Serve calls it for every accepted call
 under its strict max-ongoing-requests protocol, the default for handles outside Ray Client — where the ingress runs;
@@ -59,10 +60,18 @@ def request_context(pending: PendingRequest | None) -> RequestContext | None:
 class AffinityRouter(RequestRouter):
     """Routes each call by its affinity key; see the module docstring."""
 
-    def initialize_state(self, stage: str = "encode", key: str = "media", load_factor: float = 1.25, **_: Any):
-        if key not in ("media", "prefix"):
-            raise ValueError(f"AffinityRouter key must be 'media' or 'prefix', not {key!r}")
-        self._stage, self._key = stage, key
+    def initialize_state(
+        self,
+        stage: str = "encode",
+        key: str = "media",
+        load_factor: float = 1.25,
+        fallback: str | None = None,
+        **_: Any,
+    ):
+        for name in (key, fallback or key):
+            if name not in ("media", "prefix"):
+                raise ValueError(f"AffinityRouter keys must be 'media' or 'prefix', not {name!r}")
+        self._stage, self._key, self._fallback = stage, key, fallback
         self._table = AffinityTable(load_factor=load_factor)
         # internal request id → the decision, until Serve assigns a replica (a call cancelled before that never is:
         # the oldest are dropped past a bound)
@@ -80,6 +89,8 @@ class AffinityRouter(RequestRouter):
         ctx = request_context(pending_request)
         route = ctx.route if ctx is not None else None
         key = getattr(route, self._key, None) if route is not None else None
+        if key is None and self._fallback is not None and route is not None:  # (a text request in an EPD group)
+            key = getattr(route, self._fallback, None)
         with self._lock:
             order, outcome = self._table.choose(key, list(by_id))
             if pending_request is not None:

@@ -51,7 +51,7 @@ from common.kv.blocks import check_key, check_landed, verify_handoff
 from common.kv.landing import Landing
 from common.kv.pool import KVPool
 from common.kv.transport import KVTransport, make_transport
-from common.model.loader import load_model
+from common.model.loader import LoadedModel, load_model
 from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import (
     DecodeEvent,
@@ -97,10 +97,21 @@ def _replica_id() -> str | None:
 
 
 class DecodeDeployment:
-    def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        transport: KVTransport | None = None,
+        lm: LoadedModel | None = None,
+        grouped: bool = False,
+    ) -> None:
+        """``transport``: how the KV arrives (the model's by default); ``lm``: the model, when a grouped replica
+        loaded it once for its stages (:mod:`services.stages.group`); ``grouped``: the stage shares its replica
+        with the prefill, whose call reserves and streams in one Serve request (no slot to keep for a later
+        ``generate``)."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
-        self.lm = load_model(self.cfg.model)
+        self.lm = lm or load_model(self.cfg.model)
+        self.grouped = grouped
         eng = self.cfg.engine
         self.pool = KVPool(
             eng.kv_pool_blocks, eng.kv_block_size, self.lm.kv_shape, self.lm.dtype, eng.max_lease_fraction
@@ -151,6 +162,8 @@ class DecodeDeployment:
         ``generate`` — and a stream one: refuse a reservation that would commit more than ``max_ongoing_requests``
         less one (kept for ``unreserve`` and ``stats``). Otherwise waiting reservations could take every slot while the
         granted ones' ``generate`` calls wait for one: each side waiting for the other."""
+        if self.grouped:  # (the group's call holds its one slot from its reservation to its stream's end)
+            return
         slots = self.cfg.deployments.decode.max_ongoing_requests
         committed = len(self.queues) + self.engine.num_reserved
         if committed + 2 > slots:

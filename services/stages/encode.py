@@ -24,7 +24,7 @@ from common.config import PrismConfig
 from common.engine.encode import EncodeEngine
 from common.kv.transport import KVTransport, make_transport
 from common.media.stage import decode_options
-from common.model.loader import load_model
+from common.model.loader import LoadedModel, load_model
 from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbeddings
 from common.sched.encoder_batcher import EncoderBatcher
@@ -36,13 +36,15 @@ from services.stages.threads import nice_process, nice_thread
 
 
 class EncodeDeployment:
-    def __init__(self, config: dict[str, Any], transport: KVTransport | None = None) -> None:
+    def __init__(
+        self, config: dict[str, Any], transport: KVTransport | None = None, lm: LoadedModel | None = None
+    ) -> None:
         """``transport``: how the embeddings travel to prefill (the model's, or in process when prefill shares this
         replica — :mod:`services.stages.group` — whose other stages the encoder's priority must not reach: only its
-        own thread is niced then)."""
+        own thread is niced then); ``lm``: the model, when a grouped replica loaded it once for its stages."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
-        self.lm = load_model(self.cfg.model)
+        self.lm = lm or load_model(self.cfg.model)
         self.nice = self.cfg.deployments.encode.cpu_nice
         if transport is None:
             nice_process(self.nice)

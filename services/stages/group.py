@@ -11,13 +11,15 @@ The ingress calls a group once per request with the stages that request runs (:f
 
 * :meth:`run_stream` for a group that ends with decode (``PD``, ``EPD``): the request's KV is reserved on this
   replica's own pool first (the same gate and rules as :meth:`DecodeDeployment.reserve`, no call to make: the stream
-  that claims the reservation runs here), while encode works when the group holds it; then prefill, then the decode
-  stream, whose events it yields. A reservation no stream claimed is dropped when the call ends, whatever ended it.
+  that claims the reservation runs here), while encode works when the group holds it (in ``E/PD`` the call starts
+  once the encode deployment answered: Serve resolves its response first); then prefill, then the decode stream,
+  whose events it yields. A reservation no stream claimed is dropped when the call ends, whatever ended it.
 * :meth:`run` for a group that ends with prefill (``EP``): encode then prefill; the answer is the prefill's handle in
-  the model's transport, for the decode deployment.
+  the model's transport, for the decode deployment (the ingress reserved its KV there before this call).
 
-Serve sizes the group as one deployment (:meth:`common.config.ModelStages.group_stage`); its autoscaling queue depth
-is the busiest of its stages', each scaled to the group's target, so any stage past its own target adds a replica.
+The model is loaded once per replica and shared by its stages (their forward passes only read it). Serve sizes the
+group as one deployment (:meth:`common.config.ModelStages.group_stage`); for autoscaling see
+:meth:`GroupDeployment.record_autoscaling_stats`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import Any
 from common.config import PrismConfig
 from common.config.topology import Group
 from common.errors import Overloaded
-from common.kv.transport import make_transport
+from common.kv.transport import KVTransport, make_transport
 from common.kv.transport.in_process import InProcessTransport
+from common.model.loader import load_model
 from common.obs.trace import Traced, waited
 from common.protocol.handoff import RequestContext
 from common.protocol.sampling import SamplingParams
@@ -41,20 +44,27 @@ from services.stages.prefill import PrefillDeployment
 
 
 class GroupDeployment:
-    def __init__(self, config: dict[str, Any], group: Group) -> None:
+    def __init__(self, config: dict[str, Any], group: Group, transport: KVTransport | None = None) -> None:
+        """``transport``: the hops that leave the group (the model's by default; tests pass the fake backend)."""
         self.cfg = PrismConfig.model_validate(config)
         self.group = group
+        lm = load_model(self.cfg.model)  # once: the stages share its weights (forward passes never modify them)
         local = InProcessTransport()
-        self.encode = self.prefill = None
+
+        def outer() -> KVTransport:
+            return transport or make_transport(self.cfg.transport)
+
+        self.encode: EncodeDeployment | None = None
+        self.prefill: PrefillDeployment | None = None
         self.decode: DecodeDeployment | None = None
         if "encode" in group:
-            self.encode = EncodeDeployment(config, local if "prefill" in group else None)
+            self.encode = EncodeDeployment(config, local if "prefill" in group else outer(), lm=lm)
         if "prefill" in group:
-            inbound = local if "encode" in group else make_transport(self.cfg.transport)
-            outbound = local if "decode" in group else make_transport(self.cfg.transport)
-            self.prefill = PrefillDeployment(config, inbound, outbound)
+            inbound = local if "encode" in group else outer()
+            outbound = local if "decode" in group else outer()
+            self.prefill = PrefillDeployment(config, inbound, outbound, lm=lm)
         if "decode" in group:
-            self.decode = DecodeDeployment(config, local if "prefill" in group else None)
+            self.decode = DecodeDeployment(config, local if "prefill" in group else outer(), lm=lm, grouped=True)
 
     async def run(
         self,
@@ -84,9 +94,11 @@ class GroupDeployment:
         encoding = None
         if "encode" in hop and self.encode is not None:  # (encode works while the KV is reserved)
             encoding = asyncio.ensure_future(self.encode.encode(upstream, ctx))
-        reserved = False
+        reserving = asyncio.ensure_future(self._reserve(ctx, kv_blocks))
         try:
-            ctx, reserved = await self._reserve(ctx, kv_blocks)
+            if encoding is not None:  # (whichever fails first fails the request at once)
+                await asyncio.wait({encoding, reserving}, return_when=asyncio.FIRST_EXCEPTION)
+            ctx, reserved = await reserving
             if encoding is not None:
                 embeddings = await encoding
             elif reserved and upstream == []:  # text: prefill's timeline starts after the reservation (traced)
@@ -98,14 +110,17 @@ class GroupDeployment:
                 async for event in events:  # (closed with this call, whatever ends it: the sequence's KV goes back)
                     yield event
         finally:
-            if encoding is not None and not encoding.done():
-                encoding.cancel()
-            if reserved:  # (a no-op once the stream claimed it: the stream frees what it holds)
-                await self.decode.unreserve(ctx)
+            tasks = [t for t in (encoding, reserving) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # (their errors are this call's, or moot)
+            # A reservation no stream claimed goes back — also one granted in the instant this call was cancelled;
+            # a no-op once the stream claimed it (the stream frees what it holds).
+            await self.decode.unreserve(ctx)
 
     async def _reserve(self, ctx: RequestContext, blocks: int) -> tuple[RequestContext, bool]:
         """This replica's pool leases ``blocks`` for the attempt (waits, or 429 / 504 / 400 as the decode stage
-        answers); a migration the pool has no request slot for goes on unreserved, as through the ingress
+        answers); a migration the pool cannot take now goes on unreserved, as through the ingress
         (:class:`services.ingress.kv_reserver.KVReserver`)."""
         assert self.decode is not None
         if not self.cfg.admission.reserve_kv or blocks <= 0:
@@ -134,14 +149,20 @@ class GroupDeployment:
             stage.check_health()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """The busiest stage's queue depth in the group's unit: each stage's depth times the group's target over the
-        stage's own (so the group wants another replica as soon as any of its stages is past its own target)."""
+        """The queue depth of the group's last stage, and of every other stage whose ``target_queue_per_replica`` is
+        set in the config, each scaled to the group's target by its own (``depth × group target / stage target``):
+        the busiest counts, so the group wants another replica as soon as any of them is past its own target. A
+        stage without a target of its own does not count — its depth is in its own unit (prompt tokens, patches),
+        which the default target (4) was never meant for."""
         stages = self.cfg.deployments
         target = stages.group_stage(self.group).target_queue_per_replica
         depth, out = 0.0, {}
         for name, stage in zip(self.group, self._stages(), strict=True):
             got = stage.record_autoscaling_stats()
-            own = getattr(stages, name).target_queue_per_replica
-            depth = max(depth, got.pop("queue_depth", 0.0) * target / own)
+            own = getattr(stages, name)
+            counts = name == self.group[-1] or "target_queue_per_replica" in own.model_fields_set
+            queued = got.pop("queue_depth", 0.0)
+            if counts:
+                depth = max(depth, queued * target / own.target_queue_per_replica)
             out.update(got)
         return {**out, "queue_depth": depth}

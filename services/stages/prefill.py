@@ -43,7 +43,7 @@ from common.engine.prefill import PrefillEngine, PrefillResult
 from common.kv.blocks import seal
 from common.kv.transport import KVTransport, make_transport
 from common.kv.transport.base import Received
-from common.model.loader import load_model
+from common.model.loader import LoadedModel, load_model
 from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import MergedInputs, RequestContext, VisualEmbeddings
 from common.protocol.sampling import SamplingParams
@@ -68,13 +68,18 @@ class _Lane:
 
 class PrefillDeployment:
     def __init__(
-        self, config: dict[str, Any], transport: KVTransport | None = None, kv_transport: KVTransport | None = None
+        self,
+        config: dict[str, Any],
+        transport: KVTransport | None = None,
+        kv_transport: KVTransport | None = None,
+        lm: LoadedModel | None = None,
     ) -> None:
         """``transport``: how the visual embeddings arrive and — unless ``kv_transport`` is given (a decode stage in
-        this replica: :mod:`services.stages.group`) — how the KV leaves; the model's transport by default."""
+        this replica: :mod:`services.stages.group`) — how the KV leaves; the model's transport by default. ``lm``:
+        the model, when a grouped replica loaded it once for its stages."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
-        self.lm = load_model(self.cfg.model)
+        self.lm = lm or load_model(self.cfg.model)
         eng, adm = self.cfg.engine, self.cfg.admission
         self.metrics = Metrics("prefill")
         self.transport = transport or make_transport(self.cfg.transport)

@@ -6,7 +6,8 @@ its own raylet with its own small object store, advertising the custom resource 
 the chart — plus a second decode node, so that a decode node can leave while the stage serves on. The applications
 are the chart's own ``serveConfigV2`` application, scaled down to this machine (the tiny model, 0.05 CPU and no GPU
 per replica, one replica per stage, two of decode in the first app) with every deployment's ``resources`` as
-rendered: once with the object-store KV transport and once with NIXL (over UCX, here on loopback between nodes).
+rendered: once with the object-store KV transport in ``E/P/D``, and once with NIXL (over UCX, here on loopback between
+nodes) in ``E/PD`` (:data:`TOPOLOGY`).
 
 Package-scoped, and after the e2e package has shut its own cluster down (pytest runs ``tests/e2e`` first). Node death
 is detected within ~2 s (GCS health checks every 500 ms) instead of Ray's default ~15 s, so the node-loss test does
@@ -27,6 +28,9 @@ API_KEY = "multinode-key"
 MODEL = "prism-tiny-llava"
 APPS = {"object_store": ("mn-store", "/store", 2), "nixl": ("mn-nixl", "/nixl", 1)}
 """transport → (application, route prefix, decode replicas)."""
+TOPOLOGY = {"object_store": "E/P/D", "nixl": "E/PD"}
+"""transport → the application's topology: the NIXL one groups prefill with decode (on a decode node: a group runs
+where its last stage would), so its embeddings cross nodes over NIXL into a replica whose KV hand-off is in process."""
 STORE_MB = 96
 
 
@@ -45,8 +49,10 @@ def chart_cluster_shape() -> tuple[dict, dict[str, dict[str, float]]]:
 
 
 def scaled_down(config: dict, model_cache: str, transport: str, decode_replicas: int) -> dict:
-    """The chart's application for this 2-core machine; placement (``resources``) untouched."""
+    """The chart's application for this 2-core machine, in the transport's :data:`TOPOLOGY`; placement
+    (``resources``) untouched."""
     cfg = copy.deepcopy(config)
+    cfg["deployments"]["topology"] = TOPOLOGY[transport]
     cfg["model"] = {"model": MODEL, "cache_dir": model_cache, "torch_threads": 1}
     cfg["server"] = {"api_keys": {API_KEY: "tenant-mn"}, "transport": transport, "max_chain_attempts": 3}
     cfg["engine"] = {**cfg.get("engine", {}), "kv_pool_blocks": 256, "max_batch": 16, "max_output_tokens": 256}

@@ -1,5 +1,6 @@
-"""Prism across nodes: each stage's replicas on the node of its group, embeddings and KV crossing nodes through the
-object store and through NIXL with the same tokens as the in-process reference, and a decode node removed under load
+"""Prism across nodes: each deployment's replicas on the node of its group, embeddings and KV crossing nodes through
+the object store (``E/P/D``) and through NIXL (``E/PD``: the embeddings cross nodes into the prefill+decode replica)
+with the same tokens as the in-process reference, and a decode node removed under load
 without a lost or hung request (its streams migrate; its replica comes back on the other decode node).
 
 The figures each run measures (bytes and time of the cross-node hand-offs, outcomes of the node loss) are printed as
@@ -23,9 +24,18 @@ from common.protocol.sampling import SamplingParams
 from common.reference.pipeline import run_request
 from loadtest.chaos import client as load_client
 from loadtest.chaos import summarize
-from tests.multinode.conftest import API_KEY, APPS, MODEL, replicas_by_node
+from tests.multinode.conftest import API_KEY, APPS, MODEL, TOPOLOGY, replicas_by_node
 
-GROUP_OF = {"Ingress": "media", "Media": "media", "Encode": "encode", "Prefill": "prefill", "Decode": "decode"}
+GROUP_OF = {
+    "Ingress": "media",
+    "Media": "media",
+    "Encode": "encode",
+    "Prefill": "prefill",
+    "Decode": "decode",
+    "PrefillDecode": "decode",  # (E/PD: the group runs where its last stage would)
+}
+DECODE_OF = {"E/P/D": "Decode", "E/PD": "PrefillDecode"}
+"""topology → the deployment that holds decode."""
 
 
 def _report(what: str, **figures) -> None:
@@ -36,14 +46,16 @@ def test_each_stage_runs_on_the_nodes_of_its_group(cluster):
     _, nodes, _ = cluster
     node_ids = {group: node.node_id for group, node in nodes.items()}
     decode_nodes = {node_ids["decode"], node_ids["decode-2"]}
-    for name, _, decode_replicas in APPS.values():
+    for transport, (name, _, decode_replicas) in APPS.items():
         placed = replicas_by_node(name)
-        assert set(placed) == set(GROUP_OF), placed
+        decode = DECODE_OF[TOPOLOGY[transport]]
+        expected = {"Ingress", "Media", "Encode", decode} | ({"Prefill"} if decode == "Decode" else set())
+        assert set(placed) == expected, placed
         for deployment, on in placed.items():
             group = GROUP_OF[deployment]
             allowed = decode_nodes if group == "decode" else {node_ids[group]}
             assert set(on) <= allowed, (name, deployment, on)
-        assert len(placed["Decode"]) == decode_replicas
+        assert len(placed[decode]) == decode_replicas
     # the two decode replicas of the first app are spread over both decode nodes
     assert set(replicas_by_node(APPS["object_store"][0])["Decode"]) == decode_nodes
 
@@ -80,13 +92,14 @@ def test_hand_offs_cross_nodes_and_tokens_match_the_reference(cluster, tiny_llav
         assert r.choices[0].model_extra["token_ids"] == list(ref.output.token_ids)
         spans = {s["name"]: s for s in r.model_extra["prism_trace"]["spans"]}
         kv = spans["decode.transfer"]
-        assert kv["attrs"]["backend"] == transport and kv["attrs"]["bytes"] > 0
+        grouped = TOPOLOGY[transport] == "E/PD"  # (prefill and decode in one replica: the KV stays in it)
+        assert kv["attrs"]["backend"] == ("in_process" if grouped else transport) and kv["attrs"]["bytes"] > 0
         figures = {"kv_bytes": kv["attrs"]["bytes"], "kv_ms": kv["duration_ms"]}
         if images:  # embeddings: encode node → prefill node, through the same transport as the KV
             emb = spans["prefill.transfer"]
             assert emb["attrs"]["backend"] == transport and emb["attrs"]["bytes"] > 0
             figures |= {"embedding_bytes": emb["attrs"]["bytes"], "embedding_ms": emb["duration_ms"]}
-        _report("hand-off", app=name, transport=transport, images=len(images), **figures)
+        _report("hand-off", app=name, transport=transport, topology=TOPOLOGY[transport], images=len(images), **figures)
 
 
 def test_a_decode_node_removed_under_load_loses_no_request(cluster):

@@ -1,4 +1,6 @@
-"""The hostile-request corpus runs against ``make serve`` with the default config (:mod:`tests.served`)."""
+"""The hostile-request corpus runs against ``make serve`` with the default config (:mod:`tests.served`), but for the
+topologies: LLaVA (whose requests the corpus sends) in ``E/PD``, Qwen2-VL in ``EPD`` — the hostile path and the
+answers (``test_topologies_served.py``) through grouped deployments, while the other served apps run ``E/P/D``."""
 
 from __future__ import annotations
 
@@ -6,11 +8,14 @@ import pytest
 
 from tests.served import API_KEY, ORIGIN_KEY, OTHER_KEY, make_serve
 
-__all__ = ["API_KEY", "ORIGIN_KEY", "OTHER_KEY"]
+__all__ = ["API_KEY", "ORIGIN_KEY", "OTHER_KEY", "TOPOLOGY"]
+
+TOPOLOGY = {"prism-tiny-llava": "E/PD", "prism-tiny-qwen2vl": "EPD"}
 
 
 @pytest.fixture(scope="package")
 def served(model_cache, tmp_path_factory):
     """``make serve``, whose media stage may fetch from loopback (the front-door test's tarpit origin)."""
-    with make_serve(model_cache, tmp_path_factory.mktemp("served"), private_media="127.0.0.1/32") as info:
+    work = tmp_path_factory.mktemp("served")
+    with make_serve(model_cache, work, private_media="127.0.0.1/32", topology=TOPOLOGY) as info:
         yield info

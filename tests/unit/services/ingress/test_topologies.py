@@ -176,3 +176,113 @@ def test_a_client_that_leaves_a_grouped_stream_frees_its_kv(model_cache):
 
     asyncio.run(scenario())
     _nothing_held(served)
+
+
+class _LosingGroup:
+    """A group's handle whose next stream dies after ``after`` events, like a killed replica (its call gone, its
+    sequence freed, the ingress sees ``RayActorError``)."""
+
+    def __init__(self, handle, after: int) -> None:
+        self.handle, self.after, self.losses = handle, after, 1
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    @property
+    def run_stream(self):
+        return self
+
+    def options(self, stream: bool = False):
+        return self
+
+    def remote(self, *args):
+        from tests.unit.services.ingress.test_inprocess_pipeline import _DyingStream
+
+        stream = self.handle.run_stream.options(stream=True).remote(*args)
+        if self.losses <= 0:
+            return stream
+        self.losses -= 1
+        return _DyingStream(stream, self.after, False, lambda: None)
+
+
+@pytest.mark.parametrize("topology", ["E/PD", "EPD"])
+def test_a_lost_group_replica_mid_stream_is_migrated_unseen(model_cache, topology):
+    """The group's stream dies after its start and four tokens: the ingress issues the chain again with the tokens the
+    client has (a new prefill, the decode replaying them), and the answer is the undisturbed one, token for token."""
+    served = build(_config(model_cache, topology))
+    client = served.state.ingress.clients[LLAVA]
+    body = {**_body(LLAVA, ("image", IMAGE), max_tokens=16), "stream": True}
+    group = next(obj for obj in served.state.stages if type(obj).__name__ == "GroupDeployment")
+
+    async def calm_then_disturbed():
+        calm = await _ask(served, {**body, "stream": False})
+        real = client.chain.of["decode"]
+        for stage in group.group:
+            client.chain.of[stage] = _LosingGroup(real, after=5)
+        got = await _ask(served, body, **{"x-prism-trace": "1"})
+        return calm.json()["choices"][0], got
+
+    calm, got = asyncio.run(calm_then_disturbed())
+    assert got.status_code == 200
+    ids, finals = [], []
+    for line in got.text.splitlines():
+        if line.startswith("data: {"):
+            chunk = httpx.Response(200, content=line[6:]).json()
+            for choice in chunk.get("choices", []):
+                ids += choice.get("token_ids") or []
+                if choice.get("finish_reason"):
+                    finals.append(chunk)
+    assert ids == calm["token_ids"] and len(ids) == 16
+    moved = [(m["after_tokens"], m["outcome"]) for m in finals[-1]["prism_trace"]["migrations"]]
+    assert moved == [(4, "resumed")]
+    assert group.decode.engine.replayed == 4 and group.decode.engine.replay_mismatches == 0
+    _nothing_held(served)
+
+
+def test_a_caller_that_leaves_while_its_group_waits_for_kv_leaves_nothing_held(model_cache):
+    """``EPD`` with a full pool: the request's reservation waits in the group's pool queue; the client goes away —
+    the wait ends, nothing is reserved for it, prefill computed nothing, and the pool is whole once the others go."""
+    served = build(_config(model_cache, "EPD", engine={"kv_pool_blocks": 16, "max_prompt_tokens": 100}))
+    group = served.state.stages[1]
+
+    async def scenario():
+        fillers = [RequestContext(f"filler-{i}", "t", time.time() + 60, time.time()) for i in range(2)]
+        for ctx in fillers:
+            await group.decode.reserve(ctx, 8)
+        before = (await group.prefill.stats())["computed_tokens"]
+        asking = asyncio.ensure_future(_ask(served, _body(LLAVA), **{"x-prism-deadline-ms": "30000"}))
+        for _ in range(300):
+            if group.decode.pool.num_waiting:
+                break
+            await asyncio.sleep(0.02)
+        assert group.decode.pool.num_waiting == 1 and not asking.done()
+        asking.cancel()  # (the client went away)
+        await asyncio.gather(asking, return_exceptions=True)
+        for _ in range(100):
+            if not group.decode.pool.num_waiting:
+                break
+            await asyncio.sleep(0.02)
+        assert group.decode.pool.num_waiting == 0 and group.decode.engine.num_reserved == 2
+        assert (await group.prefill.stats())["computed_tokens"] == before
+        for ctx in fillers:
+            await group.decode.unreserve(ctx)
+
+    asyncio.run(scenario())
+    _nothing_held(served)
+
+
+def test_a_group_autoscales_on_the_busiest_stage_that_has_a_target(model_cache):
+    """The group's queue depth is its last stage's, and that of any other stage whose target is set, each scaled to
+    the group's target: prompt tokens are never read against the sequences' default target."""
+    from services.stages.group import GroupDeployment
+
+    def depth(prefill_target: dict) -> dict[str, float]:
+        deployments = {"decode": {"target_queue_per_replica": 4}, "prefill": prefill_target}
+        raw = {"model": {"model": LLAVA, "cache_dir": model_cache, "torch_threads": 1}, "deployments": deployments}
+        group = GroupDeployment(raw, ("prefill", "decode"))
+        group.prefill.record_autoscaling_stats = lambda: {"queue_depth": 100.0}  # prompt tokens queued
+        group.decode.record_autoscaling_stats = lambda: {"queue_depth": 3.0, "kv_used_fraction": 0.5}  # sequences
+        return group.record_autoscaling_stats()
+
+    assert depth({}) == {"kv_used_fraction": 0.5, "queue_depth": 3.0}, "prefill's tokens have no target: not counted"
+    assert depth({"target_queue_per_replica": 50}) == {"kv_used_fraction": 0.5, "queue_depth": 8.0}  # 100 × 4 / 50

@@ -110,3 +110,31 @@ async def _test_no_key_goes_to_the_least_busy_and_a_dead_replica_is_forgotten():
     assert route_log.take("encode", ctx.key)["outcome"] == "none"
     router.on_replica_actor_died(ReplicaID(owner, DEPLOYMENT))
     assert router._table.in_flight[owner] == 0
+
+
+def test_a_group_led_by_encode_routes_a_text_request_by_its_prefix():
+    asyncio.run(_test_a_group_led_by_encode_routes_a_text_request_by_its_prefix())
+
+
+async def _test_a_group_led_by_encode_routes_a_text_request_by_its_prefix():
+    """An ``EPD`` group's router is keyed by the media, with the prompt prefix as fallback: a text request's repeats
+    follow their prefix to the replica whose prefix cache holds it (without the fallback: no key, by load)."""
+    router = AffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(stage="encode", key="media", fallback="prefix")
+    router._metrics = _Counts()
+    replicas = [_Replica("aaa"), _Replica("bbb")]
+
+    def text(rid: str) -> tuple[PendingRequest, RequestContext]:
+        ctx = RequestContext(rid, "t", time.time() + 30, time.time(), route=RouteKeys(prefix="prompt-1"))
+        meta = RequestMetadata(request_id=rid, internal_request_id=f"internal-{rid}")
+        return PendingRequest(args=[object(), ctx], kwargs={}, metadata=meta), ctx
+
+    first, ctx = text("t1")
+    owner = (await _choose(router, replicas, first))[0]
+    router.on_request_routed(first, ReplicaID(owner, DEPLOYMENT), None)
+    assert route_log.take("encode", ctx.key) == {"outcome": "new", "replica": owner}
+    router.on_request_completed(ReplicaID(owner, DEPLOYMENT), first.metadata.internal_request_id)
+    again, ctx2 = text("t2")
+    assert (await _choose(router, replicas, again))[0] == owner
+    router.on_request_routed(again, ReplicaID(owner, DEPLOYMENT), None)
+    assert route_log.take("encode", ctx2.key) == {"outcome": "owner", "replica": owner}
