@@ -10,12 +10,8 @@ token for up to ``max_batch`` running sequences in a single forward pass → fin
 cancelled, past its deadline (``timeout`` event) or hit by a failed step (``error`` event) → its lease is released,
 which may admit waiting sequences. Sequences join and leave the batch at every step.
 
-**Reservations** (KV before prefill): the decode stage may take a sequence's lease before prefill computes it —
-:meth:`DecodeEngine.reserve` under the attempt's key, with the blocks the request is known to need — so a full pool
-holds the request back before any prefill work, not after. The sequence's :meth:`submit` then *claims* the lease:
-resized to the exact need (:meth:`KVPool.resize_lease`: more than it holds may have to wait), admitted at once when
-granted. A reservation nobody claims is dropped by :meth:`unreserve` (the chain failed or was cancelled before
-decode) or when its deadline passes (:meth:`expire_reservations`).
+**Reservations** (KV before prefill, :mod:`common.engine.reservations`): the decode stage may take a sequence's
+lease before prefill computes it; the sequence's :meth:`submit` (or :meth:`claim`) then claims it.
 
 A step writes each sequence's new key/value straight into its pool slot and attends over its block table
 (:mod:`common.kv.paged_attention`); a sequence takes a new block only when its last one is full, always inside its
@@ -45,6 +41,7 @@ from typing import Literal
 import torch
 
 from common.engine.paged_step import build_step_context
+from common.engine.reservations import Reservations
 from common.errors import HandoffError
 from common.kv.blocks import check_prefill, to_torch
 from common.kv.native import load_decode_kernel
@@ -89,7 +86,7 @@ class _Sequence:
     diverged: bool = False
 
 
-class DecodeEngine:
+class DecodeEngine(Reservations):
     def __init__(
         self,
         lm: LoadedModel,
@@ -126,59 +123,6 @@ class DecodeEngine:
         """Sequences :meth:`claim` gave blocks whose KV is on its way into them (not yet started: :meth:`start`)."""
         self._reserved: dict[str, float | None] = {}
         """Reservations not yet claimed by a submit (granted or waiting in the pool's queue) → their deadline."""
-
-    # ---- reservations ---------------------------------------------------------------------------------------
-    def reserve(self, request_id: str, blocks: int, deadline: float | None = None, rank: float | None = None) -> bool:
-        """Take (or queue, by ``rank``: :meth:`KVPool.request_lease`) a lease of ``blocks`` for a sequence not
-        prefilled yet; True if granted now. Raises :class:`LeaseTooLarge` past the per-request limit."""
-        if request_id in self._reserved:
-            raise ValueError(f"request {request_id} is already known to this engine")
-        self._check_new(request_id)
-        granted = self.pool.request_lease(request_id, blocks, rank) is not None
-        self._reserved[request_id] = deadline
-        return granted
-
-    def is_reserved(self, request_id: str) -> bool:
-        return request_id in self._reserved
-
-    def hold(self, request_id: str, until: float) -> None:
-        """Let an unclaimed reservation lapse at ``until`` (this engine's clock) if its deadline is later."""
-        if request_id in self._reserved:
-            deadline = self._reserved[request_id]
-            self._reserved[request_id] = until if deadline is None else min(deadline, until)
-
-    def reservation_granted(self, request_id: str) -> bool:
-        return request_id in self._reserved and self.pool.granted(request_id)
-
-    def unreserve(self, request_id: str) -> bool:
-        """Drop a reservation no submit claimed (its blocks go to whoever waits); False if there is none."""
-        if self._reserved.pop(request_id, False) is False:
-            return False
-        self._release(request_id)
-        return True
-
-    def expire_reservations(self) -> list[str]:
-        """Drop the unclaimed reservations whose deadline passed; returns their ids."""
-        now = self.clock()
-        expired = [rid for rid, dl in self._reserved.items() if dl is not None and dl <= now]
-        for rid in expired:
-            self.unreserve(rid)
-        return expired
-
-    @property
-    def num_reserved(self) -> int:
-        return len(self._reserved)
-
-    def expire_leases(self) -> None:
-        """What the decode stage's sweep runs (:class:`common.admission.kv.KVGate`): unclaimed reservations past their
-        deadline dropped, sequences that waited for their lease past theirs timed out."""
-        self.expire_reservations()
-        self.expire_waiting()
-
-    @property
-    def leases_pending(self) -> bool:
-        """Reservations held or sequences waiting for a lease: what the sweep watches."""
-        return bool(self._reserved or self._pending)
 
     # ---- queue management -----------------------------------------------------------------------------------
     def submit(
