@@ -141,3 +141,18 @@ def ray_processes() -> list[tuple[int, str, int]]:
 def serve_processes() -> dict[str, tuple[int, int]]:
     """Serve's proxy and replicas: name → (pid, RSS in MB); a changed pid is a restarted process."""
     return {name: (pid, rss) for pid, name, rss in ray_processes() if name.startswith(("ProxyActor", "ServeReplica"))}
+
+
+def assert_hops(trace: dict, topology: str, media: bool) -> None:
+    """A traced answer's hand-offs went where ``topology`` puts them: in process between stages of one group, through
+    the object store between deployments."""
+    from common.config.topology import group_of
+
+    spans = {s["name"]: s.get("attrs", {}) for s in trace["spans"]}
+
+    def backend(a: str, b: str) -> str:
+        return "in_process" if b in group_of(topology, a) else "object_store"
+
+    assert spans["decode.transfer"]["backend"] == backend("prefill", "decode")
+    if media:
+        assert spans["prefill.transfer"]["backend"] == backend("encode", "prefill")

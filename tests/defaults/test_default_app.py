@@ -1,5 +1,6 @@
 """``make serve`` with the default config serves both tiny models behind one endpoint, routed by ``model``: images to
-each, video to the Qwen2-VL one, a clear 404 naming both for anything else — through the official ``openai`` client.
+each, video to the Qwen2-VL one, a clear 404 naming both for anything else — through the official ``openai`` client;
+in its default topology (``EPD``) the answers are the reference pipeline's, token for token.
 
 ``PRISM_DEFAULTS_REPORT=<file>`` writes start-up time and memory of the two-model app as JSON.
 """
@@ -16,8 +17,10 @@ import httpx
 import openai
 import pytest
 
+from common.config import PrismConfig
 from tests.mediakit import png_bytes, synthetic_image, video_bytes
 from tests.served import API_KEY, ray_processes
+from tests.served_exact import CASES, check_answer, reference_models
 
 LLAVA, QWEN = "prism-tiny-llava", "prism-tiny-qwen2vl"
 
@@ -65,8 +68,9 @@ def test_both_models_answer_and_startup_is_measured(served, client):
     }
     if os.environ.get("PRISM_DEFAULTS_REPORT"):
         Path(os.environ["PRISM_DEFAULTS_REPORT"]).write_text(json.dumps(report, indent=1))
-    replicas = [n for n in rss if n.startswith("ServeReplica:prism:")]
-    assert len(replicas) == 9, replicas  # one ingress + four stages per model
+    replicas = {n.removeprefix("ServeReplica:prism:") for n in rss if n.startswith("ServeReplica:prism:")}
+    # one ingress, and per model its media stage and the one deployment of its default topology (EPD)
+    assert replicas == {"Ingress"} | {f"{d}-{m}" for d in ("Media", "EncodePrefillDecode") for m in (LLAVA, QWEN)}
     assert report["rss_mb_total"] < 12_000
 
 
@@ -134,3 +138,16 @@ def test_make_serve_listens_on_loopback_only(served):
     assert {gcs, http, served["grpc"], served["metrics"]} <= ports and len(ports) > 6, listeners
     exposed = [(ip, port, pid) for ip, port, pid in listeners if not ipaddress.ip_address(ip).is_loopback]
     assert exposed == [], exposed
+
+
+@pytest.fixture(scope="module")
+def models(model_cache):
+    return reference_models(model_cache)
+
+
+@pytest.mark.parametrize(("model", "kind"), CASES, ids=lambda x: str(x))
+def test_the_default_topology_answers_the_reference_tokens(served, models, client, model, kind):
+    """``make serve``'s default topology (``EPD`` for both models): the reference's tokens, every hop in process."""
+    topology = {m.name: m.deployments.topology for m in PrismConfig.model_validate(served["config"]).models}[model]
+    assert topology == "EPD"
+    check_answer(client, models[model], model, kind, topology)

@@ -1,6 +1,6 @@
 """The hostile-request corpus runs against ``make serve`` with the default config (:mod:`tests.served`), but for the
-topologies: LLaVA (whose requests the corpus sends) in ``E/PD``, Qwen2-VL in ``EPD`` — the hostile path and the
-answers (``test_topologies_served.py``) through grouped deployments, while the other served apps run ``E/P/D``."""
+topologies: LLaVA (whose requests the corpus sends) in ``E/PD``, Qwen2-VL in ``E/P/D`` — the two ``make serve``'s
+default (``EPD``, tested in ``tests/defaults``) does not run; their answers: ``test_topologies_served.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.served import API_KEY, ORIGIN_KEY, OTHER_KEY, make_serve
 
 __all__ = ["API_KEY", "ORIGIN_KEY", "OTHER_KEY", "TOPOLOGY"]
 
-TOPOLOGY = {"prism-tiny-llava": "E/PD", "prism-tiny-qwen2vl": "EPD"}
+TOPOLOGY = {"prism-tiny-llava": "E/PD", "prism-tiny-qwen2vl": "E/P/D"}
 
 
 @pytest.fixture(scope="package")
