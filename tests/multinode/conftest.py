@@ -57,6 +57,8 @@ def scaled_down(config: dict, model_cache: str, transport: str, decode_replicas:
     cfg["server"] = {"api_keys": {API_KEY: "tenant-mn"}, "transport": transport, "max_chain_attempts": 3}
     cfg["engine"] = {**cfg.get("engine", {}), "kv_pool_blocks": 256, "max_batch": 16, "max_output_tokens": 256}
     for name, d in cfg["deployments"].items():
+        if name == "topology":
+            continue
         d.update(num_cpus=0.05, num_gpus=0)
         if name != "ingress":
             d.update(min_replicas=1, max_replicas=1)

@@ -111,7 +111,7 @@ def test_a_decode_node_removed_under_load_loses_no_request(cluster):
     name, prefix, _ = APPS["object_store"]
     stop, outcomes = threading.Event(), []
     args = (f"{base}{prefix}", MODEL)
-    kw = {"key": API_KEY, "max_tokens": 96}
+    kw = {"key": API_KEY, "max_tokens": 192}  # (long streams: the busy replica is mid-generation when it goes)
     threads = [
         threading.Thread(target=load_client, args=(*args, i, stop, outcomes), kwargs=kw, daemon=True) for i in range(3)
     ]

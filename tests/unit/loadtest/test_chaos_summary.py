@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from loadtest.chaos import STAGES, Outcome, app_config, longest_gap, summarize
+import pytest
+
+from loadtest.chaos import STAGES, Outcome, app_config, deployments_of, longest_gap, summarize
 
 
 def test_the_longest_gap_counts_only_completed_requests_and_the_edges():
@@ -28,7 +30,15 @@ def test_failures_are_attributed_to_the_last_kill_before_them():
     assert s["migrated"] == {"requests": 1, "complete": 1, "tokens_replayed": 7, "longest_resume_ms": 812.5}
 
 
-def test_two_replicas_of_every_stage_fit_the_cpus():
-    deployments = app_config("prism-tiny-llava")["deployments"]
-    assert all(deployments[s.lower()]["min_replicas"] == 2 for s in STAGES)
-    assert sum(d["num_cpus"] * d.get("min_replicas", 1) for d in deployments.values()) < 2
+@pytest.mark.parametrize("topology", ["E/P/D", "E/PD", "EP/D", "EPD"])
+def test_two_replicas_of_every_deployment_fit_the_cpus(topology):
+    """Built as Serve would deploy it: two replicas of each deployment of the topology, CPU shares under 2."""
+    from services.app import build_app
+    from tests.unit.services.test_ray_configs import _deployments, _replicas
+
+    config = app_config("prism-tiny-llava", topology=topology)
+    assert all(config["deployments"][s.lower()]["min_replicas"] == 2 for s in STAGES)
+    built = {d.name: d for d in _deployments(build_app({"config": config}))}
+    assert set(built) == {"Ingress", *deployments_of(topology)}
+    assert all(_replicas(d) == (2, 2) for name, d in built.items() if name != "Ingress")
+    assert sum(d.ray_actor_options["num_cpus"] * _replicas(d)[0] for d in built.values()) < 2
