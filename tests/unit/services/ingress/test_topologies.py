@@ -286,3 +286,34 @@ def test_a_group_autoscales_on_the_busiest_stage_that_has_a_target(model_cache):
 
     assert depth({}) == {"kv_used_fraction": 0.5, "queue_depth": 3.0}, "prefill's tokens have no target: not counted"
     assert depth({"target_queue_per_replica": 50}) == {"kv_used_fraction": 0.5, "queue_depth": 8.0}  # 100 × 4 / 50
+
+
+def test_an_encode_error_is_not_held_back_by_a_waiting_reservation(model_cache):
+    """``EPD``: encode fails while the request's reservation waits in a full pool — the client gets the encoder's
+    error at once, not at the reservation's grant or deadline, and the waiting reservation goes back."""
+    from common.errors import Overloaded
+
+    served = build(_config(model_cache, "EPD", engine={"kv_pool_blocks": 32}))
+    group = served.state.stages[1]
+
+    async def failing_encode(*args):
+        await asyncio.sleep(0.2)
+        raise Overloaded("the encoder is full", retry_after_s=1)
+
+    group.encode.encode = failing_encode
+
+    async def scenario():
+        fillers = [RequestContext(f"filler-{i}", "t", time.time() + 60, time.time()) for i in range(2)]
+        for ctx in fillers:  # (the image request's 11 blocks must wait)
+            await group.decode.reserve(ctx, 16)
+        start = time.monotonic()
+        answer = await _ask(served, _body(LLAVA, ("image", IMAGE)), **{"x-prism-deadline-ms": "30000"})
+        took = time.monotonic() - start
+        assert answer.status_code == 429 and "encoder is full" in answer.text, answer.text
+        assert took < 5, took  # (the reservation would have waited up to the 30 s deadline)
+        assert group.decode.pool.num_waiting == 0 and group.decode.engine.num_reserved == 2
+        for ctx in fillers:
+            await group.decode.unreserve(ctx)
+
+    asyncio.run(scenario())
+    _nothing_held(served)
