@@ -317,3 +317,31 @@ def test_an_encode_error_is_not_held_back_by_a_waiting_reservation(model_cache):
 
     asyncio.run(scenario())
     _nothing_held(served)
+
+
+def test_hops_that_leave_a_group_go_over_nixl_with_the_reference_tokens(model_cache, references):
+    """``server.transport: nixl`` (UCX on this CPU, the agents in one process): in ``EP/D`` the group's prefill sends
+    its KV over NIXL to the decode deployment; in ``E/PD`` the encoder's embeddings go over NIXL into the group, whose
+    KV stays in process. Token for token the reference's."""
+    topologies = {LLAVA: "EP/D", QWEN: "E/PD"}
+    models = [
+        {"model": name, "cache_dir": model_cache, "torch_threads": 1, "deployments": {"topology": topologies[name]}}
+        for name in (LLAVA, QWEN)
+    ]
+    served = build({"models": models, "server": {"transport": "nixl"}})
+
+    async def ask_all() -> list[httpx.Response]:
+        bodies = [_body(LLAVA), _body(LLAVA, ("image", IMAGE)), _body(QWEN, ("image", IMAGE))]
+        return [await _ask(served, body, **{"x-prism-trace": "1"}) for body in bodies]
+
+    cases = [(LLAVA, None), (LLAVA, "image"), (QWEN, "image")]
+    for (model, kind), response in zip(cases, asyncio.run(ask_all()), strict=True):
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == references[(model, kind)], (model, kind)
+        spans = {s["name"]: s.get("attrs", {}) for s in response.json()["prism_trace"]["spans"]}
+        if model == LLAVA:  # EP/D: the KV leaves the group over NIXL
+            assert spans["decode.transfer"]["backend"] == "nixl"
+        else:  # E/PD: the embeddings arrive over NIXL, the KV stays in the group
+            assert spans["prefill.transfer"]["backend"] == "nixl"
+            assert spans["decode.transfer"]["backend"] == "in_process"
+    _nothing_held(served)
