@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from common.config.topology import deployment_names, group_name, group_of
 from common.media.synthetic import synthetic_image
 
 KEY = "chaos-key"
@@ -68,16 +69,8 @@ def app_config(model: str, cache_dir: str | None = None, topology: str = "E/P/D"
     }
 
 
-def deployments_of(topology: str) -> list[str]:
-    """The deployments of one model in ``topology``, in request order: one replica of each is killed."""
-    from common.config.topology import group_name, groups
-
-    return ["Media", *(group_name(g) for g in groups(topology))]
-
-
 def decode_deployment(topology: str) -> str:
-    from common.config.topology import group_name, group_of
-
+    """The deployment that holds decode in ``topology`` (``Decode``, ``PrefillDecode``, ``EncodePrefillDecode``)."""
     return group_name(group_of(topology, "decode"))
 
 
@@ -248,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             t.start()
         time.sleep(args.warm)
         kills = []
-        for stage in deployments_of(args.topology):
+        for stage in deployment_names(args.topology):  # (in request order)
             pids = replica_pids(app, stage)
             if not pids:
                 raise RuntimeError(f"no live replica of {stage} to kill")

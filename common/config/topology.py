@@ -39,6 +39,11 @@ def group_name(group: Group) -> str:
     return "".join(stage.capitalize() for stage in group)
 
 
+def deployment_names(topology: Topology) -> list[str]:
+    """A model's deployments in request order, before the model suffix: ``Media``, then one per group."""
+    return ["Media", *(group_name(g) for g in groups(topology))]
+
+
 def group_of(topology: Topology, stage: Stage) -> Group:
     """The group that holds ``stage``."""
     return next(g for g in groups(topology) if stage in g)

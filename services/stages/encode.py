@@ -37,16 +37,20 @@ from services.stages.threads import nice_process, nice_thread
 
 class EncodeDeployment:
     def __init__(
-        self, config: dict[str, Any], transport: KVTransport | None = None, lm: LoadedModel | None = None
+        self,
+        config: dict[str, Any],
+        transport: KVTransport | None = None,
+        lm: LoadedModel | None = None,
+        grouped: bool = False,
     ) -> None:
-        """``transport``: how the embeddings travel to prefill (the model's, or in process when prefill shares this
-        replica — :mod:`services.stages.group` — whose other stages the encoder's priority must not reach: only its
-        own thread is niced then); ``lm``: the model, when a grouped replica loaded it once for its stages."""
+        """``transport``: how the embeddings travel to prefill (the model's by default); ``lm``: the model, when a
+        grouped replica loaded it once for its stages; ``grouped``: the stage shares its replica with others
+        (:mod:`services.stages.group`), whom the encoder's priority must not reach — only its own thread is niced."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = lm or load_model(self.cfg.model)
         self.nice = self.cfg.deployments.encode.cpu_nice
-        if transport is None:
+        if not grouped:
             nice_process(self.nice)
         eng = self.cfg.engine
         self.cache = None

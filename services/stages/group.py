@@ -57,8 +57,8 @@ class GroupDeployment:
         self.encode: EncodeDeployment | None = None
         self.prefill: PrefillDeployment | None = None
         self.decode: DecodeDeployment | None = None
-        if "encode" in group:
-            self.encode = EncodeDeployment(config, local if "prefill" in group else outer(), lm=lm)
+        if "encode" in group:  # (a group that holds encode holds prefill: its embeddings stay in process)
+            self.encode = EncodeDeployment(config, local, lm=lm, grouped=True)
         if "prefill" in group:
             inbound = local if "encode" in group else outer()
             outbound = local if "decode" in group else outer()
@@ -96,17 +96,17 @@ class GroupDeployment:
             encoding = asyncio.ensure_future(self.encode.encode(upstream, ctx))
         reserving = asyncio.ensure_future(self._reserve(ctx, kv_blocks))
         try:
-            embeddings: Any = upstream
-            if encoding is not None:  # whichever fails first fails the request at once (an encode error is not
-                # held back until the reservation is granted)
-                done, _ = await asyncio.wait({encoding, reserving}, return_when=asyncio.FIRST_EXCEPTION)
-                if encoding in done:
-                    embeddings = await encoding
+            if encoding is not None:  # whichever fails first fails the request at once
+                await asyncio.wait({encoding, reserving}, return_when=asyncio.FIRST_EXCEPTION)
+                if encoding.done():
+                    encoding.result()  # (an encode error is not held back until the reservation is granted)
             ctx, reserved = await reserving
             if encoding is not None:
                 embeddings = await encoding
             elif reserved and upstream == []:  # text: prefill's timeline starts after the reservation (traced)
                 embeddings = waited("decode.reserve", since, blocks=kv_blocks)
+            else:
+                embeddings = upstream
             pre = await self.prefill.prefill(messages, embeddings, sampling, ctx)
             async with contextlib.aclosing(self.decode.generate(pre, sampling, ctx)) as events:
                 async for event in events:  # (closed with this call, whatever ends it: the sequence's KV goes back)

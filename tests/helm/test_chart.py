@@ -204,8 +204,7 @@ def test_several_models_each_get_their_stages_on_the_stage_groups():
 def test_a_grouped_topology_gets_one_worker_group_per_deployment(topology, groups):
     """A grouped deployment runs on one worker group of its own (its last stage's workers settings), pinned there by
     the group's resource; the Serve config carries the topology and builds one deployment per group."""
-    from common.config.topology import group_name
-    from common.config.topology import groups as stage_groups
+    from common.config.topology import deployment_names
     from services.app import build_app
     from tests.unit.services.test_ray_configs import _deployments
 
@@ -225,7 +224,7 @@ def test_a_grouped_topology_gets_one_worker_group_per_deployment(topology, group
         limits = workers[group]["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert limits == _values()["stages"][last]["workers"]["resources"]["limits"]
     names = {d.name for d in _deployments(build_app(app["args"]))}
-    assert names == {"Ingress", "Media", *(group_name(g) for g in stage_groups(topology))}
+    assert names == {"Ingress", *deployment_names(topology)}
     several = {"topology": topology, "models": [{"name": "prism-tiny-llava"}, {"name": "prism-tiny-qwen2vl"}]}
     cfg = PrismConfig.model_validate(serve_config(render(several))["applications"][0]["args"]["config"])
     assert {m.deployments.topology for m in cfg.models} == {topology}

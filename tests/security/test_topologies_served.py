@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from common.config.topology import group_name, groups
+from common.config.topology import deployment_names
 from tests.security.conftest import API_KEY, TOPOLOGY
 from tests.served import serve_processes
 from tests.served_exact import CASES, check_answer, reference_models
@@ -27,7 +27,7 @@ def test_each_model_runs_one_deployment_per_group_of_its_topology(served):
     names = {n.removeprefix("ServeReplica:prism:") for n in serve_processes() if n.startswith("ServeReplica:")}
     expected = {"Ingress"}
     for model, topology in TOPOLOGY.items():
-        expected |= {f"{name}-{model}" for name in ["Media", *(group_name(g) for g in groups(topology))]}
+        expected |= {f"{name}-{model}" for name in deployment_names(topology)}
     assert names == expected
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.chaos import STAGES, Outcome, app_config, deployments_of, longest_gap, summarize
+from common.config.topology import deployment_names
+from loadtest.chaos import STAGES, Outcome, app_config, longest_gap, summarize
 
 
 def test_the_longest_gap_counts_only_completed_requests_and_the_edges():
@@ -39,6 +40,6 @@ def test_two_replicas_of_every_deployment_fit_the_cpus(topology):
     config = app_config("prism-tiny-llava", topology=topology)
     assert all(config["deployments"][s.lower()]["min_replicas"] == 2 for s in STAGES)
     built = {d.name: d for d in _deployments(build_app({"config": config}))}
-    assert set(built) == {"Ingress", *deployments_of(topology)}
+    assert set(built) == {"Ingress", *deployment_names(topology)}
     assert all(_replicas(d) == (2, 2) for name, d in built.items() if name != "Ingress")
     assert sum(d.ray_actor_options["num_cpus"] * _replicas(d)[0] for d in built.values()) < 2

@@ -7,7 +7,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from common.config import PrismConfig
-from common.config.topology import group_name, groups
+from common.config.topology import deployment_names, group_name, groups
 from tests.paths import ROOT
 
 CONFIGS = sorted((ROOT / "ray_configs").glob("*.yaml"))
@@ -32,7 +32,7 @@ def test_config_is_valid_and_builds(path):
     expected = {"Ingress"}
     for sub in cfg.served():
         suffix = f"-{sub.model.name}" if cfg.models else ""
-        stages = ["Media", *(group_name(g) for g in groups(sub.deployments.topology))]
+        stages = deployment_names(sub.deployments.topology)
         expected |= {f"{s}{suffix}" for s in stages}
     assert names == expected
     for sub in cfg.served():

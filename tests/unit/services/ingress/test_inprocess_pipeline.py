@@ -142,26 +142,33 @@ def test_engines_step_on_threads_of_their_own(model_cache, monkeypatch):
 class _LosingDecode:
     """The decode handle, except that its next ``losses`` streams die after ``after`` events: like a killed replica
     (the call is gone, its sequence freed, the ingress sees ``RayActorError``) or, with ``unreachable``, like a
-    replica the ingress cannot reach (``ActorUnavailableError``) whose call runs on until the ingress cancels it."""
+    replica the ingress cannot reach (``ActorUnavailableError``) whose call runs on until the ingress cancels it.
+    ``method``: the streaming method that loses (a grouped deployment's is ``run_stream``)."""
 
-    def __init__(self, handle, after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False) -> None:
+    def __init__(
+        self,
+        handle,
+        after: int,
+        losses: int = 1,
+        unreachable: bool = False,
+        upstream: bool = False,
+        method: str = "generate",
+    ) -> None:
         self.handle, self.after, self.losses, self.unreachable = handle, after, losses, unreachable
-        self.upstream = upstream
+        self.upstream, self.method = upstream, method
         self.on_loss = lambda: None
         self.dying: list[_DyingStream] = []
 
     def __getattr__(self, name):
+        if name == self.__dict__.get("method"):  # (the losing method: its options and remote are this object's)
+            return self
         return getattr(self.handle, name)
-
-    @property
-    def generate(self):
-        return self
 
     def options(self, stream: bool = False):
         return self
 
     def remote(self, *args):
-        stream = self.handle.generate.options(stream=True).remote(*args)
+        stream = getattr(self.handle, self.method).options(stream=True).remote(*args)
         if self.losses <= 0:
             return stream
         self.losses -= 1

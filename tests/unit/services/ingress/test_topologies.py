@@ -22,6 +22,7 @@ from common.reference.pipeline import run_request
 from loadtest.servers.monolith import build
 from tests.mediakit import png_bytes
 from tests.reference import media_tokens
+from tests.unit.services.ingress.test_inprocess_pipeline import _LosingDecode
 
 LLAVA, QWEN = "prism-tiny-llava", "prism-tiny-qwen2vl"
 GROUPED = ["E/PD", "EP/D", "EPD"]
@@ -178,33 +179,6 @@ def test_a_client_that_leaves_a_grouped_stream_frees_its_kv(model_cache):
     _nothing_held(served)
 
 
-class _LosingGroup:
-    """A group's handle whose next stream dies after ``after`` events, like a killed replica (its call gone, its
-    sequence freed, the ingress sees ``RayActorError``)."""
-
-    def __init__(self, handle, after: int) -> None:
-        self.handle, self.after, self.losses = handle, after, 1
-
-    def __getattr__(self, name):
-        return getattr(self.handle, name)
-
-    @property
-    def run_stream(self):
-        return self
-
-    def options(self, stream: bool = False):
-        return self
-
-    def remote(self, *args):
-        from tests.unit.services.ingress.test_inprocess_pipeline import _DyingStream
-
-        stream = self.handle.run_stream.options(stream=True).remote(*args)
-        if self.losses <= 0:
-            return stream
-        self.losses -= 1
-        return _DyingStream(stream, self.after, False, lambda: None)
-
-
 @pytest.mark.parametrize("topology", ["E/PD", "EPD"])
 def test_a_lost_group_replica_mid_stream_is_migrated_unseen(model_cache, topology):
     """The group's stream dies after its start and four tokens: the ingress issues the chain again with the tokens the
@@ -216,9 +190,9 @@ def test_a_lost_group_replica_mid_stream_is_migrated_unseen(model_cache, topolog
 
     async def calm_then_disturbed():
         calm = await _ask(served, {**body, "stream": False})
-        real = client.chain.of["decode"]
+        losing = _LosingDecode(client.chain.of["decode"], after=5, method="run_stream")
         for stage in group.group:
-            client.chain.of[stage] = _LosingGroup(real, after=5)
+            client.chain.of[stage] = losing
         got = await _ask(served, body, **{"x-prism-trace": "1"})
         return calm.json()["choices"][0], got
 
