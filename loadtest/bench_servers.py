@@ -74,8 +74,10 @@ def prism_app(config: dict[str, Any]):
     from ray import serve
 
     from services.app import build_app
+    from services.platform.priority import worker_env
 
     port = free_port()
+    os.environ.update(worker_env())  # (the stages' niceness reaches the cores: services/platform/priority.py)
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

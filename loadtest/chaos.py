@@ -221,9 +221,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from loadtest.bench_servers import free_port, wait_ready
     from services.app import build_app
+    from services.platform.priority import worker_env
 
     app = "chaos"
     port = free_port()
+    os.environ.update(worker_env())  # (the stages' niceness reaches the cores: services/platform/priority.py)
     ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

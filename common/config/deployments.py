@@ -32,7 +32,8 @@ class StageConfig(Strict):
     max_queued_requests: int = Field(default=64, ge=-1)
     """Requests waiting for a replica before callers get 429 (-1: unbounded)."""
     cpu_nice: int = Field(default=0, ge=0, le=19)
-    """OS scheduling niceness the replica's threads are raised to (never lowered: Ray starts workers at 15). Where
+    """OS scheduling niceness the replica's threads are raised to (never lowered; Prism starts Ray's workers at 0,
+    ``services/platform/priority.py``). Where
     stages share CPU cores (a CPU-only node; media replicas beside the LM engines' host threads), a higher value on
     the throughput stages (media, encode) gives the latency path (ingress, prefill, decode) the cores first, so a
     flood of large images cannot slow short requests through the CPU scheduler. 0 leaves the priority alone."""

@@ -29,6 +29,7 @@ from starlette.middleware import Middleware
 
 from services.platform import proxy_grpc
 from services.platform.guard_settings import ENV_GUARD, ENV_MAX_BODY_BYTES, GuardSettings, serve_apps
+from services.platform.priority import worker_env
 from services.platform.proxy_http import ProxyGuard
 
 CALLBACK = "services.platform.proxy_guard:middlewares"
@@ -39,8 +40,10 @@ GRPC_ENVELOPE_BYTES = 64 << 10
 
 
 def ray_env(settings: GuardSettings) -> dict[str, str]:
-    """The environment of ``ray start`` (so of every proxy actor) that installs the guard with ``settings``."""
+    """The environment of ``ray start`` (so of every proxy actor) that installs the guard with ``settings`` — and
+    starts the workers at Prism's niceness (:mod:`services.platform.priority`)."""
     return {
+        **worker_env(),
         "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": CALLBACK,
         ENV_GUARD: json.dumps(settings.model_dump(mode="json"), separators=(",", ":")),
         ENV_MAX_BODY_BYTES: str(settings.max_body_bytes),

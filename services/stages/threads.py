@@ -3,7 +3,8 @@
 
 On Linux niceness belongs to each thread, and a new thread inherits its creator's: a stage renices its process once at
 start (:func:`nice_process`) and its worker threads again when they run its work (:func:`nice_thread`). Niceness is
-only ever raised here — lowering it needs privileges, and Ray starts workers at 15.
+only ever raised here — lowering it needs privileges. Prism's clusters start Ray's workers at 0, not Ray's default
+15, so that a raised niceness is a real difference (:mod:`services.platform.priority`).
 """
 
 from __future__ import annotations

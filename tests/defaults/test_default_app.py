@@ -140,6 +140,24 @@ def test_make_serve_listens_on_loopback_only(served):
     assert exposed == [], exposed
 
 
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # (field 19 of stat)
+
+
+def test_the_latency_path_runs_ahead_of_the_throughput_work_on_the_cores(served):
+    """``make serve`` starts Ray's workers at niceness 0 (not Ray's 15), so the media stage's 19 is a real step
+    below the proxy and the ingress (services/platform/priority.py: at 15 the other tenant's text TTFT p95 was 21×
+    idle under an image flood, at 0 4.3×)."""
+    from tests.served import ray_processes, serving_pids
+
+    ours = set(serving_pids(served["pid"]))
+    nice = {name: _nice(pid) for pid, name, _ in ray_processes() if pid in ours}
+    ingress = [v for k, v in nice.items() if "Ingress" in k]
+    media = [v for k, v in nice.items() if "Media" in k]
+    assert nice["ProxyActor"] == 0 and ingress == [0], nice
+    assert media and set(media) == {19}, nice  # (its main thread: renicing its process at start reached it)
+
+
 @pytest.fixture(scope="module")
 def models(model_cache):
     return reference_models(model_cache)

@@ -155,7 +155,9 @@ server.max_body_bytes, or base64 of the media request bytes + 8 bytes per text c
 {{- end -}}
 
 {{/*
-Environment of every Ray container: each node runs a Serve proxy, and the proxy guards the front door before the
+Environment of every Ray container: its workers start at niceness 0 (services/platform/priority.py: at Ray's 15 the
+stages' own lower priority for media, encoder and long prefills barely reached the cores). Each node runs a Serve
+proxy, and the proxy guards the front door before the
 ingress sees a byte (services/platform/proxy_guard.py: GuardSettings.of, computed here from the same values) — body
 bounds and clocks, the gRPC call cap, and the application's key file (mounted in every pod, since every pod runs a
 proxy) unless authentication is off.
@@ -170,6 +172,8 @@ proxy) unless authentication is off.
 {{- end -}}
 {{- $structure := add (mul 8 (int64 (default 256 $server.max_messages)) (int64 (default 64 $server.max_content_parts))) (int64 (default 131072 $server.max_text_chars)) 4096 -}}
 {{- $guard := dict "max_body_bytes" $limit "max_json_structure" (int64 (default $structure $server.max_json_structure)) "chunked_bytes_in_flight" (int64 (default (mul 4 $limit) $server.proxy_chunked_bytes_in_flight)) "body_grace_s" (float64 (default 10.0 $server.body_read_grace_s)) "body_min_bytes_per_s" (int64 (default 65536 $server.body_min_bytes_per_s)) "retry_after_s" (float64 (default 1 $server.retry_after_s)) "grpc_max_concurrent_calls" (int64 (default 1024 $server.max_concurrent_grpc_calls)) "routes" $routes -}}
+- name: RAY_worker_niceness
+  value: "0"
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: services.platform.proxy_guard:middlewares
 - name: PRISM_PROXY_GUARD
