@@ -3,23 +3,25 @@
 Each stage replica holds one :class:`BudgetGate` over the unit its cost grows with (pixels being decoded in media,
 patches queued or encoding in encode, prompt tokens queued or computing in prefill). Lifecycle of one request:
 
-``acquire(amount, deadline, rank)`` (:mod:`common.admission.protocol`) → admitted at once if nobody waits and the amount
-fits → otherwise it **waits** in rank order (lowest first; :func:`rank` = arrival + size/aging + class delay) → granted
-when everything ranked before it has been granted and its amount fits → ``release(grant)`` when its work is done,
-whatever the outcome.
+``acquire(amount, deadline, rank, tenant, weight)`` (:mod:`common.admission.protocol`) → admitted at once if nobody
+waits and the amount fits → otherwise it **waits** in its tenant's queue, in rank order (lowest first; :func:`rank` =
+arrival + size/aging + class delay), the tenants served fairly by their weights
+(:class:`common.admission.fair.FairQueue`: the tenant with the least service in this budget's unit goes next, within
+the class that goes first) → granted when it is the head of that order and its amount fits → ``release(grant)`` when
+its work is done, whatever the outcome. Every grant, waited for or not, is charged to its tenant's share.
 
 Refused instead of waiting, with a typed error that names the budget:
 
 * the wait queue is full (``max_waiting``) → 429 ``server_overloaded`` with Retry-After;
-* the wait it can expect (what is in flight and ranked ahead of it ÷ the budget's measured drain rate) ends past its
-  deadline → 429 at once rather than a 504 later (a deadline already passed is a 504);
+* the wait it can expect (what is in flight and what the fair order grants ahead of it ÷ the budget's measured drain
+  rate) ends past its deadline → 429 at once rather than a 504 later (a deadline already passed is a 504);
 * its deadline passes while it waits → 504 ``deadline_exceeded``; a waiter whose caller went away (cancelled) leaves
   the queue, and if it was granted in that instant its amount is given straight back.
 
 Retry-After is the time the budget needs to drain what is queued ahead plus this request, from the units released
-over the last ``DRAIN_WINDOW_S`` seconds (the configured value until anything was released). Strict rank order means
-a large item at the head holds smaller ones behind it until it fits: ranks age, so nothing starves. An amount larger
-than the whole budget is clamped to it: it runs alone once the stage is empty; an amount of 0 never waits.
+over the last ``DRAIN_WINDOW_S`` seconds (the configured value until anything was released). A large item at the
+head of the order holds smaller ones behind it until it fits: ranks age and tags rise, so nothing starves. An amount
+larger than the whole budget is clamped to it: it runs alone once the stage is empty; an amount of 0 never waits.
 
 Single event loop only (a Serve replica's): no locks, grants happen in :meth:`release` and :meth:`acquire`.
 """
@@ -27,14 +29,13 @@ Single event loop only (a Serve replica's): no locks, grants happen in :meth:`re
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from common.admission.fair import FairQueue, Waiter
 from common.admission.protocol import Grant
 from common.errors import DeadlineExceeded, Overloaded
 
@@ -61,14 +62,6 @@ def retry_after(expected_s: float) -> float:
     return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(expected_s)))
 
 
-@dataclass(order=True)
-class _Waiter:
-    rank: float
-    seq: int
-    amount: int = field(compare=False)
-    future: asyncio.Future = field(compare=False)
-
-
 class BudgetGate:
     """A :class:`common.admission.protocol.Gate` over one budget of a stage replica (see the module docstring)."""
 
@@ -87,18 +80,18 @@ class BudgetGate:
         self.max_waiting, self.default_retry_after = max_waiting, retry_after_s
         self.clock = clock
         self.used = 0
-        self._heap: list[_Waiter] = []
+        self.fair = FairQueue()
         self._seq = itertools.count()
         self._released: deque[tuple[float, int]] = deque()
 
     # ---- state ----------------------------------------------------------------------------------------------
     @property
     def waiting(self) -> int:
-        return sum(1 for w in self._heap if not w.future.done())
+        return sum(1 for _ in self.fair.live())
 
     @property
     def waiting_amount(self) -> int:
-        return sum(w.amount for w in self._heap if not w.future.done())
+        return sum(w.amount for w in self.fair.live())
 
     def drain_rate(self) -> float | None:
         """Units released per second over the recent window (``None`` before anything was released)."""
@@ -110,15 +103,16 @@ class BudgetGate:
         span = max(now - self._released[0][0], 1.0)
         return sum(a for _, a in self._released) / span
 
-    def expected_wait_s(self, amount: int, rank_: float | None = None) -> float:
-        """Seconds until ``amount`` more would fit behind what is in flight and what waits ahead of ``rank_`` (all
-        waiters when ``None``); 0 if it fits now."""
-        ahead = sum(w.amount for w in self._heap if not w.future.done() and (rank_ is None or w.rank <= rank_))
+    def expected_wait_s(self, amount: int, rank_: float | None = None, tenant: str = "", weight: float = 1.0) -> float:
+        """Seconds until ``amount`` more of ``tenant`` would fit behind what is in flight and what the fair order
+        grants ahead of it (:meth:`FairQueue.ahead_of`; ``rank_`` ``None``: behind all of its tenant's waiters); 0 if
+        it fits now."""
+        ahead = self.fair.ahead_of(tenant, weight, amount, rank_)
         excess = self.used + ahead + amount - self.capacity
         return drain_wait_s(excess, self.drain_rate(), self.default_retry_after)
 
-    def retry_after_s(self, amount: int) -> float:
-        return retry_after(self.expected_wait_s(amount))
+    def retry_after_s(self, amount: int, tenant: str = "", weight: float = 1.0) -> float:
+        return retry_after(self.expected_wait_s(amount, None, tenant, weight))
 
     # ---- admit / release ------------------------------------------------------------------------------------
     async def acquire(
@@ -131,21 +125,24 @@ class BudgetGate:
         *,
         key: str = "",
         refuse: bool = True,
+        batch: bool = False,
     ) -> Grant:
         """Admit ``amount`` (clamped to the budget) before ``deadline`` (this gate's clock), or raise; ``refuse=False``
-        waits whatever the queue (no 429). ``tenant`` and ``weight`` are not consulted: requests wait by rank."""
+        waits whatever the queue (no 429); ``batch``: the request's class (interactive goes first)."""
         amount = max(0, min(int(amount), self.capacity))
         start = self.clock()
         if amount == 0 or (not self.waiting and self.used + amount <= self.capacity):
             self.used += amount  # (nothing to wait for: e.g. every item an encoder-cache hit)
+            self.fair.served(tenant, amount, weight)
             return Grant(amount, 0.0, key)
         left = deadline - start
         if left <= 0:
             raise DeadlineExceeded(f"deadline exceeded before the {self.stage} stage could admit the request")
         if refuse:
-            self._check_room(amount, left, rank)
-        waiter = _Waiter(rank, next(self._seq), amount, asyncio.get_running_loop().create_future())
-        heapq.heappush(self._heap, waiter)
+            self._check_room(amount, left, rank, tenant, weight)
+        future = asyncio.get_running_loop().create_future()
+        waiter = Waiter(rank, next(self._seq), amount, tenant, weight, batch, future)
+        self.fair.push(waiter)
         self._grant()  # it may rank first and fit at once
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout=left)
@@ -160,20 +157,20 @@ class BudgetGate:
             raise
         return Grant(amount, self.clock() - start, key)
 
-    def _check_room(self, amount: int, left: float, rank: float) -> None:
+    def _check_room(self, amount: int, left: float, rank: float, tenant: str, weight: float) -> None:
         """Refuse (429) a request that must not wait: the queue is full, or its expected wait outlasts its deadline."""
         if self.waiting >= self.max_waiting:
             raise Overloaded(
                 f"the {self.stage} stage is at capacity ({self.capacity} {self.unit} in flight, {self.waiting} "
                 "waiting); retry later",
-                retry_after_s=self.retry_after_s(amount),
+                retry_after_s=self.retry_after_s(amount, tenant, weight),
             )
-        expected = self.expected_wait_s(amount, rank)
+        expected = self.expected_wait_s(amount, rank, tenant, weight)
         if expected >= left:
             raise Overloaded(
                 f"the {self.stage} stage would take about {expected:.1f}s to make room for this request "
                 f"({amount} {self.unit}); its deadline is in {max(left, 0):.1f}s",
-                retry_after_s=self.retry_after_s(amount),
+                retry_after_s=self.retry_after_s(amount, tenant, weight),
             )
 
     def release(self, grant: Grant) -> None:
@@ -189,13 +186,9 @@ class BudgetGate:
         self._grant()
 
     def _grant(self) -> None:
-        while self._heap:
-            head = self._heap[0]
-            if head.future.done():  # gave up while waiting
-                heapq.heappop(self._heap)
-                continue
+        while (head := self.fair.head()) is not None:  # (waiters that gave up are skipped)
             if self.used + head.amount > self.capacity:
                 return
-            heapq.heappop(self._heap)
+            self.fair.pop(head)
             self.used += head.amount
             head.future.set_result(None)

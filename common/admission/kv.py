@@ -163,6 +163,7 @@ class KVGate:
         *,
         key: str = "",
         refuse: bool = True,
+        batch: bool = False,
     ) -> Grant:
         start = self.clock()
         left = deadline - start

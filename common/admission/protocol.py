@@ -4,19 +4,20 @@ A gate guards one unit of one stage replica's capacity — media pixels, encode 
 (:class:`common.admission.budget.BudgetGate`) or decode KV blocks (:class:`common.admission.kv.KVGate`). Lifecycle of
 one request at a gate::
 
-    acquire(amount, deadline, rank, tenant, weight, key=…, refuse=…) ──► Grant ──(the work)──► release(grant)
-        │ fits now (nothing waits ahead of its rank) → granted at once (``waited_s`` 0)
-        │ otherwise → waits in rank order (lowest first) until it fits → granted (``waited_s`` > 0)
+    acquire(amount, deadline, rank, tenant, weight, key=…, refuse=…, batch=…) ──► Grant ──(the work)──► release(grant)
+        │ fits now (nobody waits) → granted at once (``waited_s`` 0)
+        │ otherwise → waits its turn until it fits → granted (``waited_s`` > 0)
         └ refused instead: 429 Overloaded (the wait would outlast its deadline, or the queue is full — only when
           ``refuse``), 504 DeadlineExceeded (its deadline passed while it waited), 4xx (over a per-request limit)
 
-``deadline`` is on the gate's clock (this process's monotonic seconds); ``rank`` orders waiters
+``deadline`` is on the gate's clock (this process's monotonic seconds); ``rank`` orders a tenant's waiters
 (:func:`common.admission.budget.rank`: arrival + size ÷ aging + a class delay); ``tenant`` and ``weight`` name whose
-request it is and its share (gates order by rank alone today: they are in the protocol so that fair sharing between
-tenants can come without reopening it); ``key`` files the grant (decode: the attempt's key, which its ``generate``
-later claims); ``refuse=False`` waits whatever the queue (a decode migration: refusing it would end a stream the client
-is reading). Every decision is counted by :class:`common.admission.record.AdmissionRecorder`, through
-:class:`common.admission.stage.StageAdmission` in the stages and directly at the ingress.
+request it is and its share — the budget gates serve tenants fairly by weight (:mod:`common.admission.fair`), the KV
+gate's lease queue orders by rank alone; ``batch`` is its class (interactive goes first); ``key`` files the grant
+(decode: the attempt's key, which its ``generate`` later claims); ``refuse=False`` waits whatever the queue (a decode
+migration: refusing it would end a stream the client is reading). Every decision is counted by
+:class:`common.admission.record.AdmissionRecorder`, through :class:`common.admission.stage.StageAdmission` in the
+stages and directly at the ingress.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Gate(Protocol):
         *,
         key: str = "",
         refuse: bool = True,
+        batch: bool = False,
     ) -> Grant:
         """Admit ``amount`` before ``deadline`` or raise (see the module docstring)."""
         ...

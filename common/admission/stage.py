@@ -4,7 +4,8 @@ every decision recorded.
 The media, encode and prefill stages each hold one over a :class:`common.admission.budget.BudgetGate` (pixels,
 patches, prompt tokens); the decode stage holds one over its :class:`common.admission.kv.KVGate` (KV blocks). A
 request is ranked by when the ingress sent it, its size (shortest first, with aging; 0 for the stages that keep
-arrival order) and its class (batch behind interactive): :func:`common.admission.budget.rank`.
+arrival order) and its class (batch behind interactive): :func:`common.admission.budget.rank`; it waits in its
+tenant's queue, the tenants served by their configured ``weight`` (:mod:`common.admission.fair`).
 :meth:`StageAdmission.held` admits it for the duration of a block, and :meth:`StageAdmission.in_thread` for work run in
 a worker thread — the grant is given back when the *thread* ends, not when an impatient caller stops waiting for it,
 and the thread is told to stop (its :class:`Stop`) when the caller goes away.
@@ -38,8 +39,16 @@ class StageAdmission:
         grant (default: the attempt's key); ``refuse=False``: wait whatever the queue."""
         order = rank(ctx.sent_at, int(size), self.cfg.aging_tokens_per_s, ctx.batch, self.cfg.batch_delay_s)
         try:
+            weight = self.cfg.quota(ctx.tenant).weight
             grant = await self.gate.acquire(
-                amount, ctx.monotonic_deadline(), order, ctx.tenant, key=key or ctx.key, refuse=refuse
+                amount,
+                ctx.monotonic_deadline(),
+                order,
+                ctx.tenant,
+                weight,
+                key=key or ctx.key,
+                refuse=refuse,
+                batch=ctx.batch,
             )
         except PrismError as exc:
             self.recorder.refused_by(ctx.tenant, ctx.priority, exc)
