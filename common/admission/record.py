@@ -1,5 +1,6 @@
-"""Every admission decision, counted in one place: ``prism_admission_total{stage, tenant, class, result, reason}`` and
-the time an admitted request waited, ``prism_admission_wait_seconds{stage, class}``.
+"""Every admission decision, counted in one place: ``prism_admission_total{stage, tenant, class, result, reason}``,
+the time an admitted request waited, ``prism_admission_wait_seconds{stage, class, tenant}``, and the units a stage's
+gate granted each tenant, ``prism_admission_units_total{stage, tenant, unit}`` (its share of the stage's service).
 
 One :class:`AdmissionRecorder` per gate-holding component: the ingress (its per-request limits and tenant quotas,
 reasons ``limit`` / ``quota``) and each stage's :class:`common.admission.stage.StageAdmission` (its budget or KV gate:
@@ -16,6 +17,7 @@ from common.errors import DeadlineExceeded, Overloaded, PrismError
 
 ADMISSION_TOTAL = "prism_admission_total"
 ADMISSION_WAIT = "prism_admission_wait_seconds"
+ADMISSION_UNITS = "prism_admission_units_total"
 
 
 class MetricSink(Protocol):
@@ -38,11 +40,16 @@ class AdmissionRecorder:
         """``sink``: where the counts go (``None``: nowhere — a component built without metrics)."""
         self.sink, self.stage = sink, stage
 
-    def admitted(self, tenant: str, cls: str, waited_s: float | None = None) -> None:
-        """An admission; ``waited_s`` (a gate's wait, observed too) — ``None`` where nothing can wait (the ingress)."""
+    def admitted(self, tenant: str, cls: str, waited_s: float | None = None, units: int = 0, unit: str = "") -> None:
+        """An admission; ``waited_s`` (a gate's wait, observed too) — ``None`` where nothing can wait (the ingress);
+        ``units`` of ``unit`` granted (a gate's grant)."""
         self._count(tenant, cls, "admitted", "waited" if waited_s else "immediate")
-        if waited_s is not None and self.sink is not None:
-            self.sink.observe(ADMISSION_WAIT, waited_s, stage=self.stage, **{"class": cls})
+        if self.sink is None:
+            return
+        if waited_s is not None:
+            self.sink.observe(ADMISSION_WAIT, waited_s, stage=self.stage, tenant=tenant, **{"class": cls})
+        if units > 0:
+            self.sink.inc(ADMISSION_UNITS, float(units), stage=self.stage, tenant=tenant, unit=unit)
 
     def refused(self, tenant: str, cls: str, reason: str) -> None:
         self._count(tenant, cls, "refused", reason)

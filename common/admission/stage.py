@@ -53,7 +53,7 @@ class StageAdmission:
         except PrismError as exc:
             self.recorder.refused_by(ctx.tenant, ctx.priority, exc)
             raise
-        self.recorder.admitted(ctx.tenant, ctx.priority, grant.waited_s)
+        self.recorder.admitted(ctx.tenant, ctx.priority, grant.waited_s, grant.amount, self.gate.unit)
         return grant
 
     def release(self, grant: Grant) -> None:

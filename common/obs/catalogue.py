@@ -114,10 +114,19 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _h(
         "prism_admission_wait_seconds",
-        "Time a request waited for room in a stage's budget, by traffic class.",
+        "Time a request waited for room in a stage's budget, by traffic class and tenant.",
         LATENCY_BUCKETS,
         "stage",
         "class",
+        "tenant",
+    ),
+    _c(
+        "prism_admission_units_total",
+        "Units of a stage's budget granted (media pixels, encode patches, prefill tokens, decode KV blocks), by "
+        "tenant: each tenant's share of the stage's service, which fair sharing keeps to the tenants' weights.",
+        "stage",
+        "tenant",
+        "unit",
     ),
     _g("prism_tenant_in_flight", "Requests of a tenant in flight in an ingress replica.", "tenant"),
     _c(

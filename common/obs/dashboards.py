@@ -238,6 +238,27 @@ def requests_dashboard() -> dict[str, Any]:
         unit="s",
         desc="Time requests wait for room in a stage's budget; batch class should absorb the waiting.",
     )
+    lay.panel(
+        "Share of each stage's service by tenant",
+        [
+            (
+                f"sum by (stage, tenant) (rate({m('prism_admission_units_total')}{{{APP}}}[{RATE}]))"
+                f" / ignoring (tenant) group_left sum by (stage) (rate({m('prism_admission_units_total')}"
+                f"{{{APP}}}[{RATE}]))",
+                "{{stage}} {{tenant}}",
+            )
+        ],
+        unit="percentunit",
+        desc="Each tenant's part of the units a stage granted (pixels, patches, prompt tokens, KV blocks). Under "
+        "contention fair sharing keeps it to the tenants' weights (admission.tenants.<name>.weight); a tenant alone "
+        "may take all of it.",
+    )
+    lay.panel(
+        "Budget wait p95 by tenant",
+        [(quantile(0.95, "prism_admission_wait_seconds", APP, by="stage, tenant"), "{{stage}} {{tenant}}")],
+        unit="s",
+        desc="A tenant that floods a stage waits in its own queue: the others' waits should stay low.",
+    )
     lay.row("Caches")
     lay.panel(
         "Hit rate by layer",

@@ -15,7 +15,7 @@ import pytest
 from common.admission.budget import BudgetGate
 from common.admission.kv import KVGate
 from common.admission.protocol import Gate
-from common.admission.record import ADMISSION_TOTAL, ADMISSION_WAIT, AdmissionRecorder
+from common.admission.record import ADMISSION_TOTAL, ADMISSION_UNITS, ADMISSION_WAIT, AdmissionRecorder
 from common.admission.stage import StageAdmission, budget_admission
 from common.config import AdmissionConfig
 from common.errors import DeadlineExceeded, InvalidRequestError, Overloaded
@@ -29,10 +29,14 @@ class Sink:
     def __init__(self) -> None:
         self.counts: list[dict[str, str]] = []
         self.waits: list[tuple[float, dict[str, str]]] = []
+        self.units: list[tuple[float, dict[str, str]]] = []
 
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
-        assert name == ADMISSION_TOTAL
-        self.counts.append(tags)
+        assert name in (ADMISSION_TOTAL, ADMISSION_UNITS)
+        if name == ADMISSION_UNITS:
+            self.units.append((value, tags))
+        else:
+            self.counts.append(tags)
 
     def observe(self, name: str, value: float, **tags: str) -> None:
         assert name == ADMISSION_WAIT
@@ -82,6 +86,12 @@ def test_a_stage_budget_records_every_decision():
     assert [c["tenant"] for c in sink.counts] == ["alpha", "t", "t", "beta"]
     assert [c["class"] for c in sink.counts] == ["interactive", "interactive", "interactive", "batch"]
     assert len(sink.waits) == 2 and sink.waits[0][0] == 0 and sink.waits[1][0] > 0
+    assert [w[1]["tenant"] for w in sink.waits] == ["alpha", "beta"]
+    # each tenant's share of the stage's service, in its unit
+    assert sink.units == [
+        (100.0, {"stage": "encode", "tenant": "alpha", "unit": "patches"}),
+        (50.0, {"stage": "encode", "tenant": "beta", "unit": "patches"}),
+    ]
     assert adm.gate.used == 0
 
 
