@@ -12,7 +12,9 @@ its work is done, whatever the outcome. Every grant, waited for or not, is charg
 
 Refused instead of waiting, with a typed error that names the budget:
 
-* the wait queue is full (``max_waiting``) → 429 ``server_overloaded`` with Retry-After;
+* the wait queue is full (``max_waiting``) and its tenant already has its weighted share of the places in it → 429
+  ``server_overloaded`` with Retry-After (a tenant with less waits anyway: a flooder that filled the queue does not
+  lock the others out; the queue can exceed ``max_waiting`` by at most one place per such tenant);
 * the wait it can expect (what is in flight and what the fair order grants ahead of it ÷ the budget's measured drain
   rate) ends past its deadline → 429 at once rather than a 504 later (a deadline already passed is a 504);
 * its deadline passes while it waits → 504 ``deadline_exceeded``; a waiter whose caller went away (cancelled) leaves
@@ -158,8 +160,11 @@ class BudgetGate:
         return Grant(amount, self.clock() - start, key)
 
     def _check_room(self, amount: int, left: float, rank: float, tenant: str, weight: float) -> None:
-        """Refuse (429) a request that must not wait: the queue is full, or its expected wait outlasts its deadline."""
-        if self.waiting >= self.max_waiting:
+        """Refuse (429) a request that must not wait: the queue is full and its tenant holds its share of the places
+        in it already, or its expected wait outlasts its deadline."""
+        if self.waiting >= self.max_waiting and self.fair.waiting_of(tenant) >= self.fair.place_share(
+            tenant, weight, self.max_waiting
+        ):
             raise Overloaded(
                 f"the {self.stage} stage is at capacity ({self.capacity} {self.unit} in flight, {self.waiting} "
                 "waiting); retry later",

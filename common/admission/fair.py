@@ -108,6 +108,16 @@ class FairQueue:
         for queue in self._queues.values():
             yield from (w for w in queue if w.live)
 
+    def waiting_of(self, tenant: str) -> int:
+        """Live waiters of ``tenant``."""
+        return sum(1 for w in self._queues.get(tenant, ()) if w.live)
+
+    def place_share(self, tenant: str, weight: float, places: int) -> float:
+        """``tenant``'s share of ``places`` wait places: its weight's part of the weights of the tenants waiting (it
+        included)."""
+        weights = {w.tenant: w.weight for w in self.live()} | {tenant: weight}
+        return places * weight / sum(weights.values())
+
     def ahead_of(self, tenant: str, weight: float, amount: int, rank: float | None) -> int:
         """Units likely granted before a request of ``tenant`` (``amount``, ranked ``rank``; ``None``: behind all of
         its tenant's waiters) would be: its own tenant's waiters ranked before it, and from each other tenant about

@@ -18,8 +18,10 @@ buckets is in debt → otherwise the known costs are taken from the buckets at o
 :meth:`charge` takes the rest when it becomes known (pixels, patches, visual tokens: the media stage's figures, which
 reach the ingress with the decode stream's start) — a bucket may go into debt by the costs of the requests admitted
 before the first of them was charged (bound them with ``max_media_in_flight``), and the debt then holds the tenant's
-next requests back until it refills → :meth:`release` gives the concurrency back on every exit path (idempotent),
-whether or not the request was admitted.
+next requests back until it refills → :meth:`release` charges the output tokens the request generated (the
+``completion_tokens`` bucket: known only at its end, so a tenant of long generations is held back at its next
+requests, as a pixel debt does) and gives the concurrency back on every exit path (idempotent), whether or not the
+request was admitted.
 
 Only the tenant's own buckets and counts are consulted: one tenant at its quota never refuses another.
 """
@@ -35,7 +37,7 @@ from common.config import AdmissionConfig, Rate, TenantQuota
 from common.errors import TenantQuotaExceeded
 from common.protocol.vector import ResourceVector
 
-BUDGETS = ("requests", "prompt_tokens", "pixels", "patches")
+BUDGETS = ("requests", "prompt_tokens", "pixels", "patches", "completion_tokens")
 
 
 class _Bucket:
@@ -103,7 +105,7 @@ class TenantQuotas:
         :meth:`release`. What it lets through :meth:`admit` still judges in full (media caps and buckets)."""
         state, now = self._tenant(tenant), self.clock()
         self._check_count(tenant, state.in_flight, state.quota.max_in_flight, "requests")
-        for name, need in (("requests", 1.0), ("prompt_tokens", 0.0)):
+        for name, need in (("requests", 1.0), ("prompt_tokens", 0.0), ("completion_tokens", 0.0)):
             self._check_bucket(tenant, state, name, need, now)
         state.in_flight += 1
         return Ticket(tenant)
@@ -160,9 +162,12 @@ class TenantQuotas:
                 bucket.refill(now)
                 bucket.level -= amount
 
-    def release(self, ticket: Ticket) -> None:
+    def release(self, ticket: Ticket, completion_tokens: int = 0) -> None:
+        """The request ended, having generated ``completion_tokens``: charged, then its places given back (once)."""
         if ticket.released:
             return
+        if completion_tokens > 0:
+            self.charge(ticket, completion_tokens=float(completion_tokens))
         ticket.released = True
         state = self._tenant(ticket.tenant)
         state.in_flight -= 1

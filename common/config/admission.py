@@ -33,6 +33,9 @@ class TenantQuota(BaseModel):
     """Source pixels per second (what the media stage decodes)."""
     patches: Rate | None = None
     """Vision patches per second (what the encoder computes)."""
+    completion_tokens: Rate | None = None
+    """Output tokens per second, charged when a request ends (what it generated): a tenant in debt is held back at
+    its next requests until the bucket refills."""
     weight: float = Field(default=1.0, gt=0, le=1000)
     """Its share where tenants wait for the same capacity (media pixels, encode patches, prefill tokens, the
     front door's places): under contention each tenant gets capacity in proportion to its weight; alone, all of it."""

@@ -101,7 +101,7 @@ class IngressDeployment:
         except TenantQuotaExceeded:
             self.recorder.refused(tenant, headers.header_class, "quota")
             raise
-        life.hold(lambda: self.quotas.release(ticket))
+        life.hold(lambda: self.quotas.release(ticket, completion_tokens=len(life.trace.token_times)))
         return ticket
 
     async def _read_body(self, request: Request, headers: RequestHeaders, tenant: str) -> tuple[Any, int]:

@@ -14,7 +14,7 @@ import pytest
 from common.media.synthetic import synthetic_image
 from tests.mediakit import jpeg_bytes
 
-ALPHA, BETA = "key-alpha", "key-beta"
+ALPHA, BETA, GAMMA = "key-alpha", "key-beta", "key-gamma"
 APP = "prism-tenants"
 MODEL = "prism-tiny-llava"
 
@@ -29,9 +29,14 @@ def tenants(prism_server):
 
     base, config = prism_server
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    cfg["server"] = {**config["server"], "api_keys": {ALPHA: "alpha", BETA: "beta"}, "max_in_flight_per_ingress": 64}
+    cfg["server"] = {**config["server"], "api_keys": {ALPHA: "alpha", BETA: "beta", GAMMA: "gamma"}, "max_in_flight_per_ingress": 64}
     cfg["engine"] = {"kv_pool_blocks": 64, "max_output_tokens": 512, "max_prompt_tokens": 400}  # lease cap 32 blocks
-    cfg["admission"] = {"tenants": {"alpha": {"max_media_in_flight": 2}}}
+    cfg["admission"] = {
+        "tenants": {
+            "alpha": {"max_media_in_flight": 2},
+            "gamma": {"completion_tokens": {"per_s": 0.05, "burst": 2}},  # (output tokens charged at the end)
+        }
+    }
     cfg["deployments"] = {
         **config["deployments"],
         "ingress": {"num_cpus": 0.1, "max_ongoing_requests": 64, "max_queued_requests": 64},
@@ -204,3 +209,19 @@ def test_a_full_decode_pool_holds_a_request_back_before_prefill_computes(tenants
     decode.unreserve.remote(fillers[1]).result(timeout_s=30)
     after = stats("Decode")
     assert after["reserved"] == 0 and after["kv_blocks_used"] == 0
+
+
+def test_output_tokens_are_charged_to_the_tenant_and_its_debt_refuses_the_next_request_before_its_body(tenants):
+    """``completion_tokens``: what a request generated is charged when it ends; a tenant in debt gets 429
+    ``tenant_quota_exceeded`` naming the bucket (decided from the key, before the body is read); others go on."""
+    base, _ = tenants
+    with httpx.Client(timeout=60) as http:
+        first = _post(http, base, GAMMA, _body("Tell me a long story.", max_tokens=16))
+        assert first.status_code == 200, first.text
+        generated = first.json()["usage"]["completion_tokens"]
+        assert generated > 2  # more than the bucket holds: in debt now
+        second = _post(http, base, GAMMA, _body("And another one.", max_tokens=16))
+        error = second.json()["error"]
+        assert (second.status_code, error["code"]) == (429, "tenant_quota_exceeded"), second.text
+        assert "completion_tokens" in error["message"] and int(second.headers["retry-after"]) >= 1
+        assert _post(http, base, BETA, _body("Hello.")).status_code == 200  # another tenant is not held back

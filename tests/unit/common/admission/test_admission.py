@@ -141,6 +141,21 @@ def test_token_bucket_charges_late_costs_and_refills():
     _take(q, "alpha", _rv(media=1))
 
 
+def test_output_tokens_are_charged_when_the_request_ends_and_a_debt_holds_the_next_ones_back():
+    clock = _Clock()
+    cfg = AdmissionConfig(tenants={"alpha": TenantQuota(completion_tokens=Rate(per_s=100, burst=200))})
+    q = TenantQuotas(cfg, clock=clock)
+    t = _take(q, "alpha", _rv())
+    q.release(t, completion_tokens=500)  # a long generation: 300 tokens of debt
+    q.release(t, completion_tokens=500)  # (released once: charged once)
+    with pytest.raises(TenantQuotaExceeded) as info:
+        q.enter("alpha")  # refused before its body is read
+    assert "completion_tokens" in info.value.message and info.value.retry_after_s == 3
+    _take(q, "beta", _rv())  # another tenant is not held back
+    clock.t += 3.01
+    q.release(_take(q, "alpha", _rv()), completion_tokens=0)
+
+
 def test_enter_refuses_before_the_body_what_admit_would_refuse_and_holds_the_place_while_it_is_read():
     """``enter`` (the tenant known, the body not read) refuses a tenant at its request cap, with its request bucket
     empty or its prompt-token bucket in debt; otherwise it takes the request's in-flight place at once (a body still

@@ -69,8 +69,8 @@ def test_a_stage_budget_records_every_decision():
         first = await adm.admit(_ctx("a", 30, "alpha"), 100, 100)  # immediate
         waiter = asyncio.ensure_future(adm.admit(_ctx("b", 30, "beta", "batch"), 50, 50))  # waits
         await asyncio.sleep(0.01)
-        with pytest.raises(Overloaded):  # the queue (max_waiting=1) is full
-            await adm.admit(_ctx("c", 30), 10, 10)
+        with pytest.raises(Overloaded):  # the queue (max_waiting=1) is full, with beta's own request
+            await adm.admit(_ctx("c", 30, "beta"), 10, 10)
         with pytest.raises(DeadlineExceeded):
             await adm.admit(_ctx("d", -1), 10, 10)
         adm.release(first)
@@ -83,7 +83,7 @@ def test_a_stage_budget_records_every_decision():
         ("encode", "refused", "deadline"),
         ("encode", "admitted", "waited"),
     ]
-    assert [c["tenant"] for c in sink.counts] == ["alpha", "t", "t", "beta"]
+    assert [c["tenant"] for c in sink.counts] == ["alpha", "beta", "t", "beta"]
     assert [c["class"] for c in sink.counts] == ["interactive", "interactive", "interactive", "batch"]
     assert len(sink.waits) == 2 and sink.waits[0][0] == 0 and sink.waits[1][0] > 0
     assert [w[1]["tenant"] for w in sink.waits] == ["alpha", "beta"]

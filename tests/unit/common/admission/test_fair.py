@@ -134,3 +134,34 @@ def test_the_gate_grants_a_newcomer_before_a_flooders_queue_and_does_not_refuse_
         assert gate.fair.service == {"alpha": 4000, "beta": 10}
 
     asyncio.run(main())
+
+
+def test_a_queue_filled_by_one_tenant_still_takes_another_tenants_request():
+    async def main():
+        gate = BudgetGate("media", "pixels", 10, max_waiting=4, retry_after_s=1.0)
+
+        def acquire(tenant: str, amount: int, rank: float) -> asyncio.Task:
+            return asyncio.create_task(gate.acquire(amount, gate.clock() + 60, rank, tenant))
+
+        held = await gate.acquire(10, gate.clock() + 60, 0.0, "alpha")
+        flood = [acquire("alpha", 10, float(i)) for i in range(1, 5)]
+        await asyncio.sleep(0.01)
+        assert gate.waiting == 4
+        with pytest.raises(Overloaded) as full:  # alpha holds every place: its fifth is refused
+            await gate.acquire(10, gate.clock() + 60, 9.0, "alpha")
+        assert "at capacity" in full.value.message
+        texts = [acquire("beta", 1, 9.0), acquire("beta", 1, 10.0)]  # beta's share of the 4 places is 2
+        await asyncio.sleep(0.01)
+        assert gate.waiting == 6 and not any(t.done() for t in texts)
+        with pytest.raises(Overloaded):  # beta holds its share now
+            await gate.acquire(1, gate.clock() + 60, 11.0, "beta")
+        gate.release(held)
+        granted = [await asyncio.wait_for(t, 1) for t in texts]  # beta's go first
+        assert not any(t.done() for t in flood)
+        for grant in granted:
+            gate.release(grant)
+        for task in flood:
+            gate.release(await asyncio.wait_for(task, 1))
+        assert gate.used == 0 and gate.waiting == 0
+
+    asyncio.run(main())
