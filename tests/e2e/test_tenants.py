@@ -29,7 +29,11 @@ def tenants(prism_server):
 
     base, config = prism_server
     cfg = {k: v for k, v in config.items() if not k.startswith("_")}
-    cfg["server"] = {**config["server"], "api_keys": {ALPHA: "alpha", BETA: "beta", GAMMA: "gamma"}, "max_in_flight_per_ingress": 64}
+    cfg["server"] = {
+        **config["server"],
+        "api_keys": {ALPHA: "alpha", BETA: "beta", GAMMA: "gamma"},
+        "max_in_flight_per_ingress": 64,
+    }
     cfg["engine"] = {"kv_pool_blocks": 64, "max_output_tokens": 512, "max_prompt_tokens": 400}  # lease cap 32 blocks
     cfg["admission"] = {
         "tenants": {
