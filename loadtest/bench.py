@@ -55,7 +55,6 @@ def app_config(model: str) -> dict[str, Any]:
         "model": {"model": model, "torch_threads": 1},
         "deployments": {s: {"num_cpus": 0.25} for s in ("media", "encode", "prefill", "decode")},
         "server": {"api_keys": {servers.KEY: "bench", servers.ALPHA: "alpha", servers.BETA: "beta"}},
-        "admission": {"tenants": {"alpha": bench_results.ALPHA_QUOTA}},
         "observability": {"trace_cache_hits": True},
     }
 
