@@ -1,0 +1,183 @@
+"""One tenant's text while others flood large images, with no quota set: ``python -m loadtest.tenants``.
+
+Not part of ``make test`` (minutes, and it saturates the machine). It starts a local Ray cluster of its own, as
+``make serve`` does (the proxy guard and Prism's worker niceness in the environment of its raylet), and the
+application of ``make serve``'s config (``ray_configs/local_cpu.yaml``) with API keys for tenants ``alpha``,
+``beta`` (and ``gamma``) and no quota — what a new user gets. Then:
+
+1. ``beta`` sends short streamed text requests one after another (``--probes``, ``--gap`` apart), idle;
+2. ``alpha`` (and with ``--flooders 2`` also ``gamma``) floods: ``--clients`` closed-loop clients each, every request
+   one 1920×1440 JPEG (distinct images, encoded before the load starts), honouring ``Retry-After`` on a 429;
+3. after a few seconds of flood, ``beta`` probes again.
+
+It prints, as JSON, beta's time to the first content chunk measured at the client (p50 / p95, idle and under the
+flood, and the p95 ratio: issue 34 asks ≤ 3) and what each flooder got (responses by status, answered requests per
+second) — the figure that the bench's ``tenant_ttft_p95_flood_vs_idle`` measures under a lighter, open-loop flood.
+
+    python -m loadtest.tenants [--clients 48] [--flooders 1] [--probes 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from common.media.synthetic import synthetic_image
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "prism-tiny-llava"
+PROBE_KEY, FLOOD_KEYS = "key-beta", ("key-alpha", "key-gamma")
+KEYS = {"key-alpha": "alpha", "key-beta": "beta", "key-gamma": "gamma"}
+
+
+def app_config(path: Path = ROOT / "ray_configs" / "local_cpu.yaml") -> dict[str, Any]:
+    """``make serve``'s application config with the three tenants' keys (and nothing else changed)."""
+    app = yaml.safe_load(path.read_text())["applications"][0]
+    cfg = dict(app["args"]["config"])
+    cfg["server"] = {**cfg.get("server", {}), "api_keys": KEYS}
+    return cfg
+
+
+def jpeg_url(seed: int, size: tuple[int, int] = (1920, 1440)) -> str:
+    buf = io.BytesIO()
+    synthetic_image(*size, seed=seed).save(buf, "JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def ttft(http: httpx.Client, url: str, n: int) -> float | None:
+    """Seconds to the first content chunk of one short streamed text request of ``beta`` (``None``: not a 200)."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Say something about {n}."}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    with http.stream("POST", url, json=body, headers={"Authorization": f"Bearer {PROBE_KEY}"}) as r:
+        if r.status_code != 200:
+            return None
+        for line in r.iter_lines():
+            if line.startswith("data:") and '"content"' in line:
+                return time.perf_counter() - start
+    return None
+
+
+def probes(url: str, n: int, gap: float) -> list[float | None]:
+    with httpx.Client(timeout=120) as http:
+        out = []
+        for i in range(n):
+            out.append(ttft(http, url, i))
+            time.sleep(gap)
+        return out
+
+
+def quantiles_ms(samples: list[float | None]) -> dict[str, Any]:
+    """p50 / p95 in ms of the answered samples, and how many were not answered."""
+    done = [s for s in samples if s is not None]
+    cuts = statistics.quantiles(done, n=20, method="inclusive")
+    return {"p50_ms": round(cuts[9] * 1000, 1), "p95_ms": round(cuts[18] * 1000, 1), "failed": len(samples) - len(done)}
+
+
+def flooder(url: str, key: str, images: list[str], index: int, step: int, stop: threading.Event, out: list) -> None:
+    n = index
+    with httpx.Client(timeout=120) as http:
+        while not stop.is_set():
+            content = [{"type": "image_url", "image_url": {"url": images[n % len(images)]}}]
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [*content, {"type": "text", "text": "Describe it."}]}],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+            try:
+                r = http.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+                out.append(r.status_code)
+                if r.status_code == 429:
+                    time.sleep(float(r.headers.get("retry-after", "1")))
+            except httpx.HTTPError:
+                out.append("error")
+            n += step
+
+
+def run(url: str, clients: int, flooders: int, n_probes: int, gap: float, warm: float) -> dict[str, Any]:
+    images = [jpeg_url(seed) for seed in range(64)]  # (before any load: encoding them takes the cores)
+    probes(url, 3, gap)
+    idle = quantiles_ms(probes(url, n_probes, gap))
+    stop, got = threading.Event(), {KEYS[k]: [] for k in FLOOD_KEYS[:flooders]}
+    threads = [
+        threading.Thread(target=flooder, args=(url, key, images, i, clients, stop, got[KEYS[key]]), daemon=True)
+        for key in FLOOD_KEYS[:flooders]
+        for i in range(clients)
+    ]
+    start = time.time()
+    for t in threads:
+        t.start()
+    time.sleep(warm)
+    flooded = quantiles_ms(probes(url, n_probes, gap))
+    stop.set()
+    for t in threads:
+        t.join(120)
+    seconds = time.time() - start
+    return {
+        "beta_idle": idle,
+        "beta_under_flood": flooded,
+        "p95_ratio": round(flooded["p95_ms"] / idle["p95_ms"], 2),
+        "flooders": {
+            tenant: {
+                "by_status": {str(s): codes.count(s) for s in sorted(set(codes), key=str)},
+                "answered_per_s": round(codes.count(200) / seconds, 2),
+            }
+            for tenant, codes in got.items()
+        },
+        "config": {"clients_per_flooder": clients, "flooders": flooders, "probes": n_probes, "seconds": round(seconds)},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.tenants", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=48, help="closed-loop clients per flooding tenant")
+    parser.add_argument("--flooders", type=int, default=1, choices=[1, 2], help="flooding tenants (alpha, gamma)")
+    parser.add_argument("--probes", type=int, default=40, help="beta's text requests, idle and under the flood")
+    parser.add_argument("--gap", type=float, default=0.25, help="seconds between beta's requests")
+    parser.add_argument("--warm", type=float, default=5.0, help="seconds of flood before beta probes")
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from common.config import PrismConfig
+    from loadtest.bench_servers import free_port, wait_ready
+    from services.app import build_app
+    from services.platform.proxy_guard import GuardSettings, ray_env
+
+    cfg = app_config()
+    os.environ.update(ray_env(GuardSettings.of([("prism", "/", PrismConfig.model_validate(cfg))])))
+    port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"config": cfg}), name="prism", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, key=PROBE_KEY)
+        result = run(f"{base}/v1/chat/completions", args.clients, args.flooders, args.probes, args.gap, args.warm)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
