@@ -86,8 +86,11 @@ def probes(url: str, n: int, gap: float) -> list[float | None]:
 def quantiles_ms(samples: list[float | None]) -> dict[str, Any]:
     """p50 / p95 in ms of the answered samples, and how many were not answered."""
     done = [s for s in samples if s is not None]
+    failed = len(samples) - len(done)
+    if len(done) < 2:  # (every probe refused or failed: nothing to take quantiles of)
+        return {"p50_ms": None, "p95_ms": None, "failed": failed}
     cuts = statistics.quantiles(done, n=20, method="inclusive")
-    return {"p50_ms": round(cuts[9] * 1000, 1), "p95_ms": round(cuts[18] * 1000, 1), "failed": len(samples) - len(done)}
+    return {"p50_ms": round(cuts[9] * 1000, 1), "p95_ms": round(cuts[18] * 1000, 1), "failed": failed}
 
 
 def flooder(url: str, key: str, images: list[str], index: int, step: int, stop: threading.Event, out: list) -> None:
@@ -133,7 +136,7 @@ def run(url: str, clients: int, flooders: int, n_probes: int, gap: float, warm: 
     return {
         "beta_idle": idle,
         "beta_under_flood": flooded,
-        "p95_ratio": round(flooded["p95_ms"] / idle["p95_ms"], 2),
+        "p95_ratio": round(flooded["p95_ms"] / idle["p95_ms"], 2) if flooded["p95_ms"] and idle["p95_ms"] else None,
         "flooders": {
             tenant: {
                 "by_status": {str(s): codes.count(s) for s in sorted(set(codes), key=str)},
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = app_config()
     os.environ.update(ray_env(GuardSettings.of([("prism", "/", PrismConfig.model_validate(cfg))])))
     port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"config": cfg}), name="prism", route_prefix="/")

@@ -1,4 +1,5 @@
-"""A stage replica's in-flight budget: admit work by its size, queue the rest in rank order, refuse what cannot wait.
+"""A stage replica's in-flight budget: admit work by its size, queue the rest fairly between tenants (in rank order
+within each), refuse what cannot wait.
 
 Each stage replica holds one :class:`BudgetGate` over the unit its cost grows with (pixels being decoded in media,
 patches queued or encoding in encode, prompt tokens queued or computing in prefill). Lifecycle of one request:
@@ -13,8 +14,9 @@ its work is done, whatever the outcome. Every grant, waited for or not, is charg
 Refused instead of waiting, with a typed error that names the budget:
 
 * the wait queue is full (``max_waiting``) and its tenant already has its weighted share of the places in it → 429
-  ``server_overloaded`` with Retry-After (a tenant with less waits anyway: a flooder that filled the queue does not
-  lock the others out; the queue can exceed ``max_waiting`` by at most one place per such tenant);
+  ``server_overloaded`` with Retry-After (a tenant with less still waits: a flooder that filled the queue does not
+  lock the others out — so the queue can hold up to about twice ``max_waiting``, the flooder's places and the
+  others' shares);
 * the wait it can expect (what is in flight and what the fair order grants ahead of it ÷ the budget's measured drain
   rate) ends past its deadline → 429 at once rather than a 504 later (a deadline already passed is a 504);
 * its deadline passes while it waits → 504 ``deadline_exceeded``; a waiter whose caller went away (cancelled) leaves
@@ -135,7 +137,8 @@ class BudgetGate:
         start = self.clock()
         if amount == 0 or (not self.waiting and self.used + amount <= self.capacity):
             self.used += amount  # (nothing to wait for: e.g. every item an encoder-cache hit)
-            self.fair.served(tenant, amount, weight)
+            if amount:  # (a request that costs nothing is no service: it must not move the fair order's clock)
+                self.fair.served(tenant, amount, weight)
             return Grant(amount, 0.0, key)
         left = deadline - start
         if left <= 0:
@@ -150,7 +153,8 @@ class BudgetGate:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout=left)
         except BaseException as exc:  # deadline, or the caller went away
             if waiter.future.done() and not waiter.future.cancelled():
-                self._give_back(amount)  # granted in the same instant it gave up: give it straight back
+                self.fair.refund(tenant, amount, weight)  # granted in the same instant it gave up: not served
+                self._give_back(amount)
             else:
                 waiter.future.cancel()  # leaves the queue (skipped by _grant)
                 self._grant()  # it may have been holding smaller requests behind it

@@ -70,6 +70,12 @@ class FairQueue:
         for name in [t for t, f in self._finish.items() if f <= self.vtime and not self._queues.get(t)]:
             del self._finish[name]
 
+    def refund(self, tenant: str, amount: int, weight: float = 1.0) -> None:
+        """Undo a charge of :meth:`served` (a grant its caller gave up in the same instant it came)."""
+        if tenant in self._finish:
+            self._finish[tenant] -= amount / max(weight, 1e-9)
+        self.service[tenant] = self.service.get(tenant, 0.0) - amount
+
     # ---- queue ------------------------------------------------------------------------------------------------
     def push(self, waiter: Waiter) -> None:
         heapq.heappush(self._queues.setdefault(waiter.tenant, []), waiter)

@@ -36,9 +36,9 @@ class TenantQuota(BaseModel):
     completion_tokens: Rate | None = None
     """Output tokens per second, charged when a request ends (what it generated): a tenant in debt is held back at
     its next requests until the bucket refills."""
-    weight: float = Field(default=1.0, gt=0, le=1000)
-    """Its share where tenants wait for the same capacity (media pixels, encode patches, prefill tokens, the
-    front door's places): under contention each tenant gets capacity in proportion to its weight; alone, all of it."""
+    weight: float = Field(default=1.0, ge=0.01, le=100)
+    """Its share where tenants wait for the same stage budget (media pixels, encode patches, prefill tokens): under
+    contention each tenant gets units in proportion to its weight; alone, all of them."""
 
 
 class AdmissionConfig(BaseModel):
@@ -63,7 +63,9 @@ class AdmissionConfig(BaseModel):
     """Prompt tokens one prefill replica's long lane holds queued or computing (its low-latency lane holds up to a
     quarter of this again)."""
     max_waiting: int = Field(default=64, ge=0)
-    """Requests that may wait for room in one stage replica's budget; more get 429 ``server_overloaded``. A request
+    """Requests that may wait for room in one stage replica's budget; more get 429 ``server_overloaded`` — except a
+    tenant that holds less than its weighted share of the places, which still waits (so up to about twice this
+    wait: a flooder that filled the queue does not lock the other tenants out). A request
     that would wait past its deadline (judged by the budget's drain rate) is refused at once. A request bigger than a
     whole budget is admitted alone, so nothing admissible waits forever."""
     aging_tokens_per_s: float = Field(default=2048, gt=0)

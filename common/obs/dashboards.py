@@ -250,8 +250,8 @@ def requests_dashboard() -> dict[str, Any]:
         ],
         unit="percentunit",
         desc="Each tenant's part of the units a stage granted (pixels, patches, prompt tokens, KV blocks). Under "
-        "contention fair sharing keeps it to the tenants' weights (admission.tenants.<name>.weight); a tenant alone "
-        "may take all of it.",
+        "contention fair sharing keeps the media, encode and prefill shares to the tenants' weights "
+        "(admission.tenants.<name>.weight; decode's KV queue is not weighted); a tenant alone may take all of it.",
     )
     lay.panel(
         "Budget wait p95 by tenant",

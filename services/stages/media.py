@@ -7,7 +7,8 @@ never blocks the replica's other requests, and a flood of them waits for a downl
 the model's front end only (no weights).
 
 Lifecycle of one call: fetch + sniff + header check (thread; nothing decoded) → **admission** against the replica's
-pixel budget (``admission.media_pixel_budget``: waits in rank order, or 429 / 504 — :mod:`common.admission.stage`) →
+pixel budget (``admission.media_pixel_budget``: waits its turn, tenants served fairly, or 429 / 504 —
+:mod:`common.admission.stage`) →
 decode + processor (thread, holding the pixels until it ends) → the request's :class:`ResourceVector` completed
 from the processed media and checked against every per-request limit — visual tokens, the prompt limit, the decode
 KV lease — so a request that cannot fit is refused here, before the encoder queue. Fetch and decode stop at the

@@ -2,11 +2,11 @@
 
 Receives the chat messages (media reduced to markers) and the visual embeddings — never pixels — builds the prompt
 with the model's chat template, validates the span map against the embeddings (:func:`common.stages.merge.merge`),
-and — once admitted against the replica's token budget (``admission.prefill_token_budget``; waits in rank order or
-429 / 504, :mod:`common.admission.stage`) — queues the request on the :class:`PrefillEngine`. The driver spends
-``prefill_chunk_tokens`` per step across queued prompts, shortest remaining first with aging (the low-latency lane:
-a text prompt or a prefix-cache hit is not held behind a large image prompt's chunks; batch class behind
-interactive), and drops queued prompts whose deadline passed (504).
+and — once admitted against the replica's token budget (``admission.prefill_token_budget``; waits its turn, tenants
+served fairly, or 429 / 504, :mod:`common.admission.stage`) — queues the request on the :class:`PrefillEngine`. The
+driver spends ``prefill_chunk_tokens`` per step across queued prompts, shortest remaining first with aging (the
+low-latency lane: a text prompt or a prefix-cache hit is not held behind a large image prompt's chunks; batch class
+behind interactive), and drops queued prompts whose deadline passed (504).
 
 Two lanes, each an engine with its own driver thread and budget: text-only prompts up to
 ``admission.lane_max_prompt_tokens`` run on the low-latency lane, everything else on the long lane, whose thread

@@ -23,3 +23,4 @@ def test_quantiles_are_of_the_answered_probes_and_count_the_rest():
     samples = [i / 1000 for i in range(1, 101)] + [None, None]
     q = quantiles_ms(samples)
     assert q["failed"] == 2 and 50 <= q["p50_ms"] <= 51 and 95 <= q["p95_ms"] <= 96
+    assert quantiles_ms([None, 0.1]) == {"p50_ms": None, "p95_ms": None, "failed": 1}  # (too few to say)

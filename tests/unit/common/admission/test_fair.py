@@ -71,16 +71,20 @@ def test_an_idle_tenant_banks_no_credit_and_keeps_no_debt():
 
 def test_nobody_waits_forever_while_another_tenant_keeps_arriving():
     q = FairQueue()
-    q.push(_w("slow", 1000, rank=0.0))  # a large request, 100 times the others
+    q.served("slow", 1000)  # it was just served a lot: it waits while "busy" catches up
+    q.push(_w("slow", 1000, rank=0.0))  # and its next request is large, 100 times the others
     grants = 0
-    while q.head() is None or q.head().tenant != "slow":
-        q.push(_w("busy", 10, rank=grants))
+    while True:
+        q.push(_w("busy", 10, rank=grants + 1.0))  # busy always has one more waiting, ranked after slow's
         head = q.head()
         if head.tenant == "slow":
             break
         q.pop(head)
         grants += 1
-    assert grants <= 1  # both start level: the large one goes within a grant
+        assert grants <= 200, "the large request never got its turn"
+    assert 90 <= grants <= 101  # busy catches up the 1000 units it was behind (100 requests of 10), then slow goes
+    q.pop(q.head())
+    assert q.service == {"slow": 2000, "busy": grants * 10}
 
 
 def test_batch_yields_to_interactive_until_its_class_delay_runs_out():
@@ -103,6 +107,8 @@ def test_waiters_that_gave_up_are_skipped_and_forgotten():
         q.push(Waiter(1.0, 1, 5, "a", 1.0, False, stays))
         gone.cancel()
         assert [w.rank for w in q.live()] == [1.0] and q.head().future is stays
+        stays.cancel()
+        assert q.head() is None and q._queues == {}  # (a tenant with nobody left waiting is forgotten)
 
     asyncio.run(main())
 
@@ -163,5 +169,23 @@ def test_a_queue_filled_by_one_tenant_still_takes_another_tenants_request():
         for task in flood:
             gate.release(await asyncio.wait_for(task, 1))
         assert gate.used == 0 and gate.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_a_request_that_costs_nothing_does_not_move_the_fair_order():
+    async def main():
+        gate = BudgetGate("encode", "patches", 100, max_waiting=8, retry_after_s=1.0)
+        held = await gate.acquire(100, gate.clock() + 60, 0.0, "alpha")
+        small = asyncio.create_task(gate.acquire(10, gate.clock() + 60, 1.0, "gamma"))
+        big = asyncio.create_task(gate.acquire(100, gate.clock() + 60, 0.5, "alpha"))
+        await asyncio.sleep(0.01)
+        vtime = gate.fair.vtime
+        cached = await gate.acquire(0, gate.clock() + 60, 2.0, "alpha")  # an encoder-cache hit: nothing to wait for
+        assert gate.fair.vtime == vtime and gate.fair.service == {"alpha": 100}
+        gate.release(cached)
+        gate.release(held)
+        gate.release(await asyncio.wait_for(small, 1))  # gamma is owed: it goes before alpha's earlier-ranked one
+        gate.release(await asyncio.wait_for(big, 1))
 
     asyncio.run(main())
