@@ -69,7 +69,9 @@ def subprocess_server(module: str, args: list[str]):
 
 
 @contextmanager
-def prism_app(config: dict[str, Any]):
+def prism_app(config: dict[str, Any], key: str = KEY):
+    """Prism's application of ``config`` on a local Ray cluster of this process (its workers at Prism's niceness),
+    answering ``/v1/models`` to ``key``; yields its ``…/v1`` URL and takes the cluster down after."""
     import ray
     from ray import serve
 
@@ -82,7 +84,7 @@ def prism_app(config: dict[str, Any]):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"config": config}), name="prism", route_prefix="/")
-        wait_ready(f"http://127.0.0.1:{port}")
+        wait_ready(f"http://127.0.0.1:{port}", key=key)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         serve.shutdown()

@@ -157,27 +157,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warm", type=float, default=5.0, help="seconds of flood before beta probes")
     args = parser.parse_args(argv)
 
-    import ray
-    from ray import serve
-
     from common.config import PrismConfig
-    from loadtest.bench_servers import free_port, wait_ready
-    from services.app import build_app
+    from loadtest.bench_servers import prism_app
     from services.platform.proxy_guard import GuardSettings, ray_env
 
     cfg = app_config()
-    os.environ.update(ray_env(GuardSettings.of([("prism", "/", PrismConfig.model_validate(cfg))])))
-    port = free_port()
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"config": cfg}), name="prism", route_prefix="/")
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(base, key=PROBE_KEY)
-        result = run(f"{base}/v1/chat/completions", args.clients, args.flooders, args.probes, args.gap, args.warm)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    os.environ.update(ray_env(GuardSettings.of([("prism", "/", PrismConfig.model_validate(cfg))])))  # (the guard too)
+    with prism_app(cfg, key=PROBE_KEY) as url:
+        result = run(f"{url}/chat/completions", args.clients, args.flooders, args.probes, args.gap, args.warm)
     print(json.dumps(result, indent=2))
     return result
 
