@@ -30,8 +30,10 @@ def test_open_loop_run_against_the_deployed_app(prism_server, tmp_path):
     planned = arrival_times("poisson", 3.0, 4.0, seed=7)
     assert len(records) == len(planned) >= 4
     # open loop: each request left on its own schedule, not when an earlier one finished
-    sent = sorted(r.sent_at for r in records)
-    assert max(abs(a - b) for a, b in zip(sent, planned, strict=True)) < 0.25
+    # (the bound is loose on purpose: this process shares 2 cores with the cluster's workers at the same niceness, and
+    # one stall of its event loop delayed a send 0.31 s in CI; a closed loop would lag by whole request times)
+    late = [s - p for s, p in zip(sorted(r.sent_at for r in records), planned, strict=True)]
+    assert min(late) > -0.01 and sorted(late)[len(late) // 2] < 0.1 and max(late) < 1.0, late
     assert all(r.status in (200, 429) for r in records), [(r.status, r.code) for r in records]
     ok = [r for r in records if r.ok]
     assert ok and all(r.output_tokens == 4 and r.ttft_s is not None and r.trace for r in ok)
