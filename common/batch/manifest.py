@@ -2,8 +2,10 @@
 
 Columns: ``id`` (unique, non-empty string), ``video`` (a path under the media root, a ``file://`` URL under it, or an
 ``http(s)`` URL fetched by the same SSRF-safe fetcher as online serving), ``prompt``; optional ``max_tokens``, ``fps``,
-``max_frames`` (null: the server's policy). A malformed manifest (missing column, duplicate or empty id, wrong type)
-fails the whole job at once with the row number; a bad *video* is a per-row error later, never a job failure.
+``max_frames`` (null: the server's policy) and ``response_format`` (OpenAI's, as a JSON object or its JSON text: the
+row's answer is constrained by it; one that cannot be served is that row's ``invalid_response_format`` error). A
+malformed manifest (missing column, duplicate or empty id, wrong type) fails the whole job at once with the row
+number; a bad *video* is a per-row error later, never a job failure.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from urllib.parse import quote
 import pyarrow.parquet as pq
 
 REQUIRED = ("id", "video", "prompt")
-OPTIONAL = ("max_tokens", "fps", "max_frames")
+OPTIONAL = ("max_tokens", "fps", "max_frames", "response_format")
 
 
 class ManifestError(ValueError):
@@ -33,6 +35,8 @@ class BatchRow:
     max_tokens: int | None = None
     fps: float | None = None
     max_frames: int | None = None
+    response_format: str | None = None
+    """JSON text of the row's ``response_format`` (``None``: free text)."""
 
 
 def read_manifest(path: str | Path, media_root: str | Path | None = None) -> list[BatchRow]:
@@ -79,7 +83,22 @@ def _row(record: object, n: int, root: Path) -> BatchRow:
         max_tokens=_optional(record, "max_tokens", int, n),
         fps=_optional(record, "fps", float, n),
         max_frames=_optional(record, "max_frames", int, n),
+        response_format=_json_object(record, "response_format", n),
     )
+
+
+def _json_object(record: dict, key: str, n: int) -> str | None:
+    value = record.get(key)
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ManifestError(f"row {n}: {key} is not JSON") from None
+    if not isinstance(value, dict):
+        raise ManifestError(f"row {n}: {key} must be a JSON object")
+    return json.dumps(value)
 
 
 def _optional(record: dict, key: str, kind: type, n: int):

@@ -14,6 +14,7 @@ the typed error's code and message and passes through the later stages untouched
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,9 @@ from common.config import PrismConfig
 from common.engine.decode import DecodeEngine
 from common.engine.prefill import PrefillEngine
 from common.errors import InvalidRequestError, PrismError
+from common.grammar.compiler import compiler_for
+from common.grammar.formats import guide_from_request
+from common.grammar.guide import Guide
 from common.kv.pool import KVPool
 from common.media.loader import LoadTimings
 from common.media.stage import MediaStage
@@ -77,9 +81,23 @@ def fail(row: Row, exc: BaseException) -> Row:
 
 def input_row(row: Row) -> Row:
     """A manifest row for the pipeline: optional numbers as 0 when unset."""
-    return {k: row.get(k) or 0 for k in ("max_tokens", "fps", "max_frames")} | {
-        k: row[k] for k in ("id", "video", "prompt")
-    }
+    return (
+        {k: row.get(k) or 0 for k in ("max_tokens", "fps", "max_frames")}
+        | {k: row[k] for k in ("id", "video", "prompt")}
+        | {"response_format": row.get("response_format") or ""}
+    )
+
+
+def row_guide(cfg: PrismConfig, model: Any, row: Row) -> Guide | None:
+    """The row's output constraint, compiled for ``model``'s tokenizer (400 ``invalid_response_format`` otherwise)."""
+    if not row.get("response_format"):  # (its JSON text, checked as a JSON object by the manifest)
+        return None
+    guide = guide_from_request(
+        {"response_format": json.loads(row["response_format"])}, cfg.server.max_response_format_bytes
+    )
+    if guide is not None:
+        compiler_for(model).check(guide)
+    return guide
 
 
 def _ok(row: Row) -> bool:
@@ -97,6 +115,7 @@ class ClipLoader:
     def __call__(self, row: Row) -> Row:
         row = row | LOADED
         try:
+            row_guide(self.cfg, self.frontend, row)  # (a constraint that cannot be served costs no fetch)
             ref = MediaRef("video", row["video"], fps=row.get("fps") or None, max_frames=row.get("max_frames") or None)
             timings = LoadTimings()
             loaded = self.stage.load([ref], timings)
@@ -181,7 +200,8 @@ class ClipGenerator:
             raise InvalidRequestError(
                 f"max_tokens is {max_tokens}; the limit is {self.cfg.engine.max_output_tokens}", param="max_tokens"
             )
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0).resolved()
+        guide = row_guide(self.cfg, self.lm, row)
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, guide=guide).resolved()
 
     def __call__(self, rows: Sequence[Row]) -> list[Row]:
         """The rows with their text, reduced to the output columns (the arrays are dropped here)."""

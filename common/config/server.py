@@ -81,6 +81,9 @@ class ServerConfig(Strict):
     Python objects while it holds the GIL — every stream on the replica stalls meanwhile. Base64 holds none of these
     characters, so a large image costs nothing here. ``None``: what the shape limits allow — 8 per content part of
     every message, plus every text character (text may be all punctuation), plus 4096."""
+    max_response_format_bytes: int = Field(default=65_536, ge=256)
+    """Largest output constraint (``response_format`` / ``structured_outputs`` / ``guided_*``, as JSON) accepted;
+    larger is a 400 ``invalid_response_format``. Compiling is bounded too (:mod:`common.grammar.compiler`)."""
     max_unknown_fields: int = Field(default=64, ge=0)
     """Top-level fields Prism does not know (vendor extensions, ``user``, ``metadata`` …) accepted in one request;
     more are a 400 ``too_many_fields``."""

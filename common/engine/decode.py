@@ -27,6 +27,11 @@ the lost replica: the stream continues as if nothing happened. Every forced toke
 (sampling is deterministic: greedy, or seeded per step); a mismatch — a rebuild that did not reproduce the original
 state — is counted in :attr:`DecodeEngine.replay_mismatches` and logged, and the forced token is kept (it is what the
 client saw).
+
+**Grammars** (structured outputs, :mod:`common.grammar`): a sequence whose sampling carries a guide holds a matcher,
+advanced by every token it emits or replays (prefill's first token included); each step fills the masks of all
+constrained sequences in the batch at once and applies them to their logits rows only, before sampling. A sequence
+whose grammar is complete finishes with ``stop``.
 """
 
 from __future__ import annotations
@@ -38,11 +43,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import llguidance
 import torch
 
 from common.engine.paged_step import build_step_context
 from common.engine.reservations import Reservations
 from common.errors import HandoffError
+from common.grammar.compiler import GrammarCompiler, compiler_for
+from common.grammar.masks import MaskBuffer, apply_masks
 from common.kv.blocks import check_prefill, to_torch
 from common.kv.native import load_decode_kernel
 from common.kv.paged_attention import enable_paged_attention
@@ -81,6 +89,8 @@ class _Sequence:
     deadline: float | None
     counts: Counter[int] = field(default_factory=Counter)
     """Tokens generated so far (kept only when the request sets a frequency/presence penalty)."""
+    matcher: llguidance.LLMatcher | None = None
+    """The output grammar's state (``None``: unconstrained), advanced by every emitted or replayed token."""
     forced: deque[int] = field(default_factory=deque)
     """Replayed tokens still to feed (the client already has them): taken instead of sampled, never emitted."""
     diverged: bool = False
@@ -123,6 +133,14 @@ class DecodeEngine(Reservations):
         """Sequences :meth:`claim` gave blocks whose KV is on its way into them (not yet started: :meth:`start`)."""
         self._reserved: dict[str, float | None] = {}
         """Reservations not yet claimed by a submit (granted or waiting in the pool's queue) → their deadline."""
+        self._grammars: GrammarCompiler | None = None
+        self._masks: MaskBuffer | None = None
+        self.mask_s = 0.0
+        """Seconds spent filling and applying grammar masks (the structured-output overhead of the steps)."""
+        self.masked_rows = 0
+        """Logits rows masked (one per constrained sequence per step)."""
+        self.masked_steps = 0
+        """Steps with at least one constrained sequence."""
 
     # ---- queue management -----------------------------------------------------------------------------------
     def submit(
@@ -204,6 +222,8 @@ class DecodeEngine(Reservations):
     ) -> tuple[SamplingParams, tuple[int, ...], int]:
         """The resolved sampling, the replay, and the blocks the sequence's lease needs (prompt + ``max_tokens``)."""
         sampling = sampling.resolved()
+        if sampling.guide is not None:
+            self._matcher(sampling)  # (a guide that does not compile is refused before any KV is taken)
         replay = tuple(int(t) for t in replay)
         if len(replay) >= sampling.max_tokens:
             raise ValueError(f"a replay of {len(replay)} tokens leaves nothing of max_tokens={sampling.max_tokens}")
@@ -276,6 +296,7 @@ class DecodeEngine(Reservations):
             step=0,
             stops=StopChecker(self.lm, sampling),
             deadline=deadline,
+            matcher=self._matcher(sampling),
         )
         self._running[request_id] = seq
         if not replay:
@@ -284,10 +305,29 @@ class DecodeEngine(Reservations):
         seq.forced.extend(replay)
         self._replay(seq, pre.first_token_id)
 
+    def _matcher(self, sampling: SamplingParams) -> llguidance.LLMatcher | None:
+        if sampling.guide is None:
+            return None
+        if self._grammars is None:
+            self._grammars = compiler_for(self.lm)
+        return self._grammars.matcher(sampling.guide)
+
+    def _advance(self, seq: _Sequence, token: int) -> bool:
+        """Feed ``token`` to the sequence's grammar; False (the sequence is aborted) if the grammar refuses it."""
+        if seq.matcher is None or seq.matcher.consume_token(token):
+            return True
+        log.error("grammar of %s refused token %d at step %d", seq.request_id, token, seq.step)
+        self._abort(seq.request_id, "error")
+        return False
+
     def _emit(self, seq: _Sequence, token: int) -> None:
+        if not self._advance(seq, token):
+            return
         if seq.sampling.penalised:
             seq.counts[token] += 1
         reason = seq.stops.check(token, seq.step + 1)
+        if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"  # the grammar is complete: nothing may follow
         self._events.append(TokenEvent(seq.request_id, token, reason))
         if reason is not None:
             del self._running[seq.request_id]
@@ -306,6 +346,8 @@ class DecodeEngine(Reservations):
                 log.warning(
                     "replay of %s diverged at step %d: %d sent, %d resampled", seq.request_id, seq.step, token, sampled
                 )
+        if not self._advance(seq, token):
+            return
         if seq.sampling.penalised:
             seq.counts[token] += 1
         if seq.stops.check(token, seq.step + 1) is not None:  # a received token cannot have finished the stream
@@ -375,6 +417,7 @@ class DecodeEngine(Reservations):
                 prism_paged=ctx,
             )
             logits = self.lm.model.lm_head(out.last_hidden_state[:, -1:, :])[:, -1]
+            self._mask(batch, logits)
         for i, seq in enumerate(batch):
             seq.length += 1
             seq.step += 1
@@ -384,3 +427,16 @@ class DecodeEngine(Reservations):
             else:
                 seq.last_token = sampled
                 self._emit(seq, sampled)
+
+    def _mask(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
+        """Constrain the logits rows of the batch's guided sequences (in place; other rows untouched)."""
+        rows = [i for i, seq in enumerate(batch) if seq.matcher is not None]
+        if not rows:
+            return
+        started = time.perf_counter()
+        if self._masks is None:
+            self._masks = MaskBuffer(logits.shape[-1], self.max_batch)
+        apply_masks(logits, rows, self._masks.fill([batch[i].matcher for i in rows]))
+        self.mask_s += time.perf_counter() - started
+        self.masked_rows += len(rows)
+        self.masked_steps += 1

@@ -35,6 +35,8 @@ from transformers import DynamicCache
 from common.admission.budget import rank
 from common.cache.scope import cache_scope
 from common.engine.chunking import next_chunk_end, usable_prefix_blocks
+from common.grammar.compiler import compiler_for
+from common.grammar.masks import MaskBuffer, mask_row
 from common.kv.blocks import Buffers, export_sealed_kv, fresh_buffers, to_torch
 from common.kv.pool import KVPool
 from common.kv.prefix_cache import PrefixCache
@@ -113,6 +115,7 @@ class PrefillEngine:
             self.pool = KVPool(prefix_cache_blocks, block_size, lm.kv_shape, lm.dtype, max_lease_fraction=1.0)
             self.prefix = PrefixCache(self.pool)
         self._queue: OrderedDict[str, _State] = OrderedDict()
+        self._masks: MaskBuffer | None = None
 
     # ---- queue ----------------------------------------------------------------------------------------------
     def submit(
@@ -129,6 +132,8 @@ class PrefillEngine:
         ``deadline`` (engine clock) when :meth:`expire` drops it."""
         if request_id in self._queue:
             raise ValueError(f"request {request_id} is already queued")
+        if sampling.guide is not None:
+            compiler_for(self.lm).check(sampling.guide)  # (400 before any compute if it does not compile)
         lm, bs = self.lm, self.block_size
         n = len(merged.token_ids)
         token_ids = torch.from_numpy(merged.token_ids)
@@ -226,6 +231,9 @@ class PrefillEngine:
 
     def _finish(self, state: _State) -> PrefillResult:
         assert state.logits is not None
+        if state.sampling.guide is not None:  # the first token obeys the grammar too
+            with torch.inference_mode():
+                mask_row(state.logits, compiler_for(self.lm).matcher(state.sampling.guide), self._mask_buffer())
         first = sample_token(state.logits, state.sampling, step=0)
         kv, checksum = export_sealed_kv(state.cache, self.block_size, self.kv_buffers)
         if self.prefix is not None:
@@ -265,3 +273,8 @@ class PrefillEngine:
             self.pool.unref([block])  # the cache now holds the only reference (or none, if it refused)
             if not inserted:
                 return
+
+    def _mask_buffer(self) -> MaskBuffer:
+        if self._masks is None:
+            self._masks = MaskBuffer(int(self.lm.text_config.vocab_size))
+        return self._masks

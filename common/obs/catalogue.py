@@ -154,6 +154,19 @@ METRICS: tuple[MetricSpec, ...] = (
         "result",
     ),
     _g("prism_cache_bytes", "Bytes held by a cache layer in this replica.", "cache"),
+    # ---- structured outputs ----------------------------------------------------------------------------------------
+    _c(
+        "prism_grammar_compiles_total",
+        "Output constraints (response_format, regex, choice) compiled in this replica, by result: compiled, refused "
+        "(400 invalid_response_format) or cached (a compiled grammar reused).",
+        "result",
+    ),
+    _c("prism_grammar_compile_seconds_total", "Seconds this replica spent compiling output constraints."),
+    _c(
+        "prism_grammar_mask_seconds_total",
+        "Seconds decode steps spent filling and applying the token masks of grammar-constrained sequences.",
+    ),
+    _c("prism_grammar_masked_steps_total", "Decode steps with at least one grammar-constrained sequence."),
     # ---- KV ------------------------------------------------------------------------------------------------------
     _g("prism_kv_blocks_used", "KV pool blocks held by running sequences (decode replica)."),
     _g("prism_kv_blocks_free", "KV pool blocks free (decode replica)."),

@@ -321,6 +321,42 @@ def requests_dashboard() -> dict[str, Any]:
         [(quantile(0.95, "prism_transfer_seconds", APP, by="backend, payload"), "{{backend}} {{payload}}")],
         unit="s",
     )
+    lay.row("Structured outputs")
+    lay.panel(
+        "Grammar compiles by result",
+        [
+            (
+                f"sum by (result) (rate({m('prism_grammar_compiles_total')}{{{APP}}}[{RATE}]))",
+                "{{result}}",
+            ),
+        ],
+        unit="ops",
+        desc="cached: a compiled grammar reused (the cache is per replica, keyed by the constraint and tokenizer); "
+        "refused: a 400 before any stage ran.",
+    )
+    lay.panel(
+        "Mean compile time",
+        [
+            (
+                f"sum(rate({m('prism_grammar_compile_seconds_total')}{{{APP}}}[{RATE}]))"
+                f' / sum(rate({m("prism_grammar_compiles_total")}{{{APP}, result!="cached"}}[{RATE}]))',
+                "compile",
+            )
+        ],
+        unit="s",
+    )
+    lay.panel(
+        "Mask time per constrained decode step",
+        [
+            (
+                f"sum by (deployment) (rate({m('prism_grammar_mask_seconds_total')}{{{APP}}}[{RATE}]))"
+                f" / sum by (deployment) (rate({m('prism_grammar_masked_steps_total')}{{{APP}}}[{RATE}]))",
+                "{{deployment}}",
+            )
+        ],
+        unit="s",
+        desc="Compare with the step time: the grammar's overhead on a batch that holds constrained sequences.",
+    )
     return _dashboard("prism-requests", "Prism / Requests, caches and KV", lay)
 
 

@@ -42,7 +42,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": _default_or("none"),
     "functions": _default_or([]),
     "function_call": _default_or("none"),
-    "response_format": _default_or({"type": "text"}),
     "logprobs": _default_or(False),
     "top_logprobs": _default_or(0),
     "logit_bias": _default_or({}),

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from common.config import ServerConfig
 from common.errors import InvalidRequestError
+from common.grammar.formats import guide_from_request
+from common.grammar.guide import Guide
 from common.protocol.body import check_parameters, check_shape
 from common.protocol.handoff import MediaRef
 from common.protocol.sampling import SamplingParams, stop_problem
@@ -86,10 +88,23 @@ class ChatCompletionRequest(BaseModel):
     """Choices per request: only 1 (``n`` > 1 is refused by name as an unsupported parameter before this)."""
     return_token_ids: bool = False
     """Prism extension: include ``prompt_token_ids`` and each choice's ``token_ids``."""
+    response_format: dict[str, Any] | None = None
+    """Structured output (``json_object``, ``json_schema``): read by :mod:`common.grammar.formats`, with vLLM's
+    ``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_choice`` below."""
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     priority: Literal["interactive", "batch"] | None = None
     """Prism extension: the traffic class (also ``X-Prism-Priority``); batch work ranks behind interactive work in
     every stage's queue."""
     _ignored: list[str] = PrivateAttr(default_factory=list)
+    _guide: Guide | None = PrivateAttr(default=None)
+
+    @property
+    def guide(self) -> Guide | None:
+        """The output constraint the request asks for (shape- and size-checked; compiled by the ingress's plan)."""
+        return self._guide
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -105,6 +120,7 @@ class ChatCompletionRequest(BaseModel):
             stop=self.stop or (),
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
+            guide=self._guide,
         )
 
     def media_refs(self) -> list[MediaRef]:
@@ -154,6 +170,7 @@ def parse_chat_request(body: Any, server: ServerConfig | None = None) -> ChatCom
         raise InvalidRequestError(f"invalid request: {where}: {worst['msg']}", param=where or None) from None
     _check_stop(req.stop)
     req._ignored = ignored
+    req._guide = guide_from_request(body, server.max_response_format_bytes)
     return req
 
 

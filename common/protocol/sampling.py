@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from common.grammar.guide import Guide
+
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
 
@@ -47,6 +49,8 @@ class SamplingParams(BaseModel):
     """Subtracted from a token's logit if it was generated at all."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it for fixed output lengths)."""
+    guide: Guide | None = None
+    """The output constraint (structured outputs), checked at the ingress; every sampled token obeys it."""
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.grammar.compiler import compiler_for
+from common.grammar.masks import MaskBuffer, mask_row
 from common.kv.blocks import check_prefill, import_kv
 from common.model.loader import LoadedModel
 from common.protocol.handoff import FinishReason, PrefillOutput
@@ -44,10 +46,17 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
     past = pre.kv.num_tokens
     step = 0
     generated: Counter[int] = Counter()
+    matcher = compiler_for(lm).matcher(sampling.guide) if sampling.guide is not None else None
+    masks = MaskBuffer(int(lm.text_config.vocab_size))
     with torch.inference_mode():
         while True:
             generated[token] += 1
             reason = stops.check(token, step + 1)
+            if matcher is not None:
+                if not matcher.consume_token(token):
+                    raise RuntimeError(f"the grammar refused token {token} at step {step}")
+                if reason is None and matcher.is_stopped():
+                    reason = "stop"
             yield DecodeStep(token, reason)
             if reason is not None:
                 return
@@ -60,6 +69,8 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
             )
             past += 1
             logits = lm.model.lm_head(out.last_hidden_state[:, -1:, :])[0, -1]
+            if matcher is not None:
+                mask_row(logits, matcher, masks)
             token = sample_token(logits, sampling, step=step, counts=generated)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from common.grammar.compiler import compiler_for
+from common.grammar.masks import MaskBuffer, mask_row
 from common.kv.blocks import export_kv
 from common.model.loader import LoadedModel
 from common.protocol.handoff import MergedInputs, PrefillOutput
@@ -28,6 +30,8 @@ def prefill(lm: LoadedModel, merged: MergedInputs, sampling: SamplingParams, blo
             inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True
         )
         logits = lm.model.lm_head(out.last_hidden_state[:, -1:, :])[0, -1]
+        if sampling.guide is not None:
+            mask_row(logits, compiler_for(lm).matcher(sampling.guide), MaskBuffer(logits.shape[-1]))
         first = sample_token(logits, sampling, step=0)
         kv = export_kv(cache, block_size)
     return PrefillOutput(

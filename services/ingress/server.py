@@ -83,6 +83,7 @@ class IngressDeployment:
     def _load(self, in_flight: int) -> None:
         metrics = self.observer.metrics
         metrics.load(in_flight, in_flight)
+        metrics.grammar()
         for tenant, count in self.quotas.in_flight().items():
             metrics.set("prism_tenant_in_flight", count, tenant=tenant)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from common.grammar.compiler import CompileStats, process_stats
 from common.obs.catalogue import BY_NAME, MetricSpec
 
 
@@ -33,6 +34,9 @@ def _make(spec: MetricSpec) -> Any:
 REFRESH_S = 2.0
 
 _MADE: dict[str, Any] = {}
+_GRAMMAR_SEEN: dict[str, CompileStats] = {}
+"""The process's compile counters as last reported (:meth:`Metrics.grammar`)."""
+_GRAMMAR_LOCK = threading.Lock()
 """The Ray metric objects this process made, by name: the stages of a grouped deployment (one process) each have a
 :class:`Metrics`, and share these (Ray keeps one series per name and tag set in a process)."""
 
@@ -41,6 +45,7 @@ class Metrics:
     def __init__(self, stage: str) -> None:
         self.stage = stage
         self._objs: dict[str, Any] = {}
+        self._grammar_seen: tuple[float, int] = (0.0, 0)
 
     def _obj(self, name: str) -> Any:
         """The Ray metric, made on first use (so a process only registers what it records)."""
@@ -95,3 +100,21 @@ class Metrics:
 
     def cache_bytes(self, cache: str, nbytes: int) -> None:
         self.set("prism_cache_bytes", nbytes, cache=cache)
+
+    def grammar(self, mask_s: float | None = None, masked_steps: int = 0) -> None:
+        """Count what this process's grammar compilers did since the last call (once per process: the stages of a
+        group share its compilers) and, from a decode engine's running totals, its mask time."""
+        stats = process_stats()
+        with _GRAMMAR_LOCK:
+            last = _GRAMMAR_SEEN.get("compiles", CompileStats())
+            _GRAMMAR_SEEN["compiles"] = stats
+        self.inc("prism_grammar_compiles_total", stats.compiles - stats.refused - (last.compiles - last.refused),
+                 result="compiled")  # fmt: skip
+        self.inc("prism_grammar_compiles_total", stats.refused - last.refused, result="refused")
+        self.inc("prism_grammar_compiles_total", stats.hits - last.hits, result="cached")
+        self.inc("prism_grammar_compile_seconds_total", stats.compile_s - last.compile_s)
+        if mask_s is not None:
+            seen = self._grammar_seen
+            self.inc("prism_grammar_mask_seconds_total", mask_s - seen[0])
+            self.inc("prism_grammar_masked_steps_total", masked_steps - seen[1])
+            self._grammar_seen = (mask_s, masked_steps)

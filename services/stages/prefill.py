@@ -230,6 +230,7 @@ class PrefillDeployment:
 
     def _load(self) -> None:
         self.metrics.load(sum(len(x.runner.waiting) for x in self.lanes), self.queued_tokens)
+        self.metrics.grammar()
 
     def check_health(self) -> None:
         """Serve's health check: unhealthy once a lane's engine failed steps in a row (:func:`check_engines`)."""

@@ -6,6 +6,7 @@ never joins Ray here: the jobs under test are separate drivers, exactly as in pr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -48,13 +49,24 @@ GOOD = [
         ]
     )
 ]
-ERRORS = {"corrupt": "invalid_media", "too-long": "media_too_large", "missing": "media_fetch_failed"}
+ERRORS = {
+    "corrupt": "invalid_media",
+    "too-long": "media_too_large",
+    "missing": "media_fetch_failed",
+    "bad-schema": "invalid_response_format",
+}
+SCHEMA = {"type": "object", "properties": {"seen": {"enum": ["cat", "car", "sky"]}, "count": {"type": "integer",
+          "minimum": 0, "maximum": 9}}, "required": ["seen", "count"], "additionalProperties": False}  # fmt: skip
+"""The output constraint of clips 1 and 2 (a JSON object in the Parquet manifest's string column)."""
+UNSATISFIABLE = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 2,
+                                                                                "maximum": 1}}}  # fmt: skip
 PROMPTS = ["What happens?", "Describe the clip.", "Summarise it in a few words."]
 
 
 @pytest.fixture(scope="package")
 def clips(tmp_path_factory, model_cache):
-    """(manifest path, config path, media dir): 17 good clips, one corrupt, one over the duration cap, one missing."""
+    """(manifest path, config path, media dir): 17 good clips (two answering under a JSON schema), one corrupt, one
+    over the duration cap, one missing, one whose JSON schema is unsatisfiable."""
     from common.model.builder import resolve_model_dir
 
     resolve_model_dir(QWEN, model_cache)  # built once here, not in every worker
@@ -68,14 +80,19 @@ def clips(tmp_path_factory, model_cache):
             row["max_tokens"] = 6
         if n % 5 == 0:
             row["fps"] = 2.0
+        if n in (1, 2):
+            row["response_format"] = json.dumps({"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}})
+            row["max_tokens"] = 40
         rows.append(row)
     (root / "corrupt.mp4").write_bytes(video_bytes(1.0)[:300] + b"\x00" * 200)
     (root / "too-long.mp4").write_bytes(video_bytes(6.0, fps=4))
     for cid in ERRORS:
         rows.append({"id": cid, "video": f"{cid}.mp4", "prompt": "What happens?", "max_tokens": None, "fps": None})
+    rows[-1] |= {"video": "clip-00.mp4", "response_format": json.dumps(UNSATISFIABLE)}  # (refused before its fetch)
     manifest = root / "manifest.parquet"
-    schema = pa.schema([("id", pa.string()), ("video", pa.string()), ("prompt", pa.string()),
-                        ("max_tokens", pa.int64()), ("fps", pa.float64())])  # fmt: skip
+    text, number = pa.string(), pa.float64()
+    schema = pa.schema([("id", text), ("video", text), ("prompt", text), ("max_tokens", pa.int64()), ("fps", number),
+                        ("response_format", text)])  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), manifest)
     config = root / "batch.yaml"
     config.write_text(

@@ -62,6 +62,25 @@ def test_unary_and_streaming_match_http(stub, client):
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
 
 
+def test_structured_outputs_over_grpc_match_http(stub, client):
+    """The constraint travels in the JSON body: unary and streamed gRPC answers are HTTP's, and valid."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A digit?"}], "max_tokens": 40, "temperature": 0}
+    http = client.chat.completions.create(**body, extra_body=extra)
+    request = prism_pb2.GenerateRequest(chat_completion_json=json.dumps({**body, **extra}), api_key=API_KEY)
+    unary = stub.Generate(request, metadata=ROUTE, timeout=60)
+    assert unary.text == http.choices[0].message.content and unary.finish_reason == "stop"
+    assert 0 <= json.loads(unary.text)["n"] <= 9
+    chunks = list(stub.GenerateStream(request, metadata=ROUTE, timeout=60))
+    assert "".join(c.delta for c in chunks) == unary.text and chunks[-1].finish_reason == "stop"
+    bad = {**body, "guided_regex": "(["}
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(prism_pb2.GenerateRequest(chat_completion_json=json.dumps(bad), api_key=API_KEY),
+                      metadata=ROUTE, timeout=60)  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 @pytest.mark.parametrize(
     "request_kwargs,code",
     [

@@ -185,8 +185,9 @@ def test_metrics_follow_the_traffic_and_every_declared_metric_is_exported(client
         server.routes["/m.png"] = Route(body=_png(303), headers={"Content-Type": "image/png"})
         for i in range(3):
             client.chat.completions.create(
-                model=MODEL, messages=_messages(f"Say {i}", [server.url("/m.png")]), max_tokens=6, temperature=0
-            )
+                model=MODEL, messages=_messages(f"Say {i}", [server.url("/m.png")]), max_tokens=6, temperature=0,
+                extra_body={"guided_regex": "[a-z]{1,4}"} if i == 2 else None,  # (the grammar metrics count it)
+            )  # fmt: skip
     _stream_with_trace(client, _messages("Stream please"))
     r = httpx.post(
         f"{base}/v1/chat/completions",
@@ -200,6 +201,7 @@ def test_metrics_follow_the_traffic_and_every_declared_metric_is_exported(client
         return (
             total(s, "ray_prism_requests_total", **ok) >= before_ok + 4
             and total(s, "ray_prism_requests_total", **bad) >= before_bad + 1
+            and total(s, "ray_prism_grammar_masked_steps_total") >= 1
         )
 
     samples = wait_for(url, counted)

@@ -61,6 +61,10 @@ def _image_url(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def _schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": SECRET, "schema": schema, "strict": True}}
+
+
 # (case, headers, body (dict → JSON, bytes as is), status, code)
 CASES: list[tuple[str, dict, object, int, str]] = [
     ("no API key", {}, _body(), 401, "invalid_api_key"),
@@ -118,7 +122,43 @@ CASES: list[tuple[str, dict, object, int, str]] = [
     ("stop: 300 characters", KEY, _body(stop=SECRET * 12), 400, "invalid_stop"),
     ("tools", KEY, _body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_parameter"),
     ("tool_choice auto", KEY, _body(tool_choice="auto"), 400, "unsupported_parameter"),
-    ("response_format json_object", KEY, _body(response_format={"type": "json_object"}), 400, "unsupported_parameter"),
+    (
+        "json_schema unsatisfiable",
+        KEY,
+        _body(response_format=_schema({"type": "integer", "minimum": 5, "maximum": 1})),
+        400,
+        "invalid_response_format",
+    ),
+    (
+        "json_schema keyword not served",
+        KEY,
+        _body(response_format=_schema({"not": {"const": SECRET}})),
+        400,
+        "invalid_response_format",
+    ),
+    (
+        "json_schema 70 KB",
+        KEY,
+        _body(response_format=_schema({"type": "string", "description": "x" * 70_000})),
+        400,
+        "invalid_response_format",
+    ),
+    (
+        "json_schema $ref to nowhere",
+        KEY,
+        _body(response_format=_schema({"$ref": f"#/$defs/{SECRET}"})),
+        400,
+        "invalid_response_format",
+    ),
+    ("guided_regex invalid", KEY, _body(guided_regex="([" + SECRET), 400, "invalid_response_format"),
+    (
+        "two output constraints",
+        KEY,
+        _body(response_format={"type": "json_object"}, guided_regex="a+"),
+        400,
+        "invalid_response_format",
+    ),
+    ("response_format type xml", KEY, _body(response_format={"type": "xml"}), 400, "invalid_response_format"),
     ("logprobs true", KEY, _body(logprobs=True), 400, "unsupported_parameter"),
     ("top_logprobs 5", KEY, _body(top_logprobs=5), 400, "unsupported_parameter"),
     ("logit_bias", KEY, _body(logit_bias={"42": 100}), 400, "unsupported_parameter"),
@@ -337,9 +377,10 @@ def test_refusals_are_counted_where_they_happen(served, before):
         proxy = count(text, deployment="proxy", code="request_too_large", status="413")
         keyless = count(text, deployment="proxy", code="invalid_api_key", status="401")
         ingress = count(text, deployment="Ingress", code="unsupported_parameter")
-        if (proxy >= 3 and keyless >= 4 and ingress >= 9) or time.time() > deadline:
+        grammar = count(text, deployment="Ingress", code="invalid_response_format")
+        if (proxy >= 3 and keyless >= 4 and ingress >= 8 and grammar >= 7) or time.time() > deadline:
             break
         time.sleep(2)
     assert proxy == 3, "each oversized HTTP body with a key refused by the proxy is counted once"
     assert keyless >= 4, "requests without a valid key are refused (and counted) by the proxy"
-    assert ingress >= 9
+    assert ingress >= 8 and grammar >= 7  # (the corpus's unsupported parameters; its output constraints refused)

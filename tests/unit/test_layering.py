@@ -15,6 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("common.errors",),
     ("common.stop", "common.config"),
     ("common.auth", "common.obs"),
+    ("common.grammar",),
     ("common.protocol",),
     ("common.model",),
     ("common.cache", "common.kv", "common.media"),

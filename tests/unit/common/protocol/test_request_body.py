@@ -91,8 +91,6 @@ def test_limits_are_configurable():
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {}}),
         ("logprobs", True),
         ("top_logprobs", 3),
         ("logit_bias", {"50256": -100}),
@@ -115,7 +113,6 @@ def test_unsupported_parameters_are_refused_by_name(name, value):
     [
         ("tools", []),
         ("tool_choice", "none"),
-        ("response_format", {"type": "text"}),
         ("logprobs", False),
         ("top_logprobs", 0),
         ("logit_bias", {}),
@@ -131,7 +128,7 @@ def test_defaults_of_unsupported_parameters_are_accepted(name, value):
 
 
 def test_every_unsupported_parameter_has_a_case():
-    covered = {"tools", "tool_choice", "functions", "function_call", "response_format", "logprobs", "top_logprobs"}
+    covered = {"tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs"}
     covered |= {"logit_bias", "n", "best_of", "audio", "modalities", "prediction"}
     assert covered == set(UNSUPPORTED)
 
