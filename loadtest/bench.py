@@ -9,7 +9,7 @@ images of its own. ``--quick`` runs each figure once on shorter loads and writes
 
 The run, in order — each step readable on its own:
 
-1. the decode engine and the KV hand-offs, in process (:mod:`loadtest.bench_engine`);
+1. the decode engine, the grammar masks and the KV hand-offs, in process (:mod:`loadtest.bench_engine`);
 2. the server sessions — naive, Prism, Prism's cache-reach application, Prism in each grouped topology
    (:mod:`loadtest.bench_topology`), monolith (:mod:`loadtest.bench_sessions`);
 3. the serving figures read from those runs (:mod:`loadtest.bench_results`; the cache-reach ones:
@@ -109,6 +109,12 @@ def _measure(
     decode_out = (QUICK if st.quick else RESULTS) / "decode.json"
     n_decode = st.runs("decode_speedup_32_vs_sequential")  # (the roofline comes from the same runs: declared alike)
     metrics = bench_engine.decode_figures(model, n_decode, st.decode_tokens, decode_out)
+    say("grammar masks (structured outputs)")
+    grammar_out = (QUICK if st.quick else RESULTS) / "grammar.json"
+    steps = 8 if st.quick else 24
+    metrics.update(
+        bench_engine.grammar_figures(model, st.runs("grammar_mask_fraction_of_b32_step"), steps, grammar_out)
+    )
     say("transfers (object store, NIXL, UCX's own READ), in a Ray session of their own")
     runs = st.runs("handoff_bw_fraction_of_memcpy"), st.runs("nixl_bw_fraction_of_memcpy")
     metrics.update(bench_engine.transfer_figures(*runs, st.ucx_transports))

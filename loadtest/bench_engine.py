@@ -56,6 +56,23 @@ def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, A
     }
 
 
+def grammar_figures(model: str, runs: int, steps: int, out: Path) -> dict[str, Any]:
+    """``grammar_mask_fraction_of_b32_step``: the masks of 32 JSON-constrained sequences at a 151k-token vocabulary,
+    per step, over the model's b32 step with no grammar (:mod:`loadtest.bench_grammar`, ``runs`` runs; each run's
+    JSON beside ``out``); beside it, on the model itself, its constrained step against its free one."""
+    from loadtest import bench_grammar
+
+    results = [
+        bench_grammar.main(["--model", model, "--steps", str(steps), "--out", str(out.with_suffix(f".{i}.json"))])
+        for i in range(runs)
+    ]
+    kept = ("step_ms_free", "step_ms_all_constrained", "step_ratio_all_constrained_vs_free", "mask_ms_per_step",
+            "mask_fraction_of_step", "vocab_151k")  # fmt: skip
+    raw = [{k: r[k] for k in kept} for r in results]
+    values = [r["mask_fraction_of_step_at_151k_vocab"] for r in results]
+    return {"grammar_mask_fraction_of_b32_step": record("grammar_mask_fraction_of_b32_step", values, raw)}
+
+
 STORE_BYTES = 1 << 30
 """The hand-off session's object store."""
 

@@ -48,6 +48,7 @@ class Figure:
 FIGURES: tuple[Figure, ...] = (
     Figure("decode_speedup_32_vs_sequential", ">=", 10.0, runs=3),
     Figure("decode_roofline_fraction_b32", ">=", 0.7, runs=3, ours=True),
+    Figure("grammar_mask_fraction_of_b32_step", "<=", 0.10, runs=3),
     Figure("handoff_bw_fraction_of_memcpy", ">=", 0.4, runs=5),
     Figure("nixl_bw_fraction_of_memcpy", ">=", 0.25, runs=5, ours=True),
     Figure("nixl_vs_ucx_read", ">=", 0.8, runs=5),

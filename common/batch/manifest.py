@@ -2,10 +2,10 @@
 
 Columns: ``id`` (unique, non-empty string), ``video`` (a path under the media root, a ``file://`` URL under it, or an
 ``http(s)`` URL fetched by the same SSRF-safe fetcher as online serving), ``prompt``; optional ``max_tokens``, ``fps``,
-``max_frames`` (null: the server's policy) and ``response_format`` (OpenAI's, as a JSON object or its JSON text: the
-row's answer is constrained by it; one that cannot be served is that row's ``invalid_response_format`` error). A
-malformed manifest (missing column, duplicate or empty id, wrong type) fails the whole job at once with the row
-number; a bad *video* is a per-row error later, never a job failure.
+``max_frames`` (null: the server's policy) and ``response_format`` (OpenAI's, as its JSON text — or, in JSONL, the
+object itself: the row's answer is constrained by it; one that cannot be served is that row's
+``invalid_response_format`` error). A malformed manifest (missing column, duplicate or empty id, wrong type) fails the
+whole job at once with the row number; a bad *video* is a per-row error later, never a job failure.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class BatchRow:
 
 def read_manifest(path: str | Path, media_root: str | Path | None = None) -> list[BatchRow]:
     path = Path(path)
-    if path.suffix.lower() in (".parquet", ".pq"):
+    parquet = path.suffix.lower() in (".parquet", ".pq")
+    if parquet:
         records = pq.read_table(path).to_pylist()
     elif path.suffix.lower() in (".jsonl", ".ndjson", ".json"):
         records = []
@@ -56,7 +57,7 @@ def read_manifest(path: str | Path, media_root: str | Path | None = None) -> lis
     root = Path(media_root) if media_root is not None else path.parent
     rows, seen = [], set()
     for n, record in enumerate(records, 1):
-        row = _row(record, n, root)
+        row = _row(record, n, root, parquet)
         if row.id in seen:
             raise ManifestError(f"row {n}: duplicate id {row.id!r}")
         seen.add(row.id)
@@ -64,7 +65,7 @@ def read_manifest(path: str | Path, media_root: str | Path | None = None) -> lis
     return rows
 
 
-def _row(record: object, n: int, root: Path) -> BatchRow:
+def _row(record: object, n: int, root: Path, parquet: bool = False) -> BatchRow:
     if not isinstance(record, dict):
         raise ManifestError(f"row {n}: not an object")
     missing = [c for c in REQUIRED if record.get(c) in (None, "")]
@@ -83,14 +84,18 @@ def _row(record: object, n: int, root: Path) -> BatchRow:
         max_tokens=_optional(record, "max_tokens", int, n),
         fps=_optional(record, "fps", float, n),
         max_frames=_optional(record, "max_frames", int, n),
-        response_format=_json_object(record, "response_format", n),
+        response_format=_json_object(record, "response_format", n, parquet),
     )
 
 
-def _json_object(record: dict, key: str, n: int) -> str | None:
+def _json_object(record: dict, key: str, n: int, parquet: bool) -> str | None:
     value = record.get(key)
     if value is None or value == "":
         return None
+    if parquet and not isinstance(value, str):
+        # (a struct column gives every row every key of every other row, the missing ones as null: not the object
+        # that was written)
+        raise ManifestError(f"row {n}: in Parquet, {key} must be a string column of JSON text")
     if isinstance(value, str):
         try:
             value = json.loads(value)

@@ -286,6 +286,14 @@ class DecodeEngine(Reservations):
         deadline: float | None,
         replay: tuple[int, ...],
     ) -> None:
+        try:
+            matcher = self._matcher(sampling)
+        except Exception:  # (checked at submit; a recompile after eviction failing here ends this sequence alone:
+            # _begin may run inside another sequence's release)
+            log.exception("grammar of %s did not compile at admission", request_id)
+            self._events.append(TokenEvent(request_id, None, "error"))
+            self._release(request_id)
+            return
         seq = _Sequence(
             request_id=request_id,
             sampling=sampling,
@@ -296,7 +304,7 @@ class DecodeEngine(Reservations):
             step=0,
             stops=StopChecker(self.lm, sampling),
             deadline=deadline,
-            matcher=self._matcher(sampling),
+            matcher=matcher,
         )
         self._running[request_id] = seq
         if not replay:
@@ -313,10 +321,12 @@ class DecodeEngine(Reservations):
         return self._grammars.matcher(sampling.guide)
 
     def _advance(self, seq: _Sequence, token: int) -> bool:
-        """Feed ``token`` to the sequence's grammar; False (the sequence is aborted) if the grammar refuses it."""
-        if seq.matcher is None or seq.matcher.consume_token(token):
+        """Feed ``token`` to the sequence's grammar; False (the sequence is aborted) if the grammar refuses it or has
+        failed (a parser limit met at a step: its mask then allows only EOS, which must not end a reply as ``stop``)."""
+        if seq.matcher is None or (seq.matcher.consume_token(token) and not seq.matcher.is_error()):
             return True
-        log.error("grammar of %s refused token %d at step %d", seq.request_id, token, seq.step)
+        error = seq.matcher.get_error()[:200]
+        log.error("grammar of %s failed at step %d (token %d): %s", seq.request_id, seq.step, token, error)
         self._abort(seq.request_id, "error")
         return False
 
@@ -326,8 +336,8 @@ class DecodeEngine(Reservations):
         if seq.sampling.penalised:
             seq.counts[token] += 1
         reason = seq.stops.check(token, seq.step + 1)
-        if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
-            reason = "stop"  # the grammar is complete: nothing may follow
+        if reason in (None, "length") and seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"  # the grammar is complete (at max_tokens too): nothing may follow
         self._events.append(TokenEvent(seq.request_id, token, reason))
         if reason is not None:
             del self._running[seq.request_id]

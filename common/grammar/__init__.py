@@ -12,10 +12,12 @@ Lifecycle of one constrained request:
 3. **decode** — each sequence holds its own matcher, built from the compiler's bounded cache of compiled grammars
    (keyed by the grammar's digest; the compiler is per tokenizer) and advanced by prefill's first token and by any
    replayed tokens (decode migration), so its state is a function of the tokens alone. Every batched step fills the
-   masks of all constrained sequences at once (:func:`~common.grammar.masks.fill_masks`, the library's thread pool)
-   and sets the disallowed logits of those rows to ``-inf`` before penalties, greedy, temperature and top-p; rows of
-   unconstrained sequences are not touched. A sequence whose grammar is complete ends with ``stop``; one cut by
-   ``max_tokens`` ends with ``length``.
+   masks of all constrained sequences at once (:class:`~common.grammar.masks.MaskBuffer`, the library's thread pool)
+   and sets the disallowed logits of those rows to -1e30 before penalties, greedy, temperature and top-p; rows of
+   unconstrained sequences are not touched. A sequence whose grammar is complete ends with ``stop`` (at
+   ``max_tokens`` too); one cut short by ``max_tokens`` ends with ``length``; one whose grammar fails mid-way (the
+   library compiles lazily: a parser limit can be met at a step) ends with an ``error`` event, never with output the
+   grammar did not accept.
 
 JSON is compact by default (no free whitespace between tokens), so a bounded schema always terminates.
 """

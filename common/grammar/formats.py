@@ -38,9 +38,7 @@ def _bad(message: str, param: str) -> InvalidRequestError:
 def guide_from_request(body: dict[str, Any], max_bytes: int) -> Guide | None:
     """The constraint a raw request ``body`` asks for, or ``None``; ``max_bytes`` bounds the constraint's JSON text."""
     given = [f for f in ("response_format", *EXTENSION_FIELDS) if body.get(f) is not None]
-    if given == ["response_format"] and body["response_format"] == {"type": "text"}:
-        return None
-    given = [f for f in given if not (f == "response_format" and body[f] == {"type": "text"})]
+    given = [f for f in given if not (f == "response_format" and _is_text(body[f]))]
     if not given:
         return None
     if len(given) > 1:
@@ -58,6 +56,11 @@ def guide_from_request(body: dict[str, Any], max_bytes: int) -> Guide | None:
         kind, spec = next(iter(value.items()))
         return _extension(kind, spec, f"{field}.{kind}")
     return _extension(field.removeprefix("guided_"), value, field)
+
+
+def _is_text(value: Any) -> bool:
+    """``{"type": "text", …}``: free text, whatever else the object holds (OpenAI ignores it too)."""
+    return isinstance(value, dict) and value.get("type") == "text"
 
 
 def _response_format(value: Any) -> Guide:

@@ -1,18 +1,19 @@
 """Token masks for a batched step: filled for every constrained sequence at once, applied to their logits rows.
 
 A mask is llguidance's bitmask (one bit per token id, 32 per ``int32`` word). :class:`MaskBuffer` keeps one
-``[max_batch, words]`` buffer per engine, so a step allocates nothing; :func:`fill_masks` fills the rows of the
+``[max_batch, words]`` buffer per engine, so a step allocates nothing; :meth:`MaskBuffer.fill` fills the rows of the
 constrained sequences on the library's thread pool (the GIL is released while it works); :func:`apply_masks` sets the
-disallowed logits of exactly those rows to ``-inf`` — an unconstrained row is never read or written, so a
-sequence's tokens do not depend on its neighbours' grammars.
+disallowed logits of exactly those rows to -1e30 (allowed ones keep their values exactly) — an unconstrained row is
+never read or written, so a sequence's tokens do not depend on its neighbours' grammars.
 """
 
 from __future__ import annotations
 
-import llguidance
-import torch
+import os
 
-_BITS = torch.arange(32, dtype=torch.int32)
+import llguidance
+import numpy as np
+import torch
 
 
 class MaskBuffer:
@@ -31,25 +32,60 @@ class MaskBuffer:
         if len(matchers) == 1:  # (no thread hop for one)
             matchers[0].unsafe_compute_mask_ptr(rows.data_ptr(), self.words * 4)
         else:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
+            if self._executor is None:  # (threads as many as this process may use, at most 8: the library's default
+                # of 80 % of the machine's CPUs left masks slower on a 2-core replica)
+                self._executor = llguidance.LLExecutor(num_threads=min(8, len(os.sched_getaffinity(0))))
             self._executor.unsafe_compute_mask_ptr(
                 [(m, i) for i, m in enumerate(matchers)], rows.data_ptr(), self.words * 4, len(matchers)
             )
         return rows
 
 
-def allowed(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[rows, words]`` bitmasks → ``[rows, vocab_size]`` booleans (True: the token may come next)."""
-    bits = (masks.unsqueeze(-1) >> _BITS) & 1
-    return bits.reshape(masks.shape[0], -1)[:, :vocab_size].bool()
+REFUSED = -1e30
+"""A refused token's logit: no softmax, top-p or argmax can pick it (float16's lowest value where -1e30 is out of its
+range)."""
+_BIT = np.arange(32, dtype=np.int32)
+DENSE_VOCAB = 32_768
+"""Up to this vocabulary a batch's masks are applied in one vectorised pass; above it, row by row, sparsely."""
+
+
+def _tokens(words: np.ndarray, where: np.ndarray, allowed: bool) -> np.ndarray:
+    """Token ids whose bit is 1 (``allowed``) or 0 in the words at positions ``where`` of one row's mask."""
+    bits = (words[where, None] >> _BIT) & 1
+    w, j = np.nonzero(bits if allowed else bits == 0)
+    return where[w] * 32 + j
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
-    """Set, in place, the disallowed entries of ``logits[rows[i]]`` to ``-inf`` under ``masks[i]``."""
-    index = torch.tensor(rows, dtype=torch.long)
-    keep = allowed(masks, logits.shape[-1])
-    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    """Constrain, in place, ``logits[rows[i]]`` by ``masks[i]`` (other rows untouched). Work follows the smaller of
+    the allowed and refused sets, not the vocabulary: inside a JSON string nearly every token is allowed and only
+    the few refused ones are written; between values a handful is allowed, so the row is filled and those few put
+    back (a masked fill of 32 × 151k logits costs 4–18 ms here, this ≈ 3 ms). Up to :data:`DENSE_VOCAB` tokens, one
+    masked fill over the rows (the loop's per-row cost would dominate)."""
+    vocab = logits.shape[-1]
+    words = masks.numpy()
+    refused_value = max(REFUSED, torch.finfo(logits.dtype).min)
+    if vocab <= DENSE_VOCAB:  # small rows: one vectorised pass beats a Python loop over the rows
+        refused = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little") == 0
+        if rows == list(range(logits.shape[0])):
+            logits.masked_fill_(torch.from_numpy(refused), refused_value)
+        else:
+            index = torch.tensor(rows)
+            logits[index] = logits[index].masked_fill(torch.from_numpy(refused), refused_value)
+        return
+    allowed_counts = np.bitwise_count(words.view(np.uint32)).sum(axis=1)
+    for i, row in enumerate(rows):
+        target = logits[row]
+        mask = words[i]
+        if allowed_counts[i] >= vocab - allowed_counts[i]:  # mostly allowed: write the refused ones
+            refused = _tokens(mask, np.flatnonzero(mask != -1), allowed=False)
+            target[torch.from_numpy(refused[refused < vocab])] = refused_value
+        else:  # mostly refused: keep the allowed ones' values, fill the rest
+            keep = _tokens(mask, np.flatnonzero(mask), allowed=True)
+            keep = torch.from_numpy(keep[keep < vocab])
+            values = target[keep].clone()
+            target.fill_(refused_value)
+            target[keep] = values
 
 
 def mask_row(logits: torch.Tensor, matcher: llguidance.LLMatcher, buffer: MaskBuffer) -> None:

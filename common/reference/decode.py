@@ -53,9 +53,9 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
             generated[token] += 1
             reason = stops.check(token, step + 1)
             if matcher is not None:
-                if not matcher.consume_token(token):
+                if not matcher.consume_token(token) or matcher.is_error():
                     raise RuntimeError(f"the grammar refused token {token} at step {step}")
-                if reason is None and matcher.is_stopped():
+                if reason in (None, "length") and matcher.is_stopped():
                     reason = "stop"
             yield DecodeStep(token, reason)
             if reason is not None:

@@ -104,8 +104,8 @@ class Metrics:
     def grammar(self, mask_s: float | None = None, masked_steps: int = 0) -> None:
         """Count what this process's grammar compilers did since the last call (once per process: the stages of a
         group share its compilers) and, from a decode engine's running totals, its mask time."""
-        stats = process_stats()
-        with _GRAMMAR_LOCK:
+        with _GRAMMAR_LOCK:  # (the snapshot inside the lock: a group's stages each report from a thread of their own)
+            stats = process_stats()
             last = _GRAMMAR_SEEN.get("compiles", CompileStats())
             _GRAMMAR_SEEN["compiles"] = stats
         self.inc("prism_grammar_compiles_total", stats.compiles - stats.refused - (last.compiles - last.refused),

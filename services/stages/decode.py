@@ -47,6 +47,7 @@ from common.admission.stage import StageAdmission
 from common.config import PrismConfig
 from common.engine.decode import DecodeEngine, TokenEvent
 from common.errors import Overloaded
+from common.grammar.compiler import compiler_for
 from common.kv.blocks import check_key, check_landed, verify_handoff
 from common.kv.landing import Landing
 from common.kv.pool import KVPool
@@ -220,6 +221,9 @@ class DecodeDeployment:
         Either way what arrived is checked against the attempt's seal — key first, bytes where they lie — before a
         token is made from it (off the event loop)."""
         ctx, transport = stream.ctx, self.transport
+        if sampling.guide is not None:  # compiled off the event loop (and outside the engine's lock): a grammar new to
+            # this replica may take a while, and claim/submit below then find it cached
+            await asyncio.to_thread(compiler_for(self.lm).check, sampling.guide)
         pre = await asyncio.to_thread(transport.open, handle) if transport.open_blocks else transport.open(handle)
         check_key(pre, ctx.key)  # never another attempt's KV, not even for a moment in the pool
         async with self.driver.lock:

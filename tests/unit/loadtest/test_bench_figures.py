@@ -31,6 +31,7 @@ SHORT = (
     "tenant_ttft_p95_flood_vs_idle",
     "decode_speedup_32_vs_sequential",
     "decode_roofline_fraction_b32",
+    "grammar_mask_fraction_of_b32_step",
     "handoff_bw_fraction_of_memcpy",
     "nixl_bw_fraction_of_memcpy",
     "nixl_vs_ucx_read",
@@ -39,7 +40,7 @@ SHORT = (
 
 def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     names = [f.name for f in figures.FIGURES]
-    assert len(names) == len(set(names)) == 14
+    assert len(names) == len(set(names)) == 15
     assert all(f.op in ("<=", ">=") and f.target > 0 for f in figures.FIGURES)
     assert all(figures.runs(n) >= 3 for n in SHORT)
     # the two decode figures come from the same runs of bench_decode, the NIXL two from the same repeats

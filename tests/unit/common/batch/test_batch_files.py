@@ -48,11 +48,30 @@ def test_manifest_rows_and_video_urls(tmp_path):
         ([{"id": "a", "video": "v", "prompt": "p", "max_tokens": -1}], "max_tokens must be a positive"),
         ([{"id": "a", "video": "v", "prompt": "p", "max_frames": 2.5}], "max_frames must be an integer"),
         ([{"id": 7, "video": "v", "prompt": "p"}], "id must be a string"),
+        ([{"id": "a", "video": "v", "prompt": "p", "response_format": "{json"}], "response_format is not JSON"),
+        ([{"id": "a", "video": "v", "prompt": "p", "response_format": [1]}], "response_format must be a JSON object"),
     ],
 )
 def test_malformed_manifests_are_refused_with_the_row(tmp_path, rows, message):
     with pytest.raises(ManifestError, match=message):
         read_manifest(_jsonl(tmp_path / "m.jsonl", rows))
+
+
+def test_a_rows_response_format_is_kept_as_json_text(tmp_path):
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "integer", "default": None}}}
+    m = _jsonl(tmp_path / "m.jsonl", [{"id": "a", "video": "v", "prompt": "p", "response_format": fmt},
+                                      {"id": "b", "video": "v", "prompt": "p", "response_format": json.dumps(fmt)},
+                                      {"id": "c", "video": "v", "prompt": "p"}])  # fmt: skip
+    rows = read_manifest(m)
+    assert [json.loads(r.response_format) if r.response_format else None for r in rows] == [fmt, fmt, None]
+    # Parquet: JSON text in a string column; a struct column (every key in every row, missing ones null) is refused
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "video": "v", "prompt": "p", "response_format": json.dumps(fmt)}]),
+                   tmp_path / "ok.parquet")  # fmt: skip
+    assert json.loads(read_manifest(tmp_path / "ok.parquet")[0].response_format) == fmt
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "video": "v", "prompt": "p", "response_format": fmt}]),
+                   tmp_path / "struct.parquet")  # fmt: skip
+    with pytest.raises(ManifestError, match="must be a string column of JSON text"):
+        read_manifest(tmp_path / "struct.parquet")
 
 
 def test_manifest_format_is_checked(tmp_path):

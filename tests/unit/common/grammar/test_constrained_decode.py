@@ -147,3 +147,47 @@ def test_a_first_token_the_grammar_refuses_errors_the_sequence_and_frees_its_kv(
     engine.submit("r", pre, SamplingParams(max_tokens=8, guide=_guide({"guided_choice": [choice]})))
     assert [(e.token_id, e.finish_reason) for e in engine.step()] == [(None, "error")]
     pool.check_no_leaks()
+
+
+def test_a_reply_complete_at_max_tokens_stops_and_a_failed_grammar_ends_in_an_error(tiny_llava):
+    """A grammar complete exactly at its last allowed token says ``stop``, not ``length``; a matcher that fails
+    mid-way (a parser limit met at a step: its mask then allows only EOS) ends the sequence with an error event, not
+    with ``stop`` on text the grammar did not accept."""
+    lm = tiny_llava
+    guide = _guide({"guided_choice": ["yes"]})
+    pre = _prefilled(lm, 0, SamplingParams(max_tokens=8, guide=guide))
+    needed = len(decode(lm, pre, SamplingParams(max_tokens=8, guide=guide)).token_ids)
+    exact = SamplingParams(max_tokens=needed, guide=guide)
+    assert decode(lm, pre, exact).finish_reason == "stop"
+    pool = KVPool(64, 16, lm.kv_shape, lm.dtype)
+    engine = DecodeEngine(lm, pool)
+    engine.submit("exact", pre, exact)
+    got = _run(engine, [])
+    assert got["exact"][-1][1] == "stop" and len(got["exact"]) == needed
+
+    long_guide = _guide({"guided_regex": "[a-z]{30,40}"})
+    sampling = SamplingParams(max_tokens=30, guide=long_guide)
+    engine.submit("failing", _prefilled(lm, 1, sampling), sampling)
+
+    class Failed:  # the library's matcher after a limit: consumes EOS, then reports its error
+        def __init__(self, inner):
+            self.inner = inner
+
+        def consume_token(self, token):
+            return True
+
+        def is_error(self):
+            return True
+
+        def get_error(self):
+            return "step lexer fuel exhausted"
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    engine.step()
+    seq = engine._running["failing"]
+    seq.matcher = Failed(seq.matcher)
+    events = [(e.token_id, e.finish_reason) for e in engine.step() if e.request_id == "failing"]
+    assert events == [(None, "error")]
+    pool.check_no_leaks()

@@ -29,6 +29,11 @@ def test_each_accepted_form_gives_its_guide():
     assert guide_from_request({}, 1024) is None
     assert guide_from_request({"response_format": {"type": "text"}}, 1024) is None
     assert guide_from_request({"response_format": None, "guided_regex": None}, 1024) is None
+    # {"type": "text"} is free text whatever else it holds
+    assert guide_from_request({"response_format": {"type": "text", "json_schema": {"name": "n"}}}, 1024) is None
+    assert guide_from_request(
+        {"response_format": {"type": "text", "strict": True}, "guided_regex": "a"}, 1024
+    ).param == ("guided_regex")
     assert guide_from_request({"response_format": {"type": "json_object"}}, 1024).kind == "json_object"
     schema = guide_from_request(_schema({"type": "integer"}), 1024)
     assert (schema.kind, schema.name, schema.param) == ("json_schema", "n", "response_format.json_schema.schema")
