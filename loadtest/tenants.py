@@ -7,14 +7,16 @@ application of ``make serve``'s config (``ray_configs/local_cpu.yaml``) with API
 
 1. ``beta`` sends short streamed text requests one after another (``--probes``, ``--gap`` apart), idle;
 2. ``alpha`` (and with ``--flooders 2`` also ``gamma``) floods: ``--clients`` closed-loop clients each, every request
-   one 1920×1440 JPEG (distinct images, encoded before the load starts), honouring ``Retry-After`` on a 429;
+   one 1920×1440 JPEG (distinct images, encoded before the load starts) — or, with ``--flood schemas``, a text request
+   under a JSON schema of ~50 KB (300 enum properties) that no earlier request used, so every stage compiles it anew —
+   honouring ``Retry-After`` on a 429;
 3. after a few seconds of flood, ``beta`` probes again.
 
 It prints, as JSON, beta's time to the first content chunk measured at the client (p50 / p95, idle and under the
 flood, and the p95 ratio: issue 34 asks ≤ 3) and what each flooder got (responses by status, answered requests per
 second) — the figure that the bench's ``tenant_ttft_p95_flood_vs_idle`` measures under a lighter, open-loop flood.
 
-    python -m loadtest.tenants [--clients 48] [--flooders 1] [--probes 40]
+    python -m loadtest.tenants [--clients 48] [--flooders 1] [--probes 40] [--flood images|schemas]
 """
 
 from __future__ import annotations
@@ -93,17 +95,27 @@ def quantiles_ms(samples: list[float | None]) -> dict[str, Any]:
     return {"p50_ms": round(cuts[9] * 1000, 1), "p95_ms": round(cuts[18] * 1000, 1), "failed": failed}
 
 
+def schema(n: int) -> dict[str, Any]:
+    """A JSON schema of ~50 KB whose property names are the ``n``-th request's own (a grammar no cache holds)."""
+    props = {f"k{n}_{i}": {"type": "string", "enum": [f"v{j}" for j in range(20)]} for i in range(300)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+def flood_body(images: list[str], n: int) -> dict[str, Any]:
+    """The ``n``-th flood request: an image (``images`` given) or a text request under a schema of its own."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    if not images:
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{n}", "schema": schema(n)}}
+        return body | {"messages": [{"role": "user", "content": "Fill the form."}], "response_format": fmt}
+    content = [{"type": "image_url", "image_url": {"url": images[n % len(images)]}}]
+    return body | {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": "Describe it."}]}]}
+
+
 def flooder(url: str, key: str, images: list[str], index: int, step: int, stop: threading.Event, out: list) -> None:
     n = index
     with httpx.Client(timeout=120) as http:
         while not stop.is_set():
-            content = [{"type": "image_url", "image_url": {"url": images[n % len(images)]}}]
-            body = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": [*content, {"type": "text", "text": "Describe it."}]}],
-                "max_tokens": 8,
-                "temperature": 0,
-            }
+            body = flood_body(images, n)
             try:
                 r = http.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
                 out.append(r.status_code)
@@ -114,8 +126,11 @@ def flooder(url: str, key: str, images: list[str], index: int, step: int, stop: 
             n += step
 
 
-def run(url: str, clients: int, flooders: int, n_probes: int, gap: float, warm: float) -> dict[str, Any]:
-    images = [jpeg_url(seed) for seed in range(64)]  # (before any load: encoding them takes the cores)
+def run(
+    url: str, clients: int, flooders: int, n_probes: int, gap: float, warm: float, flood: str = "images"
+) -> dict[str, Any]:
+    # (images encoded before any load: encoding them takes the cores)
+    images = [jpeg_url(seed) for seed in range(64)] if flood == "images" else []
     probes(url, 3, gap)
     idle = quantiles_ms(probes(url, n_probes, gap))
     stop, got = threading.Event(), {KEYS[k]: [] for k in FLOOD_KEYS[:flooders]}
@@ -144,7 +159,13 @@ def run(url: str, clients: int, flooders: int, n_probes: int, gap: float, warm: 
             }
             for tenant, codes in got.items()
         },
-        "config": {"clients_per_flooder": clients, "flooders": flooders, "probes": n_probes, "seconds": round(seconds)},
+        "config": {
+            "flood": flood,
+            "clients_per_flooder": clients,
+            "flooders": flooders,
+            "probes": n_probes,
+            "seconds": round(seconds),
+        },
     }
 
 
@@ -155,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--probes", type=int, default=40, help="beta's text requests, idle and under the flood")
     parser.add_argument("--gap", type=float, default=0.25, help="seconds between beta's requests")
     parser.add_argument("--warm", type=float, default=5.0, help="seconds of flood before beta probes")
+    parser.add_argument("--flood", default="images", choices=["images", "schemas"], help="what the flooders send")
     args = parser.parse_args(argv)
 
     from common.config import PrismConfig
@@ -164,7 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = app_config()
     os.environ.update(ray_env(GuardSettings.of([("prism", "/", PrismConfig.model_validate(cfg))])))  # (the guard too)
     with prism_app(cfg, key=PROBE_KEY) as url:
-        result = run(f"{url}/chat/completions", args.clients, args.flooders, args.probes, args.gap, args.warm)
+        result = run(
+            f"{url}/chat/completions", args.clients, args.flooders, args.probes, args.gap, args.warm, args.flood
+        )
     print(json.dumps(result, indent=2))
     return result
 

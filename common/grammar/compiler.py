@@ -79,6 +79,11 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return pristine.deep_copy()
 
+    def cached(self, guide: Guide) -> bool:
+        """Whether ``guide``'s grammar is compiled already (its check would cost a copy, not a compile)."""
+        with self._lock:
+            return guide.key in self._cache
+
     def check(self, guide: Guide) -> None:
         """Refuse (400) a guide that does not compile for this tokenizer — the ingress's check before any stage; the
         compiled grammar stays cached for the next request with the same constraint."""

@@ -34,6 +34,7 @@ from services.ingress.chain import Chain, Started
 from services.ingress.plan import RequestHeaders, admit, plan
 from services.ingress.responses import cancel_chain
 from services.routers import route_log
+from services.stages.threads import compile_guide
 
 
 class PipelineClient:
@@ -62,6 +63,8 @@ class PipelineClient:
         a worker thread, a small one on the loop (:func:`services.ingress.body.off_loop`)."""
         tenant = trace.tenant = ticket.tenant
         planned = await off_loop(size, plan, self.cfg, self.frontend, tenant, body, headers)
+        # (a constraint that cannot be served is a 400 before any stage; compiled on the grammar thread, niced)
+        await compile_guide(self.frontend, planned.sampling.guide)
         admitted = admit(planned, ticket, self.cfg, self.quotas, self.recorder)
         started: Started | None = None
         try:

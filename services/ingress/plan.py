@@ -4,8 +4,8 @@ Lifecycle of one request here (each step a 4xx/429 that costs milliseconds, in t
 
 ```
 headers ──RequestHeaders──► (the key authenticates, the tenant's quota enters it: services.ingress.server)
-body ──plan() [worker thread]──► Plan: parsed + validated, priority, deadline, sampling (an output constraint compiled
-        against the model's tokenizer), media references and their
+body ──plan() [worker thread]──► Plan: parsed + validated, priority, deadline, sampling (with its output constraint, if
+        any: compiled next, on the grammar thread, by the pipeline), media references and their
         pre-fetch limits, the prompt rendered with one placeholder per item and tokenised, cache-affinity route keys,
         the ResourceVector as far as the ingress can know it, the KV blocks to reserve on a decode replica
      ──admit() [event loop]──► AdmittedRequest: the per-request limits on the vector, then the tenant's quota (ticket)
@@ -30,7 +30,6 @@ from common.admission.record import AdmissionRecorder
 from common.cache.scope import cache_scope
 from common.config import PrismConfig
 from common.errors import InvalidRequestError, PrismError
-from common.grammar.compiler import compiler_for
 from common.media.loader import check_request
 from common.model.loader import ModelFrontend
 from common.protocol.body import ascii_int
@@ -144,8 +143,6 @@ def plan(
         raise InvalidRequestError(
             f"max_tokens is {sampling.max_tokens}; the limit is {cfg.engine.max_output_tokens}", param="max_tokens"
         )
-    if sampling.guide is not None:  # (compiled against the tokenizer: a schema that cannot be served costs no stage)
-        compiler_for(frontend).check(sampling.guide)
     refs = tuple(req.media_refs())
     check_request(refs, cfg.media)
     messages = req.template_messages()

@@ -47,7 +47,6 @@ from common.admission.stage import StageAdmission
 from common.config import PrismConfig
 from common.engine.decode import DecodeEngine, TokenEvent
 from common.errors import Overloaded
-from common.grammar.compiler import compiler_for
 from common.kv.blocks import check_key, check_landed, verify_handoff
 from common.kv.landing import Landing
 from common.kv.pool import KVPool
@@ -68,7 +67,7 @@ from common.protocol.sampling import SamplingParams
 from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
 from services.stages.driver import EngineDriver, check_engines
-from services.stages.threads import finish_in_thread
+from services.stages.threads import compile_guide, finish_in_thread
 
 RESERVATION_SWEEP_S = 1.0
 """How often unclaimed reservations are checked against their deadlines while any is held."""
@@ -221,9 +220,8 @@ class DecodeDeployment:
         Either way what arrived is checked against the attempt's seal — key first, bytes where they lie — before a
         token is made from it (off the event loop)."""
         ctx, transport = stream.ctx, self.transport
-        if sampling.guide is not None:  # compiled off the event loop (and outside the engine's lock): a grammar new to
-            # this replica may take a while, and claim/submit below then find it cached
-            await asyncio.to_thread(compiler_for(self.lm).check, sampling.guide)
+        # (compiled on the grammar thread, outside the engine's lock: claim/submit below then find it cached)
+        await compile_guide(self.lm, sampling.guide)
         pre = await asyncio.to_thread(transport.open, handle) if transport.open_blocks else transport.open(handle)
         check_key(pre, ctx.key)  # never another attempt's KV, not even for a moment in the pool
         async with self.driver.lock:

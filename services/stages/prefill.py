@@ -40,7 +40,6 @@ from typing import Any
 from common.admission.stage import StageAdmission, budget_admission
 from common.config import PrismConfig
 from common.engine.prefill import PrefillEngine, PrefillResult
-from common.grammar.compiler import compiler_for
 from common.kv.blocks import seal
 from common.kv.transport import KVTransport, make_transport
 from common.kv.transport.base import Received
@@ -54,7 +53,7 @@ from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
 from services.stages.driver import AwaitedEngine, check_engines
 from services.stages.releaser import Releaser
-from services.stages.threads import finish_in_thread, nice_thread
+from services.stages.threads import compile_guide, finish_in_thread, nice_thread
 
 
 @dataclass
@@ -152,7 +151,8 @@ class PrefillDeployment:
             if visual:
                 self.metrics.transfer(backend, "embeddings", nbytes, transfer.duration_s)
             ctx.check_deadline("prefill")
-            merged = await asyncio.to_thread(self._merge, messages, visual, sampling)
+            await compile_guide(self.lm, sampling.guide)  # (the engine's own check then finds it cached)
+            merged = await asyncio.to_thread(self._merge, messages, visual)
         finally:
             free()  # (merged: the embeddings' landing memory goes back)
         prep = timeline.mark("prefill.prompt", prompt_tokens=len(merged.token_ids))
@@ -181,12 +181,8 @@ class PrefillDeployment:
             return self.transport.receive_embeddings(handle)
         return await finish_in_thread(lambda: self.transport.receive_embeddings(handle), lambda got: got[1]())
 
-    def _merge(
-        self, messages: list[dict[str, Any]], visual: list[VisualEmbeddings], sampling: SamplingParams
-    ) -> MergedInputs:
+    def _merge(self, messages: list[dict[str, Any]], visual: list[VisualEmbeddings]) -> MergedInputs:
         prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens)
-        if sampling.guide is not None:  # compiled here, off the event loop: the engine's own check then hits the cache
-            compiler_for(self.lm).check(sampling.guide)
         return merge(self.lm, prompt, visual)
 
     def _trace(self, timeline: Timeline, lane: _Lane, result: PrefillResult, transfer_s: float, prep_s: float) -> None:

@@ -13,9 +13,13 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
+
+from common.grammar.compiler import compiler_for
+from common.grammar.guide import Guide
 
 T = TypeVar("T")
 
@@ -49,6 +53,34 @@ def nice_process(nice: int) -> None:
         tids = [threading.get_native_id()]
     for tid in tids:
         nice_thread(nice, tid)
+
+
+GRAMMAR_NICE = 18
+"""Niceness of the thread that compiles output constraints: compiling is throughput work (tens of ms for a large
+schema, in native code with the GIL released), never to be paid for by another tenant's short request."""
+_grammar_pool: ThreadPoolExecutor | None = None
+_grammar_pool_lock = threading.Lock()
+
+
+def grammar_executor() -> ThreadPoolExecutor:
+    """This process's one thread for grammar compiles, at :data:`GRAMMAR_NICE` (made on first use)."""
+    global _grammar_pool
+    with _grammar_pool_lock:
+        if _grammar_pool is None:
+            _grammar_pool = ThreadPoolExecutor(1, "prism-grammar", initializer=nice_thread, initargs=(GRAMMAR_NICE,))
+        return _grammar_pool
+
+
+async def compile_guide(model: Any, guide: Guide | None) -> None:
+    """Check (compile) ``guide`` for ``model``'s tokenizer — at once when its grammar is cached, else on the grammar
+    thread — raising its 400 if it cannot be served. Neither the event loop nor the default worker threads (which
+    parse bodies and open hand-offs for every request) ever run a compile."""
+    if guide is None:
+        return
+    compiler = compiler_for(model)
+    if compiler.cached(guide):
+        return
+    await asyncio.get_running_loop().run_in_executor(grammar_executor(), compiler.check, guide)
 
 
 async def finish_in_thread(fn: Callable[[], T], abandoned: Callable[[T], object] | None = None) -> T:

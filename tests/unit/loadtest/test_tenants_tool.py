@@ -24,3 +24,15 @@ def test_quantiles_are_of_the_answered_probes_and_count_the_rest():
     q = quantiles_ms(samples)
     assert q["failed"] == 2 and 50 <= q["p50_ms"] <= 51 and 95 <= q["p95_ms"] <= 96
     assert quantiles_ms([None, 0.1]) == {"p50_ms": None, "p95_ms": None, "failed": 1}  # (too few to say)
+
+
+def test_a_schema_flood_sends_a_grammar_no_earlier_request_used_and_the_ingress_accepts_it():
+    from common.grammar.formats import guide_from_request
+    from common.protocol.openai import parse_chat_request
+    from loadtest.tenants import flood_body
+
+    bodies = [flood_body([], n) for n in range(2)]
+    guides = [guide_from_request(b, PrismConfig().server.max_response_format_bytes) for b in bodies]
+    assert guides[0].key != guides[1].key and all(40_000 < len(g.grammar) for g in guides)
+    assert parse_chat_request(bodies[0]).guide == guides[0]
+    assert "image_url" in str(flood_body(["data:image/jpeg;base64,AAAA"], 0)["messages"])
