@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -33,7 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loadtest import bench_cache, bench_engine, bench_hops, bench_plots, bench_results, bench_topology, figures
+from loadtest import bench_cache, bench_engine, bench_hops, bench_plots, bench_results, bench_topology, figures, machine
 from loadtest import bench_servers as servers
 from loadtest import bench_sessions as sessions
 from loadtest.bench_settings import Settings
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> Path:
     metrics, plots, slo, hops = _measure(args.model, args.cache_model, st, out.parent, say)
     summary = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine.facts(),
         "model": args.model,
         "cache_model": args.cache_model,
         "quick": st.quick,
@@ -99,6 +98,14 @@ def main(argv: list[str] | None = None) -> Path:
     say("done")
     print(out)
     return out
+
+
+def _cpu(machine_facts: dict[str, Any]) -> str:
+    """`` of <model> (<kernel flags>)`` for the docs' line, when the summary records them."""
+    model, flags = machine_facts.get("cpu_model"), machine_facts.get("kernel_flags")
+    if not model:
+        return ""
+    return f" of {model}" + (f" ({', '.join(flags)})" if flags else "")
 
 
 def _measure(
@@ -156,7 +163,8 @@ def table(summary: dict[str, Any], doc_dir: Path = DOC.parent) -> str:
         met = {"met": "yes", "missed": "no"}.get(status, f"invalid: {m.get('invalid_reason', '')}")
         rows.append(f"| `{name}` | {value} | {runs} | {target} | {met} |")
     head = (
-        f"Measured {summary['date'][:10]} on {summary['machine']['cpus']} CPUs ({summary['machine']['platform']}), "
+        f"Measured {summary['date'][:10]} on {summary['machine']['cpus']} CPUs{_cpu(summary['machine'])} "
+        f"({summary['machine']['platform']}), "
         f"model `{summary['model']}`, {summary['wall_s']:.0f} s wall; raw figures in `loadtest/results/summary.json`."
     )
     plots = ", ".join(

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from datetime import UTC, datetime
@@ -59,6 +58,7 @@ from common.stages.encode import encode_media
 from common.stages.merge import merge
 from common.stages.process import process_images
 from common.stages.prompt import build_prompt
+from loadtest import machine
 from loadtest.figures import median_index
 
 DEFAULT_OUT = Path("loadtest/results/decode.json")
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "dtype": dtypes[0],
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads()},
+        "machine": machine.facts(),
         **{k: v for k, v in head.items() if k != "dtype"},
         "dtypes": {
             d: {k: v for k, v in f.items() if k not in ("sequential", "generate", "engine")}

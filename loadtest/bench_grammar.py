@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import string
 import time
@@ -39,6 +38,7 @@ from common.protocol.sampling import SamplingParams
 from common.reference.prefill import prefill
 from common.stages.merge import merge
 from common.stages.prompt import build_prompt
+from loadtest import machine
 
 DEFAULT_OUT = Path("loadtest/results/bench_grammar.json")
 SCHEMA = {
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "batch": args.batch,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads()},
+        "machine": machine.facts(),
         "step_ms_free": step,
         "step_ms_all_constrained": guided["median_step_ms"],
         "step_ratio_all_constrained_vs_free": guided["median_step_ms"] / step,

@@ -124,6 +124,9 @@ def test_the_table_shows_runs_and_spread_marks_our_yardsticks_and_links_the_plot
     assert "| `decode_roofline_fraction_b32` | 0.28 | 3 (0.25–0.3) | >= 0.7 (ours) | no |" in text
     assert "| `goodput_ratio_vs_naive` | 4 | 1 | >= 3 | yes |" in text
     assert text.endswith("Plots: [goodput vs rate](loadtest/results/bench_goodput_vs_rate.png).")
+    assert "Measured 2026-12-01 on 2 CPUs (p), model `m`" in text  # (a summary without the CPU's facts)
+    summary["machine"] |= {"cpu_model": "AMD EPYC", "kernel_flags": ["avx2", "avx512_bf16"]}
+    assert "Measured 2026-12-01 on 2 CPUs of AMD EPYC (avx2, avx512_bf16) (p), model `m`" in table(summary, ROOT)
     in_docs = table(summary)  # (docs/benchmarks.md, where make bench writes it)
     assert in_docs.endswith("Plots: [goodput vs rate](../loadtest/results/bench_goodput_vs_rate.png).")
 
