@@ -2,10 +2,11 @@
 
 Everything runs on this machine, one server at a time (so they never share the cores), with the same model
 (``prism-small-llava`` unless ``--model``), the same workloads and seeds. Writes ``loadtest/results/summary.json``
-(each figure with the raw numbers it came from and its target), the plots (:mod:`loadtest.bench_plots`) and the
-table in ``docs/benchmarks.md``, and prints the path last. Each figure's target and number of runs are declared in
-:mod:`loadtest.figures`: short figures run three times or more (median, spread beside it), interleaved, each run with
-images of its own. ``--quick`` runs each figure once on shorter loads and writes to ``loadtest/results/quick/``.
+(each figure with the raw numbers it came from and its target), the plots (:mod:`loadtest.bench_plots`), the table
+in ``docs/benchmarks.md`` and the README's topology table (:mod:`loadtest.readme_table`), and prints the path last.
+Each figure's target and number of runs are declared in :mod:`loadtest.figures`: short figures run three times or
+more (median, spread beside it), interleaved, each run with images of its own. ``--quick`` runs each figure once on
+shorter loads and writes to ``loadtest/results/quick/``.
 
 The run, in order — each step readable on its own:
 
@@ -32,7 +33,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loadtest import bench_cache, bench_engine, bench_hops, bench_plots, bench_results, bench_topology, figures, machine
+from loadtest import (
+    bench_cache,
+    bench_engine,
+    bench_hops,
+    bench_plots,
+    bench_results,
+    bench_topology,
+    figures,
+    machine,
+    readme_table,
+)
 from loadtest import bench_servers as servers
 from loadtest import bench_sessions as sessions
 from loadtest.bench_settings import Settings
@@ -95,6 +106,7 @@ def main(argv: list[str] | None = None) -> Path:
     out.write_text(json.dumps(summary, indent=2) + "\n")
     if not st.quick:
         update_doc(summary)
+        readme_table.rewrite(ROOT / "README.md", summary)  # (the README's topology table: never typed by hand)
     say("done")
     print(out)
     return out

@@ -1,0 +1,33 @@
+"""The README's topology table is the committed ``summary.json`` rendered: a figure typed by hand, or a summary
+committed without its table, fails here."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from loadtest import readme_table
+from tests.paths import ROOT
+
+
+def _summary() -> dict:
+    return json.loads((ROOT / "loadtest" / "results" / "summary.json").read_text())
+
+
+def test_the_readmes_topology_table_is_the_committed_summary_rendered():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_table.block(readme) == readme_table.render(_summary())
+
+
+def test_a_changed_figure_changes_the_table_and_rewrite_puts_it_in_place(tmp_path):
+    summary = _summary()
+    changed = copy.deepcopy(summary)
+    epd = changed["metrics"]["peak_goodput_best_topology_vs_monolith"]["raw"]["topologies"]["EPD"]
+    next(p for p in epd["sweep"] if p["rate_rps"] == 4.0)["goodput_rps"] = 9.87
+    assert "9.87" in readme_table.render(changed) and "9.87" not in readme_table.render(summary)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{readme_table.BEGIN}\nold\n{readme_table.END}\noutro\n")
+    readme_table.rewrite(readme, changed)
+    text = readme.read_text()
+    assert readme_table.block(text) == readme_table.render(changed) and text.startswith("intro\n")
+    assert text.endswith("outro\n")
