@@ -68,3 +68,8 @@ class ByteLRU(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` is held — a look that counts as neither hit nor miss and does not refresh it."""
+        with self._lock:
+            return key in self._items

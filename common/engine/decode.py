@@ -49,7 +49,7 @@ import torch
 from common.engine.paged_step import build_step_context
 from common.engine.reservations import Reservations
 from common.errors import HandoffError
-from common.grammar.compiler import GrammarCompiler, compiler_for
+from common.grammar.compiler import compiler_for
 from common.grammar.masks import MaskBuffer, apply_masks
 from common.kv.blocks import check_prefill, to_torch
 from common.kv.native import load_decode_kernel
@@ -133,7 +133,6 @@ class DecodeEngine(Reservations):
         """Sequences :meth:`claim` gave blocks whose KV is on its way into them (not yet started: :meth:`start`)."""
         self._reserved: dict[str, float | None] = {}
         """Reservations not yet claimed by a submit (granted or waiting in the pool's queue) → their deadline."""
-        self._grammars: GrammarCompiler | None = None
         self._masks: MaskBuffer | None = None
         self.mask_s = 0.0
         """Seconds spent filling and applying grammar masks (the structured-output overhead of the steps)."""
@@ -222,8 +221,8 @@ class DecodeEngine(Reservations):
     ) -> tuple[SamplingParams, tuple[int, ...], int]:
         """The resolved sampling, the replay, and the blocks the sequence's lease needs (prompt + ``max_tokens``)."""
         sampling = sampling.resolved()
-        if sampling.guide is not None:
-            self._matcher(sampling)  # (a guide that does not compile is refused before any KV is taken)
+        if sampling.guide is not None:  # (a guide that does not compile is refused before any KV is taken)
+            compiler_for(self.lm).check(sampling.guide)
         replay = tuple(int(t) for t in replay)
         if len(replay) >= sampling.max_tokens:
             raise ValueError(f"a replay of {len(replay)} tokens leaves nothing of max_tokens={sampling.max_tokens}")
@@ -316,9 +315,7 @@ class DecodeEngine(Reservations):
     def _matcher(self, sampling: SamplingParams) -> llguidance.LLMatcher | None:
         if sampling.guide is None:
             return None
-        if self._grammars is None:
-            self._grammars = compiler_for(self.lm)
-        return self._grammars.matcher(sampling.guide)
+        return compiler_for(self.lm).matcher(sampling.guide)
 
     def _advance(self, seq: _Sequence, token: int) -> bool:
         """Feed ``token`` to the sequence's grammar; False (the sequence is aborted) if the grammar refuses it or has

@@ -15,13 +15,13 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 import llguidance.hf
 
+from common.cache.lru import ByteLRU
 from common.errors import InvalidRequestError
 from common.grammar.guide import Guide
 
@@ -47,47 +47,51 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.cache_size = cache_size
-        self.stats = CompileStats()
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache: ByteLRU[llguidance.LLMatcher] = ByteLRU(cache_size)  # (each grammar weighs 1: a count bound)
+        self._compiled = CompileStats()
         self._lock = threading.Lock()
+
+    @property
+    def stats(self) -> CompileStats:
+        """Compiles, refusals and compile seconds so far; ``hits``: compiled grammars found in the cache."""
+        with self._lock:
+            return CompileStats(**{**self._compiled.__dict__, "hits": self._cache.stats().hits})
 
     @staticmethod
     def limits() -> llguidance.LLParserLimits:
         return llguidance.LLParserLimits(verbose_errors=False, **LIMITS)
 
-    def matcher(self, guide: Guide) -> llguidance.LLMatcher:
-        """A fresh matcher for ``guide`` at its start; raises 400 ``invalid_response_format`` if it does not compile."""
-        with self._lock:
-            pristine = self._cache.get(guide.key)
-            if pristine is not None:
-                self._cache.move_to_end(guide.key)
-                self.stats.hits += 1
-                return pristine.deep_copy()
+    def _pristine(self, guide: Guide) -> llguidance.LLMatcher:
+        """``guide``'s compiled grammar at its start (cached; never advanced); 400 if it does not compile."""
+        pristine = self._cache.get(guide.key)
+        if pristine is not None:
+            return pristine
         started = time.perf_counter()
-        # (compiled outside the lock: it releases the GIL and may take a while; two threads may race on one grammar,
+        # (compiled outside any lock: it releases the GIL and may take a while; two threads may race on one grammar,
         # and the cache keeps the last)
         pristine = llguidance.LLMatcher(self.tokenizer, guide.grammar, log_level=0, limits=self.limits())
-        took = time.perf_counter() - started
         with self._lock:
-            self.stats.compiles += 1
-            self.stats.compile_s += took
+            self._compiled.compiles += 1
+            self._compiled.compile_s += time.perf_counter() - started
             if pristine.is_error():
-                self.stats.refused += 1
+                self._compiled.refused += 1
                 raise _refusal(guide, pristine.get_error())
-            self._cache[guide.key] = pristine
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return pristine.deep_copy()
+        self._cache.put(guide.key, pristine, 1)
+        return pristine
+
+    def matcher(self, guide: Guide) -> llguidance.LLMatcher:
+        """A fresh matcher for ``guide`` at its start (a copy of the compiled one); 400 ``invalid_response_format``
+        if it does not compile."""
+        return self._pristine(guide).deep_copy()
 
     def cached(self, guide: Guide) -> bool:
-        """Whether ``guide``'s grammar is compiled already (its check would cost a copy, not a compile)."""
-        with self._lock:
-            return guide.key in self._cache
+        """Whether ``guide``'s grammar is compiled already (its check would cost a lookup, not a compile)."""
+        return guide.key in self._cache
 
     def check(self, guide: Guide) -> None:
         """Refuse (400) a guide that does not compile for this tokenizer — the ingress's check before any stage; the
-        compiled grammar stays cached for the next request with the same constraint."""
-        self.matcher(guide)
+        compiled grammar stays cached for the next request with the same constraint (no copy is made)."""
+        self._pristine(guide)
 
 
 def _refusal(guide: Guide, error: str) -> InvalidRequestError:
@@ -112,8 +116,9 @@ def process_stats() -> CompileStats:
     total = CompileStats()
     with _compilers_lock:
         for compiler in _compilers.values():
+            stats = compiler.stats
             for name in ("compiles", "hits", "refused", "compile_s"):
-                setattr(total, name, getattr(total, name) + getattr(compiler.stats, name))
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
     return total
 
 

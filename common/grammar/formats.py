@@ -64,7 +64,7 @@ def _is_text(value: Any) -> bool:
 
 
 def _response_format(value: Any) -> Guide:
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+    if not isinstance(value, dict) or value.get("type") not in ("json_object", "json_schema"):  # ("text": no guide)
         raise _bad('response_format.type must be "text", "json_object" or "json_schema"', "response_format.type")
     if value["type"] == "json_object":
         return Guide(kind="json_object", grammar=_json_grammar({"type": "object"}, "response_format"))

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("common.protocol",),
     ("common.model",),
     ("common.cache", "common.kv", "common.media"),
-    ("common.admission",),
+    ("common.admission", "common.grammar.compiler"),
     ("common.sched",),
     ("common.stages",),
     ("common.engine", "common.reference"),
