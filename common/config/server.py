@@ -84,6 +84,12 @@ class ServerConfig(Strict):
     max_response_format_bytes: int = Field(default=65_536, ge=256)
     """Largest output constraint (``response_format`` / ``structured_outputs`` / ``guided_*``, as JSON) accepted;
     larger is a 400 ``invalid_response_format``. Compiling is bounded too (:mod:`common.grammar.compiler`)."""
+    max_tools_bytes: int = Field(default=65_536, ge=256)
+    """Largest ``tools`` list (function definitions, as JSON) accepted; larger is a 400 ``invalid_tools``. The
+    definitions enter the prompt (counted in its tokens) and their schemas compile like a ``response_format``."""
+    max_tool_calls: int = Field(default=16, ge=1)
+    """Calls in one answer, at most (with ``parallel_tool_calls``): the grammar ends the answer after that many, so an
+    answer of calls whose arguments' schemas are bounded always ends."""
     max_unknown_fields: int = Field(default=64, ge=0)
     """Top-level fields Prism does not know (vendor extensions, ``user``, ``metadata`` …) accepted in one request;
     more are a 400 ``too_many_fields``."""

@@ -99,10 +99,11 @@ def _refusal(guide: Guide, error: str) -> InvalidRequestError:
     reason = (error.strip().splitlines() or ["does not compile"])[0][:MAX_ERROR_CHARS]
     # Quoted pieces of the client's schema or regex are not echoed; JSON Schema keywords (identifiers) are kept.
     reason = _QUOTED.sub(lambda m: m[0] if _KEYWORD.fullmatch(m[0][1:-1]) else m[0][0] + "…" + m[0][0], reason)
-    what = {"json_object": "the JSON object format", "json_schema": "the JSON schema", "regex": "the regex"}
+    what = {"json_object": "the JSON object format", "json_schema": "the JSON schema", "regex": "the regex",
+            "tools": "the tools' parameters"}  # fmt: skip
     return InvalidRequestError(
         f"{what.get(guide.kind, 'the choice list')} cannot be served: {reason}",
-        code="invalid_response_format",
+        code="invalid_tools" if guide.kind == "tools" else "invalid_response_format",
         param=guide.param,
     )
 

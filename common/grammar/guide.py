@@ -1,4 +1,5 @@
-"""A request's output constraint (``response_format``, regex, choice) as it travels with its sampling parameters.
+"""A request's output constraint (``response_format``, regex, choice, what ``tool_choice`` allows) as it travels
+with its sampling parameters.
 
 Built once at the ingress (:func:`common.grammar.formats.guide_from_request`) and checked there against the model's
 tokenizer before any stage runs; prefill and decode compile the same ``grammar`` text again from their own bounded
@@ -13,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-GuideKind = Literal["json_object", "json_schema", "regex", "choice"]
+GuideKind = Literal["json_object", "json_schema", "regex", "choice", "tools"]
 
 
 class Guide(BaseModel):

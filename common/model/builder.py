@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import processors
+from tokenizers import AddedToken, processors
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
@@ -39,7 +39,7 @@ from common.model.families.base import FamilyAdapter, PresetDims
 from common.model.registry import FAMILIES
 from common.model.tokenizer_builder import train_bpe_tokenizer
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 """Bump when anything here changes the built files: cached builds of the old version are then ignored."""
 
 _SEED = 20261130
@@ -100,6 +100,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 
 def _tokenizer(adapter: FamilyAdapter, dims: PresetDims) -> PreTrainedTokenizerFast:
     tok = train_bpe_tokenizer(adapter.special_tokens(), dims.vocab_size)
+    # The tool-call tags: single tokens after the trained vocabulary, plain (not special) so decoded text keeps them.
+    tok.add_tokens([AddedToken(marker, special=False, normalized=False) for marker in adapter.tool_markers])
     kwargs = adapter.tokenizer_kwargs()
     if "bos_token" in kwargs:  # Llama-style tokenizers prepend BOS themselves.
         bos = kwargs["bos_token"]

@@ -8,10 +8,11 @@ stage sees it.
    stall); then it parses, refuses nesting deeper than ``max_json_depth`` (a 5,000-deep body would otherwise reach the
    schema validator's recursion) and strings that are not Unicode (a lone surrogate such as ``"\ud800"`` is valid JSON
    but cannot be encoded: it would fail deep in the tokenizer or a URL);
-3. shape: :func:`check_shape` counts messages, content parts and text characters on the raw dict, so a body of a
-   million tiny messages is refused before pydantic builds a million objects;
+3. shape: :func:`check_shape` counts messages, content parts (and an assistant turn's tool calls) and text characters
+   (their arguments too) on the raw dict, so a body of a million tiny messages is refused before pydantic builds a
+   million objects;
 4. parameters: OpenAI parameters Prism does not implement are refused by name when they carry anything but their
-   default (clients routinely send ``logprobs: false`` or ``tools: []``); unknown fields are tolerated (vendor
+   default (clients routinely send ``logprobs: false`` or ``functions: []``); unknown fields are tolerated (vendor
    extensions) up to ``max_unknown_fields`` and returned by name for the request log.
 
 Each refusal is a 4xx naming the limit and the parameter; none echoes the client's values.
@@ -38,8 +39,6 @@ def _default_or(*allowed: Any) -> Callable[[Any], bool]:
 
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # parameter → "this value is what not implementing it gives anyway"
-    "tools": _default_or([]),
-    "tool_choice": _default_or("none"),
     "functions": _default_or([]),
     "function_call": _default_or("none"),
     "logprobs": _default_or(False),
@@ -147,12 +146,28 @@ def check_shape(body: Any, max_messages: int, max_parts: int, max_text_chars: in
                     param=f"messages.{i}.content",
                 )
             chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):  # an assistant turn's calls are prompt text too
+            if len(calls) > max_parts:
+                raise InvalidRequestError(
+                    f"message {i} has {len(calls)} tool calls; the limit is {max_parts}",
+                    code="too_many_content_parts",
+                    param=f"messages.{i}.tool_calls",
+                )
+            chars += sum(_call_chars(c) for c in calls)
         if chars > max_text_chars:
             raise InvalidRequestError(
                 f"request text is over {max_text_chars} characters, the limit",
                 code="text_too_long",
                 param="messages",
             )
+
+
+def _call_chars(call: Any) -> int:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return 0
+    return sum(len(v) for v in (function.get("name"), function.get("arguments")) if isinstance(v, str))
 
 
 def check_parameters(body: dict[str, Any], known: frozenset[str], max_unknown: int | None = None) -> list[str]:

@@ -8,9 +8,10 @@ extensions) are tolerated; their names are kept for the request log (:attr:`Chat
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from common.config import ServerConfig
 from common.errors import InvalidRequestError
@@ -19,6 +20,7 @@ from common.grammar.guide import Guide
 from common.protocol.body import check_parameters, check_shape
 from common.protocol.handoff import MediaRef
 from common.protocol.sampling import SamplingParams, stop_problem
+from common.tools.spec import ToolRequest, tools_from_request
 
 
 class _Part(BaseModel):
@@ -56,11 +58,48 @@ class VideoPart(_Part):
 ContentPart = TextPart | ImagePart | VideoPart
 
 
+class FunctionCall(_Part):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    arguments: str
+    """The call's arguments as JSON text (an object), as OpenAI returns them."""
+
+
+class ToolCallIn(_Part):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str | None = Field(default=None, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    """``None`` only for an assistant turn that calls tools."""
+    tool_calls: list[ToolCallIn] | None = None
+    """An assistant turn's calls (rendered by the chat template as the model writes them)."""
+    tool_call_id: str | None = Field(default=None, max_length=128)
+    """A tool message's answer is to this call (OpenAI requires it; the templates do not show it)."""
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message may carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.role == "tool" and not isinstance(self.content, str):
+            if any(not isinstance(p, TextPart) for p in self.content or ()):
+                raise ValueError("a tool message's content is text")
+        for call in self.tool_calls or ():
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise ValueError("tool_calls' function.arguments must be a JSON object as text")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -95,11 +134,23 @@ class ChatCompletionRequest(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    """Functions the model may call (:mod:`common.tools.spec` reads them, with ``tool_choice`` and
+    ``parallel_tool_calls``)."""
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     priority: Literal["interactive", "batch"] | None = None
     """Prism extension: the traffic class (also ``X-Prism-Priority``); batch work ranks behind interactive work in
     every stage's queue."""
     _ignored: list[str] = PrivateAttr(default_factory=list)
     _guide: Guide | None = PrivateAttr(default=None)
+    _tools: ToolRequest | None = PrivateAttr(default=None)
+
+    @property
+    def tool_request(self) -> ToolRequest | None:
+        """The functions offered and ``tool_choice`` (``None``: no tools); the ingress's plan turns them into the
+        output's guide, with the model's call tags."""
+        return self._tools
 
     @property
     def guide(self) -> Guide | None:
@@ -128,7 +179,7 @@ class ChatCompletionRequest(BaseModel):
         for msg in self.messages:
             if isinstance(msg.content, str):
                 continue
-            for part in msg.content:
+            for part in msg.content or ():  # (None: an assistant turn that only called tools)
                 if isinstance(part, ImagePart):
                     refs.append(MediaRef(kind="image", url=part.image_url.url))
                 elif isinstance(part, VideoPart):
@@ -141,16 +192,23 @@ class ChatCompletionRequest(BaseModel):
         (or data-URL payload) ever reaches the template or the logs."""
         out = []
         for msg in self.messages:
-            if isinstance(msg.content, str):
-                out.append({"role": msg.role, "content": msg.content})
-                continue
-            parts: list[dict[str, Any]] = []
-            for part in msg.content:
-                if isinstance(part, TextPart):
-                    parts.append({"type": "text", "text": part.text})
-                else:
-                    parts.append({"type": "image" if isinstance(part, ImagePart) else "video"})
-            out.append({"role": msg.role, "content": parts})
+            entry: dict[str, Any] = {"role": msg.role}
+            if msg.content is None or isinstance(msg.content, str):
+                entry["content"] = msg.content or ""
+            else:
+                parts: list[dict[str, Any]] = []
+                for part in msg.content:
+                    if isinstance(part, TextPart):
+                        parts.append({"type": "text", "text": part.text})
+                    else:
+                        parts.append({"type": "image" if isinstance(part, ImagePart) else "video"})
+                entry["content"] = parts
+            if msg.tool_calls:  # arguments as compact JSON: the way the model writes them (checked as an object)
+                entry["tool_calls"] = [
+                    {"type": "function", "function": {"name": c.function.name, "arguments": _compact(c.function)}}
+                    for c in msg.tool_calls
+                ]
+            out.append(entry)
         return out
 
 
@@ -171,7 +229,12 @@ def parse_chat_request(body: Any, server: ServerConfig | None = None) -> ChatCom
     _check_stop(req.stop)
     req._ignored = ignored
     req._guide = guide_from_request(body, server.max_response_format_bytes)
+    req._tools = tools_from_request(body, server.max_tools_bytes)
     return req
+
+
+def _compact(call: FunctionCall) -> str:
+    return json.dumps(json.loads(call.arguments), ensure_ascii=False, separators=(",", ":"))
 
 
 def _type_tag(segment: object) -> bool:

@@ -20,10 +20,15 @@ from common.model.loader import ModelFrontend
 from common.protocol.handoff import MediaSlot, PlaceholderSpan, TokenizedPrompt
 
 
-def render_chat(lm: ModelFrontend, messages: Sequence[dict[str, Any]]) -> str:
-    """Chat template → prompt text, with the generation prompt appended."""
+def render_chat(
+    lm: ModelFrontend, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+) -> str:
+    """Chat template → prompt text, with the generation prompt appended (and the function definitions ``tools``, which
+    the template renders in its own format)."""
     try:
-        return lm.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return lm.tokenizer.apply_chat_template(
+            list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
+        )
     except Exception as exc:  # jinja errors on malformed messages are the client's fault
         raise InvalidRequestError(f"messages cannot be rendered by the chat template: {exc}", param="messages") from exc
 
@@ -68,10 +73,14 @@ def expand_placeholders(lm: ModelFrontend, token_ids: Sequence[int], media: Sequ
 
 
 def build_prompt(
-    lm: ModelFrontend, messages: Sequence[dict[str, Any]], media: Sequence[MediaSlot], max_prompt_tokens: int
+    lm: ModelFrontend,
+    messages: Sequence[dict[str, Any]],
+    media: Sequence[MediaSlot],
+    max_prompt_tokens: int,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> TokenizedPrompt:
     """Render, tokenize, expand; refuse prompts over ``max_prompt_tokens`` after expansion."""
-    text = render_chat(lm, messages)
+    text = render_chat(lm, messages, tools)
     ids = lm.tokenizer(text)["input_ids"]
     prompt = expand_placeholders(lm, ids, media)
     if len(prompt.token_ids) > max_prompt_tokens:

@@ -140,14 +140,14 @@ class Chain:
     def _call(self, hop: Group, upstream: Any, admitted: AdmittedRequest, ctx: RequestContext) -> Any:
         """Call the deployment that holds ``hop`` with what the stage before it gave: a stage alone by its own method,
         a group by :meth:`GroupDeployment.run` (or ``run_stream`` when it ends with decode, reserving the KV there)."""
-        handle, messages, sampling = self.of[hop[0]], admitted.messages, admitted.sampling
+        handle, messages, sampling, tools = self.of[hop[0]], admitted.messages, admitted.sampling, admitted.tools
         if hop[0] not in self.grouped:
             if hop == ("encode",):
                 return handle.encode.remote(upstream, ctx)
             if hop == ("prefill",):
-                return handle.prefill.remote(messages, upstream, sampling, ctx)
+                return handle.prefill.remote(messages, upstream, sampling, ctx, tools)
             return handle.generate.options(stream=True).remote(upstream, sampling, ctx)
         if hop[-1] == "decode":
             stream = handle.run_stream.options(stream=True)
-            return stream.remote(hop, upstream, messages, sampling, ctx, admitted.kv_blocks)
-        return handle.run.remote(hop, upstream, messages, sampling, ctx)
+            return stream.remote(hop, upstream, messages, sampling, ctx, admitted.kv_blocks, tools)
+        return handle.run.remote(hop, upstream, messages, sampling, ctx, tools)

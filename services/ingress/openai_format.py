@@ -29,11 +29,17 @@ def error_response(exc: PrismError, trace: dict[str, Any] | None = None) -> JSON
 
 
 def completion_body(
-    rid: str, model: str, text: str, finish: str, prompt_ids: list[int], out_ids: list[int], with_ids: bool
+    rid: str,
+    model: str,
+    message: dict[str, Any],
+    finish: str,
+    prompt_ids: list[int],
+    out_ids: list[int],
+    with_ids: bool,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "finish_reason": finish,
         "logprobs": None,
     }

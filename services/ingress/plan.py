@@ -5,7 +5,8 @@ Lifecycle of one request here (each step a 4xx/429 that costs milliseconds, in t
 ```
 headers ──RequestHeaders──► (the key authenticates, the tenant's quota enters it: services.ingress.server)
 body ──plan() [worker thread]──► Plan: parsed + validated, priority, deadline, sampling (with its output constraint, if
-        any: compiled next, on the grammar thread, by the pipeline), media references and their
+        any — a response_format, or what tool_choice allows with the model's call tags: compiled next, on the
+        grammar thread, by the pipeline), the function definitions, media references and their
         pre-fetch limits, the prompt rendered with one placeholder per item and tokenised, cache-affinity route keys,
         the ResourceVector as far as the ingress can know it, the KV blocks to reserve on a decode replica
      ──admit() [event loop]──► AdmittedRequest: the per-request limits on the vector, then the tenant's quota (ticket)
@@ -39,6 +40,7 @@ from common.protocol.sampling import SamplingParams
 from common.protocol.vector import ResourceVector
 from common.sched.affinity import media_key, prefix_key
 from common.stages.prompt import render_chat
+from common.tools.grammar import markers_for, renders_tools, tool_guide
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class Plan:
     request: ChatCompletionRequest
     messages: list[dict[str, Any]]
     """The chat messages with media reduced to markers: what prefill renders the prompt from."""
+    tools: list[dict[str, Any]] | None
+    """The function definitions the chat template renders with them (``None``: the request offers no tools)."""
     sampling: SamplingParams
     refs: tuple[MediaRef, ...]
     """The media references, in order (what the media stage fetches)."""
@@ -139,6 +143,15 @@ def plan(
     priority = headers.resolve_priority(req.priority)
     until = deadline(cfg, headers.deadline_ms, time.time() if now is None else now)
     sampling = req.sampling(cfg.engine.max_output_tokens).resolved()
+    tools = None
+    if req.tool_request is not None:  # (what tool_choice allows, with the model's call tags, replaces the guide)
+        if not renders_tools(frontend.tokenizer):
+            message = f"model {frontend.served_name}'s chat template does not render tools"
+            raise InvalidRequestError(message, code="invalid_tools", param="tools")
+        markers = markers_for(frontend.tokenizer)
+        guide = tool_guide(req.tool_request, markers, sampling.guide, cfg.server.max_tool_calls)
+        sampling = sampling.model_copy(update={"guide": guide})
+        tools = req.tool_request.template_tools()
     if sampling.max_tokens > cfg.engine.max_output_tokens:
         raise InvalidRequestError(
             f"max_tokens is {sampling.max_tokens}; the limit is {cfg.engine.max_output_tokens}", param="max_tokens"
@@ -146,7 +159,7 @@ def plan(
     refs = tuple(req.media_refs())
     check_request(refs, cfg.media)
     messages = req.template_messages()
-    ids = frontend.tokenizer(render_chat(frontend, messages))["input_ids"]
+    ids = frontend.tokenizer(render_chat(frontend, messages, tools))["input_ids"]
     data_bytes = sum(len(r.url) * 3 // 4 for r in refs if r.url[:5].lower() == "data:")
     block_size = cfg.engine.kv_block_size
     vector = ResourceVector.at_ingress(len(ids), len(refs), sampling.max_tokens, block_size, media_bytes=data_bytes)
@@ -154,6 +167,7 @@ def plan(
         tenant=tenant,
         request=req,
         messages=messages,
+        tools=tools,
         sampling=sampling,
         refs=refs,
         priority=priority,

@@ -40,6 +40,7 @@ from common.model.loader import load_frontend
 from common.protocol.body import decode_json
 from common.stages.detokenize import Detokenizer
 from common.stages.stops import visible_text
+from services.ingress.answer import AnswerStream, answer_message, calls_json
 from services.ingress.body import BodyBytes, off_loop, read_json
 from services.ingress.call_stream import Call
 from services.ingress.chain import Chain
@@ -189,7 +190,8 @@ class IngressDeployment:
         text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)
         life.close()
         model, with_ids = call.frontend.served_name, call.req.return_token_ids
-        body = completion_body(call.rid, model, text, finish, call.prompt_ids, out_ids, with_ids)
+        message, finish = answer_message(call.req.tool_request, text, finish)
+        body = completion_body(call.rid, model, message, finish, call.prompt_ids, out_ids, with_ids)
         if life.traced:
             body["prism_trace"] = life.summary()
         return body
@@ -203,6 +205,7 @@ class IngressDeployment:
         with_usage = options is not None and options.include_usage
         nulls = {"usage": None} if with_usage else {}
         detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
+        answer = AnswerStream(call.req.tool_request)
         out_ids: list[int] = []
         try:
             yield chunk(rid, model, created, {"role": "assistant", "content": ""}, top=nulls)
@@ -210,8 +213,8 @@ class IngressDeployment:
                 out_ids.append(token)
                 delta = detok.push(token)
                 if finish is None:
-                    if delta:
-                        yield chunk(rid, model, created, {"content": delta}, top=nulls)
+                    for piece in answer.push(delta):
+                        yield chunk(rid, model, created, piece, top=nulls)
                     continue
                 life.close()
                 last: dict[str, Any] = {}
@@ -220,8 +223,10 @@ class IngressDeployment:
                 if life.traced:
                     last["prism_trace"] = life.summary()
                 extra = {"token_ids": out_ids} if call.req.return_token_ids else {}
-                content = {"content": delta + detok.finish()}
-                yield chunk(rid, model, created, content, finish, top=nulls if with_usage else last, **extra)
+                pieces, reason = answer.end(delta + detok.finish(), finish)
+                for piece in pieces[:-1]:
+                    yield chunk(rid, model, created, piece, top=nulls)
+                yield chunk(rid, model, created, pieces[-1], reason, top=nulls if with_usage else last, **extra)
                 if with_usage:
                     final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created}
                     final.update(model=model, choices=[], usage=usage(call.prompt_ids, out_ids), **last)
@@ -243,13 +248,16 @@ class IngressDeployment:
             async with life:
                 client, call = await self._grpc_begin(life, request, headers)
                 out_ids, finish = await client.collect(call)
+                text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)
+                message, finish = answer_message(call.req.tool_request, text, finish)
                 response = prism_pb2.GenerateResponse(
                     id=call.rid,
-                    text=visible_text(call.frontend.tokenizer, out_ids, call.sampling),
+                    text=message["content"] or "",
                     token_ids=out_ids,
                     prompt_token_ids=call.prompt_ids,
                     finish_reason=finish,
                     usage=prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids)),
+                    tool_calls_json=calls_json(message),
                 )
                 life.close()
                 return response
@@ -281,18 +289,24 @@ class IngressDeployment:
             async with life:
                 client, call = await self._grpc_begin(life, request, headers)
                 detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
+                answer = AnswerStream(call.req.tool_request)
                 out_ids: list[int] = []
                 async for token, finish in client.tokens(call):
                     out_ids.append(token)
-                    delta = detok.push(token) + (detok.finish() if finish else "")
-                    usage_msg = None
+                    usage_msg, calls = None, ""
                     if finish:
+                        pieces, finish = answer.end(detok.push(token) + detok.finish(), finish)
                         usage_msg = prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids))
+                        calls = calls_json(answer.message())
                         life.close()
                         _grpc_trace(grpc_context, life)
+                    else:
+                        pieces = answer.push(detok.push(token))
+                    delta = "".join(p.get("content") or "" for p in pieces)  # (the calls come whole, last)
                     yield prism_pb2.GenerateChunk(
-                        id=call.rid, delta=delta, token_id=token, finish_reason=finish or "", usage=usage_msg
-                    )
+                        id=call.rid, delta=delta, token_id=token, finish_reason=finish or "", usage=usage_msg,
+                        tool_calls_json=calls,
+                    )  # fmt: skip
         except Exception:
             if life.error is None:  # cancelled
                 raise

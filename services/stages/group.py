@@ -73,11 +73,12 @@ class GroupDeployment:
         messages: list[dict[str, Any]],
         sampling: SamplingParams,
         ctx: RequestContext,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Traced[Any]:
         """Encode (when ``hop`` holds it) then prefill: the prefill's handle, for the decode deployment."""
         assert self.prefill is not None
         embeddings = await self.encode.encode(upstream, ctx) if "encode" in hop and self.encode else upstream
-        return await self.prefill.prefill(messages, embeddings, sampling, ctx)
+        return await self.prefill.prefill(messages, embeddings, sampling, ctx, tools)
 
     async def run_stream(
         self,
@@ -87,6 +88,7 @@ class GroupDeployment:
         sampling: SamplingParams,
         ctx: RequestContext,
         kv_blocks: int,
+        tools: list[dict[str, Any]] | None = None,
     ):
         """The request's decode events, its KV reserved here before prefill computes (see the module docstring)."""
         assert self.prefill is not None and self.decode is not None
@@ -107,7 +109,7 @@ class GroupDeployment:
                 embeddings = waited("decode.reserve", since, blocks=kv_blocks)
             else:
                 embeddings = upstream
-            pre = await self.prefill.prefill(messages, embeddings, sampling, ctx)
+            pre = await self.prefill.prefill(messages, embeddings, sampling, ctx, tools)
             async with contextlib.aclosing(self.decode.generate(pre, sampling, ctx)) as events:
                 async for event in events:  # (closed with this call, whatever ends it: the sequence's KV goes back)
                     yield event

@@ -138,8 +138,10 @@ class PrefillDeployment:
         embeddings: Traced[Any] | list[VisualEmbeddings],
         sampling: SamplingParams,
         ctx: RequestContext,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Traced[Any]:
-        """The prefill result as the KV transport's handle (the output itself over the object store)."""
+        """The prefill result as the KV transport's handle (the output itself over the object store); ``tools``: the
+        function definitions the chat template renders into the prompt."""
         timeline = Timeline.after(embeddings, ctx.sent_at)
         handle = unwrap(embeddings)
         visual, free = await self._receive(handle)
@@ -152,7 +154,7 @@ class PrefillDeployment:
                 self.metrics.transfer(backend, "embeddings", nbytes, transfer.duration_s)
             ctx.check_deadline("prefill")
             await compile_guide(self.lm, sampling.guide)  # (the engine's own check then finds it cached)
-            merged = await asyncio.to_thread(self._merge, messages, visual)
+            merged = await asyncio.to_thread(self._merge, messages, visual, tools)
         finally:
             free()  # (merged: the embeddings' landing memory goes back)
         prep = timeline.mark("prefill.prompt", prompt_tokens=len(merged.token_ids))
@@ -181,8 +183,10 @@ class PrefillDeployment:
             return self.transport.receive_embeddings(handle)
         return await finish_in_thread(lambda: self.transport.receive_embeddings(handle), lambda got: got[1]())
 
-    def _merge(self, messages: list[dict[str, Any]], visual: list[VisualEmbeddings]) -> MergedInputs:
-        prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens)
+    def _merge(
+        self, messages: list[dict[str, Any]], visual: list[VisualEmbeddings], tools: list[dict[str, Any]] | None
+    ) -> MergedInputs:
+        prompt = build_prompt(self.lm, messages, visual, self.cfg.engine.max_prompt_tokens, tools)
         return merge(self.lm, prompt, visual)
 
     def _trace(self, timeline: Timeline, lane: _Lane, result: PrefillResult, transfer_s: float, prep_s: float) -> None:

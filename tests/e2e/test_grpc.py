@@ -81,6 +81,28 @@ def test_structured_outputs_over_grpc_match_http(stub, client):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_tool_calls_over_grpc_match_http(stub, client):
+    """The calls HTTP returns in ``message.tool_calls`` come in ``tool_calls_json`` (unary, and the stream's last
+    chunk), the text without them, and ``finish_reason`` ``tool_calls``."""
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    params = {"type": "object", "properties": {"n": digit}, "required": ["n"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": params}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Pick."}], "max_tokens": 60, "temperature": 0,
+            "tools": tools, "tool_choice": "required", "parallel_tool_calls": False}  # fmt: skip
+    http = client.chat.completions.create(**body).choices[0]
+    request = prism_pb2.GenerateRequest(chat_completion_json=json.dumps(body), api_key=API_KEY)
+    unary = stub.Generate(request, metadata=ROUTE, timeout=60)
+    calls = json.loads(unary.tool_calls_json)
+    assert unary.finish_reason == http.finish_reason == "tool_calls" and unary.text == ""
+    expected = [(c.function.name, c.function.arguments) for c in http.message.tool_calls]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == expected
+    assert 0 <= json.loads(calls[0]["function"]["arguments"])["n"] <= 9
+    chunks = list(stub.GenerateStream(request, metadata=ROUTE, timeout=60))
+    assert "".join(c.delta for c in chunks) == "" and chunks[-1].finish_reason == "tool_calls"
+    streamed = json.loads(chunks[-1].tool_calls_json)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == expected
+
+
 @pytest.mark.parametrize(
     "request_kwargs,code",
     [

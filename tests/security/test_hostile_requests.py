@@ -65,6 +65,13 @@ def _schema(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": SECRET, "schema": schema, "strict": True}}
 
 
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, **({"parameters": parameters} if parameters else {})}}
+
+
+UNSAT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 1}}, "required": ["n"]}
+BAD_CALL = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}
+
 # (case, headers, body (dict → JSON, bytes as is), status, code)
 CASES: list[tuple[str, dict, object, int, str]] = [
     ("no API key", {}, _body(), 401, "invalid_api_key"),
@@ -120,8 +127,17 @@ CASES: list[tuple[str, dict, object, int, str]] = [
     ("stop: 5 strings", KEY, _body(stop=[SECRET, "b", "c", "d", "e"]), 400, "invalid_stop"),
     ("stop: empty string", KEY, _body(stop=""), 400, "invalid_stop"),
     ("stop: 300 characters", KEY, _body(stop=SECRET * 12), 400, "invalid_stop"),
-    ("tools", KEY, _body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "unsupported_parameter"),
-    ("tool_choice auto", KEY, _body(tool_choice="auto"), 400, "unsupported_parameter"),
+    ("functions (deprecated)", KEY, _body(functions=[{"name": "f"}]), 400, "unsupported_parameter"),
+    ("tool_choice without tools", KEY, _body(tool_choice="auto"), 400, "invalid_tools"),
+    ("tools: a name with spaces", KEY, _body(tools=[_tool("a b")]), 400, "invalid_tools"),
+    (
+        "tools: unsatisfiable parameters",
+        KEY,
+        _body(tools=[_tool("f", UNSAT)], tool_choice="required"),
+        400,
+        "invalid_tools",
+    ),
+    ("tool_calls arguments not JSON", KEY, _body(messages=[BAD_CALL]), 400, "invalid_request"),
     (
         "json_schema unsatisfiable",
         KEY,
@@ -167,7 +183,14 @@ CASES: list[tuple[str, dict, object, int, str]] = [
     ("frequency_penalty 3", KEY, _body(frequency_penalty=3), 400, "invalid_request"),
     ("temperature -1", KEY, _body(temperature=-1), 400, "invalid_request"),
     ("max_tokens 1,000,000", KEY, _body(max_tokens=1_000_000), 400, "invalid_request"),
-    ("role tool", KEY, _body(messages=[{"role": "tool", "content": "x"}]), 400, "invalid_request"),
+    ("role function (deprecated)", KEY, _body(messages=[{"role": "function", "content": "x"}]), 400, "invalid_request"),
+    (
+        "tool message with an image",
+        KEY,
+        _body(messages=[{"role": "tool", "content": [_image_url(SECRET)]}]),
+        400,
+        "invalid_request",
+    ),
     ("no messages", KEY, {"model": MODEL}, 400, "invalid_request"),
     ("content part type audio", KEY, _body(messages=_msg([{"type": "input_audio"}])), 400, "invalid_request"),
     ("unknown model", KEY, _body(model="gpt-" + SECRET), 404, "model_not_found"),
@@ -327,7 +350,7 @@ def test_grpc_refusals(served, before, report):
         ("gRPC: JSON nested 5,000 deep", "[" * 5000 + "]" * 5000, keyed, grpc.StatusCode.INVALID_ARGUMENT,
          "json_too_deep"),
         ("gRPC: tools", json.dumps(_body(tools=[{"type": "function"}])), keyed, grpc.StatusCode.INVALID_ARGUMENT,
-         "unsupported_parameter"),
+         "invalid_tools"),
         ("gRPC: lone surrogate", '{"model": "prism-tiny-llava", "messages": [{"role": "user", "content": "\\ud800"}]}',
          keyed, grpc.StatusCode.INVALID_ARGUMENT, "invalid_json"),
         ("gRPC: 120 MB message", "x" * (120 * MB), keyed, grpc.StatusCode.RESOURCE_EXHAUSTED, None),
@@ -378,9 +401,11 @@ def test_refusals_are_counted_where_they_happen(served, before):
         keyless = count(text, deployment="proxy", code="invalid_api_key", status="401")
         ingress = count(text, deployment="Ingress", code="unsupported_parameter")
         grammar = count(text, deployment="Ingress", code="invalid_response_format")
-        if (proxy >= 3 and keyless >= 4 and ingress >= 8 and grammar >= 7) or time.time() > deadline:
+        tools = count(text, deployment="Ingress", code="invalid_tools")
+        if (proxy >= 3 and keyless >= 4 and ingress >= 6 and grammar >= 7 and tools >= 4) or time.time() > deadline:
             break
         time.sleep(2)
     assert proxy == 3, "each oversized HTTP body with a key refused by the proxy is counted once"
     assert keyless >= 4, "requests without a valid key are refused (and counted) by the proxy"
-    assert ingress >= 8 and grammar >= 7  # (the corpus's unsupported parameters; its output constraints refused)
+    assert ingress >= 6 and grammar >= 7  # (the corpus's unsupported parameters; its output constraints refused)
+    assert tools >= 4, tools  # (its malformed tools: three over HTTP, one over gRPC)

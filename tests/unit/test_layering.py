@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("common.stop", "common.config"),
     ("common.auth", "common.obs"),
     ("common.grammar",),
+    ("common.tools",),
     ("common.protocol",),
     ("common.model",),
     ("common.cache", "common.kv", "common.media"),

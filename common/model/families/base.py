@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from common.protocol.handoff import Modality, PlaceholderSpan, ProcessedMedia
+from common.tools.tags import TOOL_MARKERS
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class FamilyAdapter(ABC):
     """safetensors key prefixes of the vision tower (current and legacy checkpoint layouts)."""
     projector_prefixes: tuple[str, ...]
     """safetensors key prefixes of the projector/merger; checked before ``vision_prefixes``."""
+    tool_markers: tuple[str, ...] = TOOL_MARKERS
+    """Tokens the builder adds for the tool-call format of the embedded models' templates
+    (:mod:`common.model.families.tool_format`)."""
     allows_span_split: bool = False
     """Whether prefill may cut one media item's placeholder span: a chunk may end inside it, and a prefix-cache hit
     may end inside it (the rest of the span is computed from its embeddings, which the prefill stage holds whole).

@@ -24,18 +24,40 @@ from transformers import (
 )
 
 from common.model.families.base import FamilyAdapter, PresetDims, ProcessedPixels
+from common.model.families.tool_format import ASSISTANT_CALLS, TOOL_RESPONSE, TOOLS_BLOCK
 from common.protocol.handoff import Modality, ProcessedMedia
 
-_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if not loop.first -%}{{- ' ' -}}{%- endif -%}"
-    "{{- message['role'] | upper -}}{{- ': ' -}}"
+_CONTENT = (
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] in ['image', 'image_url'] -%}{{- '<image>\\n' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+)
+# LLaVA-1.5's checkpoints have no tool format; the built model takes tool_format's (the Qwen2.5 / Hermes one): with
+# tools, a SYSTEM turn first carries their definitions (after the client's system text); tool messages are USER turns
+# of <tool_response> blocks, consecutive ones sharing a turn.
+_CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- 'SYSTEM: ' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{%- set message = messages[0] -%}"
+    + _CONTENT
+    + "{%- endif -%}"
+    + TOOLS_BLOCK
+    + "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.previtem is not defined or loop.previtem['role'] != 'tool' -%}"
+    "{%- if not loop.first or tools -%}{{- ' ' -}}{%- endif -%}{{- 'USER:' -}}{%- endif -%}"
+    + TOOL_RESPONSE
+    + "{%- else -%}"
+    "{%- if not loop.first or tools -%}{{- ' ' -}}{%- endif -%}"
+    "{{- message['role'] | upper -}}{{- ': ' -}}"
+    + _CONTENT
+    + ASSISTANT_CALLS
+    + "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- ' ASSISTANT:' -}}{%- endif -%}"
 )

@@ -29,23 +29,39 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from common.model.families.base import FamilyAdapter, PresetDims, ProcessedPixels
+from common.model.families.tool_format import ASSISTANT_CALLS, TOOL_RESPONSE, TOOLS_BLOCK
 from common.protocol.handoff import Modality, PlaceholderSpan, ProcessedMedia
 
 _MODALITY_TYPE = {"image": 1, "video": 2}
 
-_CHAT_TEMPLATE = (
-    "{%- if messages[0]['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+_CONTENT = (
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] in ['image', 'image_url'] -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] in ['video', 'video_url'] -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
+)
+_DEFAULT_SYSTEM = "You are a helpful assistant."
+# With tools, the system turn carries their definitions (after the client's system text, or the default one); tool
+# messages are user turns of <tool_response> blocks, consecutive ones sharing a turn (see tool_format).
+_CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{%- set message = messages[0] -%}" + _CONTENT + "{%- else -%}"
+    "{{- '" + _DEFAULT_SYSTEM + "' -}}{%- endif -%}" + TOOLS_BLOCK + "{{- '<|im_end|>\\n' -}}"
+    "{%- elif messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n" + _DEFAULT_SYSTEM + "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.previtem is not defined or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    + TOOL_RESPONSE
+    + "{%- if loop.nextitem is not defined or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}" + _CONTENT + ASSISTANT_CALLS + "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

@@ -65,7 +65,7 @@ def test_not_json(raw):
         ({**BASE, "messages": [{"role": "user", "content": 5}]}, "invalid_request", "messages.0.content"),
         ({**BASE, "frequency_penalty": 2.5}, "invalid_request", "frequency_penalty"),
         ({**BASE, "n": 0}, "invalid_request", "n"),
-        ({**BASE, "messages": [{"role": "tool", "content": "x"}]}, "invalid_request", "messages.0.role"),
+        ({**BASE, "messages": [{"role": "developer", "content": "x"}]}, "invalid_request", "messages.0.role"),
     ],
 )
 def test_shape_limits_and_values(body, code, param):
@@ -86,9 +86,6 @@ def test_limits_are_configurable():
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
         ("logprobs", True),
@@ -111,8 +108,7 @@ def test_unsupported_parameters_are_refused_by_name(name, value):
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("tools", []),
-        ("tool_choice", "none"),
+        ("functions", []),
         ("logprobs", False),
         ("top_logprobs", 0),
         ("logit_bias", {}),
@@ -128,7 +124,7 @@ def test_defaults_of_unsupported_parameters_are_accepted(name, value):
 
 
 def test_every_unsupported_parameter_has_a_case():
-    covered = {"tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs"}
+    covered = {"functions", "function_call", "logprobs", "top_logprobs"}
     covered |= {"logit_bias", "n", "best_of", "audio", "modalities", "prediction"}
     assert covered == set(UNSUPPORTED)
 
