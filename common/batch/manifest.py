@@ -2,10 +2,12 @@
 
 Columns: ``id`` (unique, non-empty string), ``video`` (a path under the media root, a ``file://`` URL under it, or an
 ``http(s)`` URL fetched by the same SSRF-safe fetcher as online serving), ``prompt``; optional ``max_tokens``, ``fps``,
-``max_frames`` (null: the server's policy) and ``response_format`` (OpenAI's, as its JSON text — or, in JSONL, the
+``max_frames`` (null: the server's policy), ``response_format`` (OpenAI's, as its JSON text — or, in JSONL, the
 object itself: the row's answer is constrained by it; one that cannot be served is that row's
-``invalid_response_format`` error). A malformed manifest (missing column, duplicate or empty id, wrong type) fails the
-whole job at once with the row number; a bad *video* is a per-row error later, never a job failure.
+``invalid_response_format`` error) and ``logprobs`` (0–20: the answer comes with each token's log-probability and that
+many alternatives, as the online API's ``top_logprobs``; null: none). A malformed manifest (missing column, duplicate
+or empty id, wrong type) fails the whole job at once with the row number; a bad *video* is a per-row error later,
+never a job failure.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from urllib.parse import quote
 import pyarrow.parquet as pq
 
 REQUIRED = ("id", "video", "prompt")
-OPTIONAL = ("max_tokens", "fps", "max_frames", "response_format")
+OPTIONAL = ("max_tokens", "fps", "max_frames", "response_format", "logprobs")
+MAX_TOP_LOGPROBS = 20
 
 
 class ManifestError(ValueError):
@@ -37,6 +40,8 @@ class BatchRow:
     max_frames: int | None = None
     response_format: str | None = None
     """JSON text of the row's ``response_format`` (``None``: free text)."""
+    logprobs: int | None = None
+    """Alternatives per token to report with its log-probability (``None``: no log-probabilities)."""
 
 
 def read_manifest(path: str | Path, media_root: str | Path | None = None) -> list[BatchRow]:
@@ -85,7 +90,20 @@ def _row(record: object, n: int, root: Path, parquet: bool = False) -> BatchRow:
         fps=_optional(record, "fps", float, n),
         max_frames=_optional(record, "max_frames", int, n),
         response_format=_json_object(record, "response_format", n, parquet),
+        logprobs=_top_logprobs(record, n),
     )
+
+
+def _top_logprobs(record: dict, n: int) -> int | None:
+    value = record.get("logprobs")
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value != int(value):
+        raise ManifestError(f"row {n}: logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ManifestError(f"row {n}: logprobs is {value}; it must be from 0 to {MAX_TOP_LOGPROBS}")
+    return int(value)
 
 
 def _json_object(record: dict, key: str, n: int, parquet: bool) -> str | None:

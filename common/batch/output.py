@@ -29,6 +29,7 @@ SCHEMA = pa.schema(
         ("id", pa.string()),
         ("status", pa.string()),
         ("text", pa.string()),
+        ("logprobs", pa.string()),
         ("error_code", pa.string()),
         ("error_message", pa.string()),
         ("frames", pa.int64()),

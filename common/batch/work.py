@@ -35,6 +35,7 @@ from common.model.loader import load_frontend, load_model
 from common.protocol.handoff import MediaRef, ProcessedMedia, VisualEmbeddings
 from common.protocol.sampling import SamplingParams
 from common.stages.encode import encode_media
+from common.stages.logprobs import entries
 from common.stages.merge import merge
 from common.stages.process import process_loaded
 from common.stages.prompt import build_prompt
@@ -63,6 +64,7 @@ LOADED: dict[str, Any] = {
 ENCODED: dict[str, Any] = {"embeddings": _EMPTY, "encoder_revision": "", "seconds_encode": 0.0}
 GENERATED: dict[str, Any] = {
     "text": "",
+    "logprobs": "",
     "prompt_tokens": 0,
     "output_tokens": 0,
     "seconds_prefill": 0.0,
@@ -85,6 +87,7 @@ def input_row(row: Row) -> Row:
         {k: row.get(k) or 0 for k in ("max_tokens", "fps", "max_frames")}
         | {k: row[k] for k in ("id", "video", "prompt")}
         | {"response_format": row.get("response_format") or ""}
+        | {"top_logprobs": -1 if row.get("logprobs") is None else int(row["logprobs"])}  # (-1: none asked)
     )
 
 
@@ -201,7 +204,9 @@ class ClipGenerator:
                 f"max_tokens is {max_tokens}; the limit is {self.cfg.engine.max_output_tokens}", param="max_tokens"
             )
         guide = row_guide(self.cfg, self.lm, row)
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, guide=guide).resolved()
+        top = int(row.get("top_logprobs", -1))
+        logprobs = top if top >= 0 else None
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, guide=guide, logprobs=logprobs).resolved()
 
     def __call__(self, rows: Sequence[Row]) -> list[Row]:
         """The rows with their text, reduced to the output columns (the arrays are dropped here)."""
@@ -218,7 +223,7 @@ class ClipGenerator:
                 continue
             out[i] = row | {"prompt_tokens": len(pre.prompt_token_ids), "seconds_prefill": seconds}
             started[row["id"]] = (i, sampling, len(pre.prompt_token_ids))
-        tokens, finish, seconds = self._decode(set(started))
+        tokens, logprobs, finish, seconds = self._decode(set(started))
         for rid, (i, sampling, _) in started.items():
             if finish.get(rid) in ("timeout", "error", None):
                 out[i] = fail(out[i], PrismError(f"decode ended with {finish.get(rid) or 'no result'}"))
@@ -227,6 +232,9 @@ class ClipGenerator:
             text = visible_text(self.lm.tokenizer, ids, sampling)
             share = seconds * len(ids) / max(1, sum(len(t) for t in tokens.values()))
             out[i] = out[i] | {"text": text, "output_tokens": len(ids), "seconds_decode": share}
+            if sampling.logprobs is not None:  # (JSON text: the online API's logprobs.content entries)
+                found = entries(self.lm.token_bytes, ids, logprobs[rid])
+                out[i]["logprobs"] = json.dumps(found, separators=(",", ":"))
         return [{k: v for k, v in r.items() if k not in ARRAYS} for r in out]
 
     def _prefill(self, row: Row):
@@ -248,15 +256,17 @@ class ClipGenerator:
             self.prefill.cancel(row["id"])  # no-op once finished; drops it if a chunk failed
         return sampling, result.output, time.perf_counter() - start
 
-    def _decode(self, running: set[str]) -> tuple[dict[str, list[int]], dict[str, str], float]:
+    def _decode(self, running: set[str]) -> tuple[dict[str, list[int]], dict[str, list], dict[str, str], float]:
         start = time.perf_counter()
         tokens: dict[str, list[int]] = {rid: [] for rid in running}
+        logprobs: dict[str, list] = {rid: [] for rid in running}
         finish: dict[str, str] = {}
         try:
             while len(finish) < len(running):
                 for event in self.decode.step():
                     if event.token_id is not None:
                         tokens[event.request_id].append(event.token_id)
+                        logprobs[event.request_id].append(event.logprob)
                     if event.finish_reason is not None:
                         finish[event.request_id] = event.finish_reason
                 if not self.decode.has_work() and self.decode.num_waiting == 0 and len(finish) < len(running):
@@ -264,7 +274,7 @@ class ClipGenerator:
         finally:
             for rid in running - set(finish):
                 self.decode.cancel(rid)
-        return tokens, finish, time.perf_counter() - start
+        return tokens, logprobs, finish, time.perf_counter() - start
 
 
 ARRAYS = ("pixel_values", "embeddings", "grid_thw")

@@ -56,9 +56,9 @@ from common.kv.native import load_decode_kernel
 from common.kv.paged_attention import enable_paged_attention
 from common.kv.pool import KVPool, Lease
 from common.model.loader import LoadedModel
-from common.protocol.handoff import FinishReason, Prefilled, PrefillOutput
+from common.protocol.handoff import FinishReason, Prefilled, PrefillOutput, TokenLogprob
 from common.protocol.sampling import SamplingParams
-from common.stages.sampler import sample_token
+from common.stages.sampler import log_probs, sample_token, token_logprob
 from common.stages.stops import StopChecker
 
 EngineFinish = FinishReason | Literal["timeout", "error"]
@@ -72,6 +72,8 @@ class TokenEvent:
     """``None`` only on a ``timeout`` / ``error`` event, which carries no token."""
     finish_reason: EngineFinish | None
     """``None`` while the sequence goes on. Cancel emits nothing: it is the caller's own act."""
+    logprob: TokenLogprob | None = None
+    """The token's log-probabilities, when its request asks for them."""
 
 
 @dataclass
@@ -307,7 +309,7 @@ class DecodeEngine(Reservations):
         )
         self._running[request_id] = seq
         if not replay:
-            self._emit(seq, pre.first_token_id)
+            self._emit(seq, pre.first_token_id, pre.first_logprob)
             return
         seq.forced.extend(replay)
         self._replay(seq, pre.first_token_id)
@@ -327,7 +329,7 @@ class DecodeEngine(Reservations):
         self._abort(seq.request_id, "error")
         return False
 
-    def _emit(self, seq: _Sequence, token: int) -> None:
+    def _emit(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         if not self._advance(seq, token):
             return
         if seq.sampling.penalised:
@@ -335,7 +337,7 @@ class DecodeEngine(Reservations):
         reason = seq.stops.check(token, seq.step + 1)
         if reason in (None, "length") and seq.matcher is not None and seq.matcher.is_stopped():
             reason = "stop"  # the grammar is complete (at max_tokens too): nothing may follow
-        self._events.append(TokenEvent(seq.request_id, token, reason))
+        self._events.append(TokenEvent(seq.request_id, token, reason, logprob))
         if reason is not None:
             del self._running[seq.request_id]
             self._release(seq.request_id)
@@ -424,6 +426,10 @@ class DecodeEngine(Reservations):
                 prism_paged=ctx,
             )
             logits = self.lm.model.lm_head(out.last_hidden_state[:, -1:, :])[:, -1]
+            # (the raw distribution, before the grammar's mask; only the rows that report it, not replaying)
+            raw = {
+                i: log_probs(logits[i]) for i, s in enumerate(batch) if s.sampling.logprobs is not None and not s.forced
+            }
             self._mask(batch, logits)
         for i, seq in enumerate(batch):
             seq.length += 1
@@ -433,7 +439,10 @@ class DecodeEngine(Reservations):
                 self._replay(seq, sampled)
             else:
                 seq.last_token = sampled
-                self._emit(seq, sampled)
+                row = raw.get(i)
+                self._emit(
+                    seq, sampled, None if row is None else token_logprob(row, sampled, seq.sampling.logprobs or 0)
+                )
 
     def _mask(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Constrain the logits rows of the batch's guided sequences (in place; other rows untouched)."""

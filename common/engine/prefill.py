@@ -44,7 +44,7 @@ from common.kv.prefix_hash import block_hashes
 from common.model.loader import LoadedModel
 from common.protocol.handoff import KVBlocks, MergedInputs, PrefillOutput
 from common.protocol.sampling import SamplingParams
-from common.stages.sampler import sample_token
+from common.stages.sampler import log_probs, sample_token, token_logprob
 
 
 @dataclass
@@ -231,6 +231,8 @@ class PrefillEngine:
 
     def _finish(self, state: _State) -> PrefillResult:
         assert state.logits is not None
+        wanted = state.sampling.logprobs
+        raw = log_probs(state.logits) if wanted is not None else None  # (before the mask: the raw distribution)
         if state.sampling.guide is not None:  # the first token obeys the grammar too
             with torch.inference_mode():
                 mask_row(state.logits, compiler_for(self.lm).matcher(state.sampling.guide), self._mask_buffer())
@@ -245,6 +247,7 @@ class PrefillEngine:
             rope_delta=state.rope_delta,
             model_revision=self.lm.contract.model_revision,
             checksum=checksum,  # (the stage's seal binds it to the attempt)
+            first_logprob=None if raw is None else token_logprob(raw, first, wanted or 0),
         )
         return PrefillResult(state.request_id, output, state.stats)
 

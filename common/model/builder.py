@@ -39,7 +39,7 @@ from common.model.families.base import FamilyAdapter, PresetDims
 from common.model.registry import FAMILIES
 from common.model.tokenizer_builder import train_bpe_tokenizer
 
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 """Bump when anything here changes the built files: cached builds of the old version are then ignored."""
 
 _SEED = 20261130

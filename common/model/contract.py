@@ -37,7 +37,7 @@ _TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
-_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 class ModelContract(BaseModel):

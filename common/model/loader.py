@@ -11,7 +11,7 @@ results are read-only afterwards and shared by every stage in the process; stage
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from common.model.builder import resolve_model_dir
 from common.model.contract import ModelContract, build_contract
 from common.model.families.base import FamilyAdapter
 from common.model.registry import family_for_dir
+from common.model.token_bytes import TokenBytes
 from common.protocol.handoff import Modality
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +43,9 @@ class ModelFrontend:
     model_dir: Path
     served_name: str
     eos_token_ids: frozenset[int]
+    video_bounds: tuple[int, int] | None = field(default=None, kw_only=True)
+    """Pixel bounds for video frames from the checkpoint's video processor config (``None``: the image
+    processor's): :meth:`FamilyAdapter.load_video_bounds`."""
 
     @property
     def text_config(self) -> Any:
@@ -60,6 +64,11 @@ class ModelFrontend:
 
     def placeholder_id(self, modality: Modality) -> int:
         return self.adapter.placeholder_token_id(self.config, self.tokenizer, modality)
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's bytes (what ``logprobs`` report)."""
+        return TokenBytes(self.tokenizer)
 
     @functools.cached_property
     def small_image_tokens(self) -> int:
@@ -126,6 +135,7 @@ def load_frontend(cfg: ModelConfig, config: Any = None, dtype: str | None = None
         model_dir=model_dir,
         served_name=served,
         eos_token_ids=_eos_ids(model_dir, tokenizer),
+        video_bounds=adapter.load_video_bounds(str(model_dir), image_processor),
     )
 
 

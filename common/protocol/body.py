@@ -12,7 +12,7 @@ stage sees it.
    (their arguments too) on the raw dict, so a body of a million tiny messages is refused before pydantic builds a
    million objects;
 4. parameters: OpenAI parameters Prism does not implement are refused by name when they carry anything but their
-   default (clients routinely send ``logprobs: false`` or ``functions: []``); unknown fields are tolerated (vendor
+   default (clients routinely send ``n: 1`` or ``functions: []``); unknown fields are tolerated (vendor
    extensions) up to ``max_unknown_fields`` and returned by name for the request log.
 
 Each refusal is a 4xx naming the limit and the parameter; none echoes the client's values.
@@ -41,8 +41,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     # parameter → "this value is what not implementing it gives anyway"
     "functions": _default_or([]),
     "function_call": _default_or("none"),
-    "logprobs": _default_or(False),
-    "top_logprobs": _default_or(0),
     "logit_bias": _default_or({}),
     "n": lambda v: v is None or isinstance(v, bool) or not isinstance(v, int) or v <= 1,  # n < 1: the schema's 400
     "best_of": _default_or(1),

@@ -287,7 +287,19 @@ class Prefilled(Protocol):
     def checksum(self) -> int: ...
 
     @property
+    def first_logprob(self) -> TokenLogprob | None: ...
+
+    @property
     def layout(self) -> KVLayout: ...
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's raw distribution at its position, and the ``top`` most
+    likely tokens there as ``(token_id, logprob)``, most likely first (as many as the request asked for)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -306,6 +318,9 @@ class PrefillOutput:
     checksum: int = -1
     """XXH3-64 of the KV bytes (keys, then values) as prefill exported them (-1: not sealed): decode refuses a
     payload whose bytes, as they landed in its pool, are not these (:mod:`common.kv.digest`)."""
+    first_logprob: TokenLogprob | None = None
+    """The first token's log-probabilities (when the request asks for them): prefill sampled it, so only prefill saw
+    the distribution it came from."""
 
     @property
     def layout(self) -> KVLayout:
@@ -330,6 +345,8 @@ class StreamToken:
     spans: tuple[Span, ...] = ()
     """The first token carries ``decode.queue`` (KV lease wait + import + first emission)."""
     kv_blocks: int = 0
+    logprob: TokenLogprob | None = None
+    """Its log-probabilities, when the request asks for them (the first token's came from prefill)."""
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,16 @@ ContentPart = TextPart | ImagePart | VideoPart
 class FunctionCall(_Part):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     arguments: str
-    """The call's arguments as JSON text (an object), as OpenAI returns them."""
+    """The call's arguments as JSON text (an object), as OpenAI returns them; ``""`` (some clients send it for a
+    function without parameters) is ``{}``."""
+
+    def parsed(self) -> dict[str, Any] | None:
+        """The arguments as an object (``None``: not a JSON object, or nested past what the parser takes)."""
+        try:
+            value = json.loads(self.arguments) if self.arguments.strip() else {}
+        except (ValueError, RecursionError):
+            return None
+        return value if isinstance(value, dict) else None
 
 
 class ToolCallIn(_Part):
@@ -93,11 +102,7 @@ class ChatMessage(BaseModel):
             if any(not isinstance(p, TextPart) for p in self.content or ()):
                 raise ValueError("a tool message's content is text")
         for call in self.tool_calls or ():
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):
+            if call.function.parsed() is None:
                 raise ValueError("tool_calls' function.arguments must be a JSON object as text")
         return self
 
@@ -123,6 +128,10 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    """Return each generated token's log-probability (``choices[].logprobs.content``); ``null`` is false."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """With ``logprobs``: this many most likely alternatives per token (0–20)."""
     n: int = Field(default=1, ge=1, le=1)
     """Choices per request: only 1 (``n`` > 1 is refused by name as an unsupported parameter before this)."""
     return_token_ids: bool = False
@@ -172,6 +181,7 @@ class ChatCompletionRequest(BaseModel):
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             guide=self._guide,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
 
     def media_refs(self) -> list[MediaRef]:
@@ -203,9 +213,9 @@ class ChatCompletionRequest(BaseModel):
                     else:
                         parts.append({"type": "image" if isinstance(part, ImagePart) else "video"})
                 entry["content"] = parts
-            if msg.tool_calls:  # arguments as compact JSON: the way the model writes them (checked as an object)
+            if msg.tool_calls:  # arguments as an object, as Hugging Face chat templates take them (checked as one)
                 entry["tool_calls"] = [
-                    {"type": "function", "function": {"name": c.function.name, "arguments": _compact(c.function)}}
+                    {"type": "function", "function": {"name": c.function.name, "arguments": c.function.parsed()}}
                     for c in msg.tool_calls
                 ]
             out.append(entry)
@@ -227,14 +237,12 @@ def parse_chat_request(body: Any, server: ServerConfig | None = None) -> ChatCom
         where = ".".join(str(p) for p in worst["loc"] if not _type_tag(p))
         raise InvalidRequestError(f"invalid request: {where}: {worst['msg']}", param=where or None) from None
     _check_stop(req.stop)
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     req._ignored = ignored
     req._guide = guide_from_request(body, server.max_response_format_bytes)
     req._tools = tools_from_request(body, server.max_tools_bytes)
     return req
-
-
-def _compact(call: FunctionCall) -> str:
-    return json.dumps(json.loads(call.arguments), ensure_ascii=False, separators=(",", ":"))
 
 
 def _type_tag(segment: object) -> bool:

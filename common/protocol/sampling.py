@@ -51,6 +51,9 @@ class SamplingParams(BaseModel):
     """Keep generating past EOS (benchmarks use it for fixed output lengths)."""
     guide: Guide | None = None
     """The output constraint (structured outputs), checked at the ingress; every sampled token obeys it."""
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Return each sampled token's log-probability and this many most likely alternatives (``None``: none) — of the
+    model's raw distribution at that position (before the grammar's mask, penalties, temperature and top-p)."""
 
     @field_validator("stop", mode="before")
     @classmethod

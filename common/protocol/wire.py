@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import types
 import typing
 from typing import Any, TypeVar
 
@@ -65,6 +66,9 @@ def _flatten(obj: Any, prefix: str, arrays: dict[str, np.ndarray]) -> Any:
 
 def _build(tp: Any, value: Any, path: str, arrays: dict[str, np.ndarray]) -> Any:
     origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):  # only ``X | None``
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _build(inner, value, path, arrays)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise HandoffError(f"{path or tp.__name__}: expected an object")

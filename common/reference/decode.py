@@ -16,9 +16,9 @@ from common.grammar.compiler import compiler_for
 from common.grammar.masks import MaskBuffer, mask_row
 from common.kv.blocks import check_prefill, import_kv
 from common.model.loader import LoadedModel
-from common.protocol.handoff import FinishReason, PrefillOutput
+from common.protocol.handoff import FinishReason, PrefillOutput, TokenLogprob
 from common.protocol.sampling import SamplingParams
-from common.stages.sampler import sample_token
+from common.stages.sampler import log_probs, sample_token, token_logprob
 from common.stages.stops import StopChecker, visible_text
 
 
@@ -28,6 +28,7 @@ class DecodeStep:
 
     token_id: int
     finish_reason: FinishReason | None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
     check_prefill(lm, pre)
     cache = import_kv(pre.kv, lm.text_config, lm.kv_shape, lm.dtype)
     stops = StopChecker(lm, sampling)
-    token = pre.first_token_id
+    token, logprob = pre.first_token_id, pre.first_logprob
     past = pre.kv.num_tokens
     step = 0
     generated: Counter[int] = Counter()
@@ -57,7 +58,7 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
                     raise RuntimeError(f"the grammar refused token {token} at step {step}")
                 if reason in (None, "length") and matcher.is_stopped():
                     reason = "stop"
-            yield DecodeStep(token, reason)
+            yield DecodeStep(token, reason, logprob)
             if reason is not None:
                 return
             step += 1
@@ -69,9 +70,11 @@ def decode_stream(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams)
             )
             past += 1
             logits = lm.model.lm_head(out.last_hidden_state[:, -1:, :])[0, -1]
+            raw = log_probs(logits) if sampling.logprobs is not None else None
             if matcher is not None:
                 mask_row(logits, matcher, masks)
             token = sample_token(logits, sampling, step=step, counts=generated)
+            logprob = None if raw is None else token_logprob(raw, token, sampling.logprobs or 0)
 
 
 def decode(lm: LoadedModel, pre: PrefillOutput, sampling: SamplingParams) -> DecodeResult:

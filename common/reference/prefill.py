@@ -17,7 +17,7 @@ from common.kv.blocks import export_kv
 from common.model.loader import LoadedModel
 from common.protocol.handoff import MergedInputs, PrefillOutput
 from common.protocol.sampling import SamplingParams
-from common.stages.sampler import sample_token
+from common.stages.sampler import log_probs, sample_token, token_logprob
 
 
 def prefill(lm: LoadedModel, merged: MergedInputs, sampling: SamplingParams, block_size: int) -> PrefillOutput:
@@ -30,6 +30,7 @@ def prefill(lm: LoadedModel, merged: MergedInputs, sampling: SamplingParams, blo
             inputs_embeds=embeds, position_ids=positions, cache=cache, use_cache=True
         )
         logits = lm.model.lm_head(out.last_hidden_state[:, -1:, :])[0, -1]
+        raw = log_probs(logits) if sampling.logprobs is not None else None
         if sampling.guide is not None:
             mask_row(logits, compiler_for(lm).matcher(sampling.guide), MaskBuffer(logits.shape[-1]))
         first = sample_token(logits, sampling, step=0)
@@ -40,4 +41,5 @@ def prefill(lm: LoadedModel, merged: MergedInputs, sampling: SamplingParams, blo
         kv=kv,
         rope_delta=rope_delta,
         model_revision=lm.contract.model_revision,
+        first_logprob=None if raw is None else token_logprob(raw, first, sampling.logprobs or 0),
     )

@@ -92,7 +92,7 @@ def _process_one(
         else:
             if modality not in lm.adapter.modalities:
                 raise InvalidRequestError(f"model {lm.served_name} does not accept {modality} input", param="messages")
-            px = lm.adapter.process_video(lm.image_processor, lm.config, list(rgb))
+            px = lm.adapter.process_video(lm.image_processor, lm.config, list(rgb), lm.video_bounds)
         if cache is not None and key is not None:
             cache.put(key, px)
     return ProcessedMedia(

@@ -6,6 +6,9 @@ prefill, has nothing to penalise). Greedy is then ``argmax`` over the logits —
 when no penalty is set. Otherwise temperature scaling, then
 nucleus (top-p) filtering, then one multinomial draw from a generator seeded by ``(seed, step)`` — a pure function
 of the request and the step index, so it does not matter which process draws which step.
+
+Log-probabilities (``SamplingParams.logprobs``) are read from the raw logits — :func:`log_probs` before any mask,
+penalty or temperature — and :func:`token_logprob` picks the sampled token's and the top alternatives.
 """
 
 from __future__ import annotations
@@ -15,12 +18,26 @@ from collections.abc import Mapping
 
 import torch
 
+from common.protocol.handoff import TokenLogprob
 from common.protocol.sampling import SamplingParams
 
 
 def _step_generator(seed: int, step: int) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{step}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` of logits rows in float32: the raw distribution, before any mask, penalty or temperature."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprob(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s entry in a ``[vocab]`` row of :func:`log_probs`, with the ``top`` most likely tokens (ties: the
+    lower id first, as ``torch.topk`` orders them on CPU)."""
+    best = torch.topk(row, top) if top else None
+    pairs = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    return TokenLogprob(float(row[token]), pairs)
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: Mapping[int, int]) -> torch.Tensor:

@@ -89,6 +89,8 @@ class CallReader:
 
     open: str = TOOL_MARKERS[0]
     close: str = TOOL_MARKERS[1]
+    names: frozenset[str] | None = None
+    """The functions the request offers (``None``: any name): a call of another is text, not a call."""
     calls: list[ToolCall] = field(default_factory=list)
     content: str = ""
     """The text sent as content so far."""
@@ -129,51 +131,74 @@ class CallReader:
     # ---- states: text → head (after an opening tag) → args → tail (to the closing tag) → after ------------------
     def _step(self, out: list[dict[str, Any]]) -> bool:
         """Advance over the buffer once; whether another step may make progress."""
-        buf = self._buf
         if self._state in ("text", "after"):
-            at = buf.find(self.open)
-            if at < 0:
-                if self._state == "after":
-                    rest = buf.lstrip()
-                    if not rest or self.open.startswith(rest):
-                        return False  # (whitespace between calls, or the start of the next tag)
-                    self._state = "text"  # text after the calls: content again
-                keep = _held(buf, self.open)
-                self._text(buf[: len(buf) - keep], out)
-                self._buf = buf[len(buf) - keep :]
-                return False
-            if self._state == "text" or buf[:at].strip():
-                self._text(buf[:at].rstrip(), out)
-            self._buf, self._state = buf[at + len(self.open) :], "head"
-            return True
+            return self._outside(out)
         if self._state == "head":
-            head = _HEAD.match(buf)
-            if head is not None:
-                self._start(json.loads(f'"{head[1]}"'), out)
-                self._buf, self._state, self._args = buf[head.end() :], "args", _Arguments()
-                return True
-            end = buf.find(self.close)
-            if end >= 0:  # not in the grammar's form: read it whole, or give it back as text
-                self._whole(buf[:end], out)
-                self._buf, self._state = buf[end + len(self.close) :], "after"
-                return True
-            return False
+            return self._head(out)
         if self._state == "args":
-            taken = self._args.take(buf)
-            if taken:
-                self.calls[-1].arguments += buf[:taken]
-                out.append(_args_delta(self.calls[-1], buf[:taken]))
-            if taken == len(buf):
-                self._buf = ""
-                return False
-            self._buf, self._state = buf[taken:], "tail"
-            return True
-        end = buf.find(self.close)  # tail: the call's closing brace and tag
+            return self._arguments(out)
+        end = self._buf.find(self.close)  # tail: the call's closing brace and tag
         if end < 0:
             return False
         self.calls[-1].complete = True
+        self._buf, self._state = self._buf[end + len(self.close) :], "after"
+        return True
+
+    def _outside(self, out: list[dict[str, Any]]) -> bool:
+        """Text, or what follows a call: content up to the next opening tag (held back where one may begin)."""
+        buf = self._buf
+        at = buf.find(self.open)
+        if at < 0:
+            if self._state == "after":
+                rest = buf.lstrip()
+                if not rest or self.open.startswith(rest):
+                    return False  # (whitespace between calls, or the start of the next tag)
+                self._state = "text"  # text after the calls: content again
+            keep = _held(buf, self.open)
+            self._text(buf[: len(buf) - keep], out)
+            self._buf = buf[len(buf) - keep :]
+            return False
+        if self._state == "text" or buf[:at].strip():
+            self._text(buf[:at].rstrip(), out)
+        self._buf, self._state = buf[at + len(self.open) :], "head"
+        return True
+
+    def _head(self, out: list[dict[str, Any]]) -> bool:
+        """After an opening tag: the call starts once its name is read (in the grammar's form), or is read whole at
+        its closing tag (another form), or is text (a function the request does not offer, a name that is not JSON)."""
+        buf = self._buf
+        head = _HEAD.match(buf)
+        if head is not None:
+            name = _string(head[1])
+            if name is None or not self._offered(name):
+                self._text(self.open + buf[: head.end()], out)
+                self._buf, self._state = buf[head.end() :], "text"
+                return True
+            self._start(name, out)
+            self._buf, self._state, self._args = buf[head.end() :], "args", _Arguments()
+            return True
+        end = buf.find(self.close)
+        if end < 0:
+            return False
+        self._whole(buf[:end], out)
         self._buf, self._state = buf[end + len(self.close) :], "after"
         return True
+
+    def _arguments(self, out: list[dict[str, Any]]) -> bool:
+        """The call's arguments, sent as they arrive, to the end of their JSON value."""
+        buf = self._buf
+        taken = self._args.take(buf)
+        if taken:
+            self.calls[-1].arguments += buf[:taken]
+            out.append(_args_delta(self.calls[-1], buf[:taken]))
+        if taken == len(buf):
+            self._buf = ""
+            return False
+        self._buf, self._state = buf[taken:], "tail"
+        return True
+
+    def _offered(self, name: str) -> bool:
+        return self.names is None or name in self.names
 
     def _text(self, text: str, out: list[dict[str, Any]]) -> None:
         if text:
@@ -191,7 +216,8 @@ class CallReader:
             value = json.loads(body)
         except ValueError:
             value = None
-        if not (isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value):
+        named = isinstance(value, dict) and isinstance(value.get("name"), str) and self._offered(value["name"])
+        if not (named and "arguments" in value):
             self._text(self.open + body + self.close, out)
             return
         self._start(value["name"], out)
@@ -199,6 +225,14 @@ class CallReader:
         text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False, separators=(",", ":"))
         self.calls[-1].arguments, self.calls[-1].complete = text, True
         out.append(_args_delta(self.calls[-1], text))
+
+
+def _string(escaped: str) -> str | None:
+    """A JSON string's body decoded (``None`` if it is not valid JSON: an unconstrained head may hold anything)."""
+    try:
+        return json.loads(f'"{escaped}"')
+    except ValueError:
+        return None
 
 
 def _args_delta(call: ToolCall, text: str) -> dict[str, Any]:
@@ -212,9 +246,9 @@ def _held(buf: str, tag: str) -> int:
     return keep + (len(body) - len(body.rstrip()))
 
 
-def read_answer(text: str, open_tag: str = TOOL_MARKERS[0], close_tag: str = TOOL_MARKERS[1]) -> CallReader:
-    """A whole answer read at once (what a non-streamed response carries)."""
-    reader = CallReader(open_tag, close_tag)
+def read_answer(text: str, names: frozenset[str] | None = None) -> CallReader:
+    """A whole answer read at once (what a non-streamed response carries); ``names``: the functions offered."""
+    reader = CallReader(names=names)
     reader.push(text)
     reader.finish()
     return reader

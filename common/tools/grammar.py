@@ -9,9 +9,10 @@ are separated by one newline.
 - ``required``: one or more calls, at most ``server.max_tool_calls`` (a bound, so that an answer of bounded schemas
   always ends; exactly one with ``parallel_tool_calls: false``);
 - a named function: exactly one call of it;
-- ``auto``: free text, then optionally calls — the text cannot open a call unconstrained (with the tags as tokens,
-  free text is bytes and the tag is not; with text tags, the text excludes the opening tag), so a call is constrained
-  from its first token. With a ``response_format`` besides, the answer is that format or calls;
+- ``auto``: free text, then optionally calls — the text cannot open a call unconstrained (it never holds the opening
+  tag, as a token or spelled out), so a call is constrained from its first token. With text tags (a tokenizer without
+  them as tokens) the answer is text or calls, not both. With a ``response_format`` besides, the answer is that format
+  or calls;
 - ``none``: the request's ``response_format`` if any, else free text that never opens a call.
 
 Compiled like any guide (:mod:`common.grammar.compiler`): a function whose schema cannot be served is a 400 naming
@@ -76,7 +77,10 @@ def tool_guide(tools: ToolRequest, markers: Markers, fmt: Guide | None, max_call
     if tools.choice == "required":
         return _guide(f"start: calls\n{rules}")
     if fmt is None:
-        return _guide(f"start: TEXT? calls?\n{_text(markers)}\n{rules}")
+        # (text then calls needs the opening tag to be a token: a text lexeme cannot end where a spelled-out tag begins,
+        # so with text tags the answer is text or calls)
+        start = "TEXT? calls?" if markers.open_id is not None else "TEXT | calls"
+        return _guide(f"start: {start}\n{_text(markers)}\n{rules}")
     return _guide(f"start: @fmt | calls\n{rules}", _subgrammar(fmt))
 
 
@@ -92,10 +96,8 @@ def _calls(functions: tuple[Function, ...] | list[Function], markers: Markers) -
 
 
 def _text(markers: Markers) -> str:
-    """Free text that cannot open a call: any bytes (a tag that is a token is not bytes), or, with text tags, any
-    text without the opening tag."""
-    if markers.open_id is not None:
-        return "TEXT: /(.|\\n)+/"
+    """Free text that cannot open a call: bytes (a tag that is a token is not bytes) that never spell the opening tag
+    either (the answer's reader would take that for a call the grammar never checked)."""
     tag = re.escape(markers.open).replace("/", "\\/")
     return f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{tag}(.|\\n)*/"
 

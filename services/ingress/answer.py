@@ -20,6 +20,10 @@ def _reads_calls(tools: ToolRequest | None) -> bool:
     return tools is not None and tools.calls_expected
 
 
+def _names(tools: ToolRequest | None) -> frozenset[str] | None:
+    return None if tools is None else frozenset(f.name for f in tools.functions)
+
+
 def _finish(reader: CallReader, finish: str) -> str:
     return "tool_calls" if finish == "stop" and reader.called else finish
 
@@ -28,7 +32,7 @@ def answer_message(tools: ToolRequest | None, text: str, finish: str) -> tuple[d
     """The assistant message of a whole answer and its finish reason."""
     if not _reads_calls(tools):
         return {"role": "assistant", "content": text}, finish
-    reader = read_answer(text)
+    reader = read_answer(text, _names(tools))
     return reader.message(), _finish(reader, finish)
 
 
@@ -42,7 +46,7 @@ class AnswerStream:
     """A streamed answer's deltas (see the module docstring)."""
 
     def __init__(self, tools: ToolRequest | None) -> None:
-        self.reader = CallReader() if _reads_calls(tools) else None
+        self.reader = CallReader(names=_names(tools)) if _reads_calls(tools) else None
 
     def push(self, text: str) -> list[dict[str, Any]]:
         """The deltas to send for the answer's next piece ``text`` (none, one or several)."""

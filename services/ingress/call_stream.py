@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.handle import DeploymentResponseGenerator
@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 from common.errors import DeadlineExceeded, HandoffError, PrismError
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
-from common.protocol.handoff import RequestContext, StreamAbort, StreamToken
+from common.protocol.handoff import RequestContext, StreamAbort, StreamToken, TokenLogprob
 from common.protocol.openai import ChatCompletionRequest
 from common.protocol.sampling import SamplingParams
 from services.ingress.chain import Issue
@@ -56,6 +56,8 @@ class Call:
     """Issues the chain again for a decode migration; ``None``: the call cannot be migrated."""
     kv_blocks: int = 0
     migrations: int = 0
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """Each token's log-probabilities as the stream sent them, in order (``None`` where the request asks for none)."""
 
     @property
     def rid(self) -> str:
@@ -122,6 +124,7 @@ class CallStream:
             if event.finish_reason is not None:
                 call.kv_blocks = event.kv_blocks
             sent.append(event.token_id)
+            call.logprobs.append(event.logprob)
             yield event.token_id, event.finish_reason
             if event.finish_reason is not None:
                 return

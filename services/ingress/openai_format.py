@@ -36,12 +36,13 @@ def completion_body(
     prompt_ids: list[int],
     out_ids: list[int],
     with_ids: bool,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
         "index": 0,
         "message": message,
         "finish_reason": finish,
-        "logprobs": None,
+        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
     }
     body: dict[str, Any] = {
         "id": rid,

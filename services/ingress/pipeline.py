@@ -63,7 +63,10 @@ class PipelineClient:
         a worker thread, a small one on the loop (:func:`services.ingress.body.off_loop`)."""
         tenant = trace.tenant = ticket.tenant
         planned = await off_loop(size, plan, self.cfg, self.frontend, tenant, body, headers)
-        # (a constraint that cannot be served is a 400 before any stage; compiled on the grammar thread, niced)
+        # (a constraint that cannot be served is a 400 before any stage; compiled on the grammar thread, niced — the
+        # request's own response_format first where tools wrap it, so that its refusal names it)
+        if planned.request.guide is not planned.sampling.guide:
+            await compile_guide(self.frontend, planned.request.guide)
         await compile_guide(self.frontend, planned.sampling.guide)
         admitted = admit(planned, ticket, self.cfg, self.quotas, self.recorder)
         started: Started | None = None

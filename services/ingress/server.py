@@ -39,6 +39,7 @@ from common.errors import (
 from common.model.loader import load_frontend
 from common.protocol.body import decode_json
 from common.stages.detokenize import Detokenizer
+from common.stages.logprobs import entries
 from common.stages.stops import visible_text
 from services.ingress.answer import AnswerStream, answer_message, calls_json
 from services.ingress.body import BodyBytes, off_loop, read_json
@@ -191,7 +192,8 @@ class IngressDeployment:
         life.close()
         model, with_ids = call.frontend.served_name, call.req.return_token_ids
         message, finish = answer_message(call.req.tool_request, text, finish)
-        body = completion_body(call.rid, model, message, finish, call.prompt_ids, out_ids, with_ids)
+        logprobs = _logprobs(call, out_ids, 0)
+        body = completion_body(call.rid, model, message, finish, call.prompt_ids, out_ids, with_ids, logprobs)
         if life.traced:
             body["prism_trace"] = life.summary()
         return body
@@ -207,6 +209,7 @@ class IngressDeployment:
         detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
         answer = AnswerStream(call.req.tool_request)
         out_ids: list[int] = []
+        reported = 0  # tokens whose log-probabilities went out (with the chunk that carried their text, or a later one)
         try:
             yield chunk(rid, model, created, {"role": "assistant", "content": ""}, top=nulls)
             async for token, finish in client.tokens(call):
@@ -214,7 +217,9 @@ class IngressDeployment:
                 delta = detok.push(token)
                 if finish is None:
                     for piece in answer.push(delta):
-                        yield chunk(rid, model, created, piece, top=nulls)
+                        logprobs = _logprobs(call, out_ids, reported)
+                        reported = len(out_ids)
+                        yield chunk(rid, model, created, piece, top=nulls, **_choice_logprobs(logprobs))
                     continue
                 life.close()
                 last: dict[str, Any] = {}
@@ -225,7 +230,9 @@ class IngressDeployment:
                 extra = {"token_ids": out_ids} if call.req.return_token_ids else {}
                 pieces, reason = answer.end(delta + detok.finish(), finish)
                 for piece in pieces[:-1]:
-                    yield chunk(rid, model, created, piece, top=nulls)
+                    logprobs, reported = _logprobs(call, out_ids, reported), len(out_ids)
+                    yield chunk(rid, model, created, piece, top=nulls, **_choice_logprobs(logprobs))
+                extra.update(_choice_logprobs(_logprobs(call, out_ids, reported)))
                 yield chunk(rid, model, created, pieces[-1], reason, top=nulls if with_usage else last, **extra)
                 if with_usage:
                     final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created}
@@ -258,6 +265,7 @@ class IngressDeployment:
                     finish_reason=finish,
                     usage=prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids)),
                     tool_calls_json=calls_json(message),
+                    logprobs_json=_json(_logprobs(call, out_ids, 0)),
                 )
                 life.close()
                 return response
@@ -305,7 +313,7 @@ class IngressDeployment:
                     delta = "".join(p.get("content") or "" for p in pieces)  # (the calls come whole, last)
                     yield prism_pb2.GenerateChunk(
                         id=call.rid, delta=delta, token_id=token, finish_reason=finish or "", usage=usage_msg,
-                        tool_calls_json=calls,
+                        tool_calls_json=calls, logprobs_json=_json(_logprobs(call, out_ids, len(out_ids) - 1)),
                     )  # fmt: skip
         except Exception:
             if life.error is None:  # cancelled
@@ -327,6 +335,22 @@ class _LifecycleStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.life.abandon()  # no-op once the body closed it
+
+
+def _logprobs(call: Call, out_ids: list[int], start: int) -> list[dict[str, Any]] | None:
+    """The ``logprobs.content`` entries of the tokens ``out_ids[start:]`` (``None`` when the request asks for none)."""
+    if call.sampling.logprobs is None:
+        return None
+    return entries(call.frontend.token_bytes, out_ids[start:], call.logprobs[start : len(out_ids)])
+
+
+def _choice_logprobs(logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A streamed choice's ``logprobs`` field (left at the chunk's ``null`` when the request asks for none)."""
+    return {} if logprobs is None else {"logprobs": {"content": logprobs, "refusal": None}}
+
+
+def _json(value: Any) -> str:
+    return "" if value is None else json.dumps(value, separators=(",", ":"))
 
 
 def _bearer(request: Request) -> str | None:

@@ -284,7 +284,7 @@ class DecodeDeployment:
             stream.tokens += 1
             finish = event.finish_reason
             kv_blocks = self.pool.blocks_for(prompt_tokens + stream.tokens) if finish else 0
-            yield StreamToken(event.token_id, finish, spans, kv_blocks)  # type: ignore[arg-type]
+            yield StreamToken(event.token_id, finish, spans, kv_blocks, event.logprob)  # type: ignore[arg-type]
             if finish is not None:
                 return
 

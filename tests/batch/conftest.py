@@ -83,6 +83,8 @@ def clips(tmp_path_factory, model_cache):
         if n in (1, 2):
             row["response_format"] = json.dumps({"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}})
             row["max_tokens"] = 40
+        if n in (3, 4):  # (free rows: greedy takes the raw distribution's top token)
+            row["logprobs"] = 2
         rows.append(row)
     (root / "corrupt.mp4").write_bytes(video_bytes(1.0)[:300] + b"\x00" * 200)
     (root / "too-long.mp4").write_bytes(video_bytes(6.0, fps=4))
@@ -92,7 +94,7 @@ def clips(tmp_path_factory, model_cache):
     manifest = root / "manifest.parquet"
     text, number = pa.string(), pa.float64()
     schema = pa.schema([("id", text), ("video", text), ("prompt", text), ("max_tokens", pa.int64()), ("fps", number),
-                        ("response_format", text)])  # fmt: skip
+                        ("response_format", text), ("logprobs", pa.int64())])  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), manifest)
     config = root / "batch.yaml"
     config.write_text(

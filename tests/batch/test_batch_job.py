@@ -111,6 +111,22 @@ def test_ok_rows_text_equals_the_online_path(clips, first_run):
     assert got == reference
 
 
+def test_rows_that_ask_for_logprobs_get_them(first_run):
+    """Rows with ``logprobs: 2`` carry the online API's entries as JSON: one per output token, whose bytes spell the
+    text, each with two alternatives — the first of which is the (greedy) token itself; other rows carry none."""
+    out, _ = first_run
+    rows = {r["id"]: r for r in _results(out) if r["status"] == "ok"}
+    asked = [r for r in rows.values() if r["logprobs"]]
+    assert len(asked) == 2 and all(not r["logprobs"] for r in rows.values() if r not in asked)
+    for row in asked:
+        entries = json.loads(row["logprobs"])
+        assert len(entries) == row["output_tokens"]
+        assert all(len(e["top_logprobs"]) == 2 for e in entries)
+        assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in entries)
+        assert all(abs(e["top_logprobs"][0]["logprob"] - e["logprob"]) < 1e-6 for e in entries)
+        assert row["text"] in b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", errors="replace")
+
+
 def test_rerun_skips_ok_rows_and_retries_errors(clips, first_run, ray_cluster):
     manifest, config, _ = clips
     out, _ = first_run

@@ -103,6 +103,20 @@ def test_tool_calls_over_grpc_match_http(stub, client):
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == expected
 
 
+def test_logprobs_over_grpc_match_http(stub, client):
+    """``logprobs_json``: the unary answer's entries are HTTP's ``logprobs.content``; each streamed chunk carries its
+    own token's entry."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    http = client.chat.completions.create(**body).choices[0].logprobs.content
+    request = prism_pb2.GenerateRequest(chat_completion_json=json.dumps(body), api_key=API_KEY)
+    unary = json.loads(stub.Generate(request, metadata=ROUTE, timeout=60).logprobs_json)
+    assert [(e["token"], e["logprob"], e["bytes"]) for e in unary] == [(e.token, e.logprob, e.bytes) for e in http]
+    assert all(len(e["top_logprobs"]) == 2 for e in unary)
+    chunks = list(stub.GenerateStream(request, metadata=ROUTE, timeout=60))
+    assert [json.loads(c.logprobs_json) for c in chunks] == [[e] for e in unary]
+
+
 @pytest.mark.parametrize(
     "request_kwargs,code",
     [

@@ -4,11 +4,18 @@ in-process ``common/`` pipeline for the same bytes; the LLaVA app refuses video 
 from __future__ import annotations
 
 import base64
+import json
 
 import openai
 import pytest
+from transformers import AutoTokenizer
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from common.config import ModelConfig
+from common.config.media import MediaConfig
+from common.media.fetch import MediaFetcher
+from common.media.loader import load_media
+from common.model.builder import resolve_model_dir
 from common.model.loader import load_model
 from common.protocol.handoff import MediaRef
 from common.protocol.sampling import SamplingParams
@@ -23,7 +30,6 @@ QWEN = "prism-tiny-qwen2vl"
 def qwen_base(prism_server, model_cache):
     from ray import serve
 
-    from common.model.builder import resolve_model_dir
     from services.app import build_app
 
     resolve_model_dir(QWEN, model_cache)
@@ -52,6 +58,18 @@ def test_short_video_matches_in_process_pipeline(qwen_base, model_cache):
         extra_body={"return_token_ids": True},
     )
     assert r.choices[0].model_extra["token_ids"] == _reference(url, "What happens?", model_cache)
+
+    # The visual tokens are what the checkpoint's video processor config implies (its own pixel bounds, read from the
+    # file here), not the image processor's.
+    model_dir = resolve_model_dir(QWEN, model_cache)
+    saved = json.loads((model_dir / "video_preprocessor_config.json").read_text())
+    cfg = MediaConfig()
+    frames = load_media([MediaRef("video", url)], cfg, MediaFetcher(cfg))[0].frames
+    factor = saved["patch_size"] * saved["merge_size"]
+    h, w = smart_resize(frames[0].height, frames[0].width, factor, saved["min_pixels"], saved["max_pixels"])
+    expected = -(-len(frames) // saved["temporal_patch_size"]) * (h // factor) * (w // factor)
+    pad = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("<|video_pad|>")
+    assert r.model_extra["prompt_token_ids"].count(pad) == expected
 
 
 def test_llava_app_refuses_video(client):

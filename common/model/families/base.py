@@ -92,9 +92,18 @@ class FamilyAdapter(ABC):
     def process_image(self, image_processor: Any, config: Any, image: Image.Image) -> ProcessedPixels:
         """One RGB image → pixel array in the family layout + patch grid + visual-token count."""
 
-    def process_video(self, image_processor: Any, config: Any, frames: list[Image.Image]) -> ProcessedPixels:
-        """Sampled RGB frames → one video item; families without video refuse (the prompt stage has already
-        refused video for them, so this is a second line)."""
+    def load_video_bounds(self, model_dir: str, image_processor: Any) -> tuple[int, int] | None:
+        """The checkpoint's own pixel bounds for video frames (``min_pixels``, ``max_pixels``), where they differ from
+        the image processor's; ``None``: the image processor's (or no video). A checkpoint whose video settings the
+        family's video path cannot honour is refused here, at load."""
+        return None
+
+    def process_video(
+        self, image_processor: Any, config: Any, frames: list[Image.Image], bounds: tuple[int, int] | None = None
+    ) -> ProcessedPixels:
+        """Sampled RGB frames → one video item, each frame resized within ``bounds`` (:meth:`load_video_bounds`;
+        ``None``: the image processor's); families without video refuse (the prompt stage has already refused video
+        for them, so this is a second line)."""
         raise NotImplementedError(f"{self.name} does not take video input")
 
     # ---- encoding -----------------------------------------------------------------------------------------

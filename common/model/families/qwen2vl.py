@@ -28,6 +28,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+from common.errors import UnsupportedModelError
 from common.model.families.base import FamilyAdapter, PresetDims, ProcessedPixels
 from common.model.families.tool_format import ASSISTANT_CALLS, TOOL_RESPONSE, TOOLS_BLOCK
 from common.protocol.handoff import Modality, PlaceholderSpan, ProcessedMedia
@@ -94,16 +95,45 @@ class Qwen2VLAdapter(FamilyAdapter):
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         return ProcessedPixels(pixel_values=pixels, grid_thw=grid, num_visual_tokens=tokens)
 
-    def process_video(self, image_processor: Any, config: Any, frames: list[Image.Image]) -> ProcessedPixels:
+    def load_video_bounds(self, model_dir: str, image_processor: Any) -> tuple[int, int] | None:
+        """``video_preprocessor_config.json``'s pixel bounds (``min_pixels`` / ``max_pixels``, else
+        ``size.shortest_edge`` / ``size.longest_edge`` as transformers 5 saves them): what ``Qwen2VLVideoProcessor``
+        resizes frames within — real checkpoints give video a smaller ``max_pixels`` than images. No file:
+        transformers' video processor reads ``preprocessor_config.json`` (the image bounds). Refused: a file without
+        bounds (the video processor's class defaults would apply, which this path does not reproduce) or whose patch,
+        merge or temporal sizes differ from the image processor's (the path cuts patches with the image processor's).
+        """
+        path = Path(model_dir) / "video_preprocessor_config.json"
+        if not path.exists():
+            return None
+        try:
+            cfg = json.loads(path.read_text())
+        except ValueError:
+            raise UnsupportedModelError(f"{path} is not JSON") from None
+        size = cfg.get("size") if isinstance(cfg, dict) else None
+        if not isinstance(cfg, dict) or not isinstance(size or {}, dict):
+            raise UnsupportedModelError(f"{path} is not a video processor config")
+        for key in ("patch_size", "merge_size", "temporal_patch_size"):
+            if key in cfg and cfg[key] != getattr(image_processor, key):
+                raise UnsupportedModelError(f"{path}: {key} {cfg[key]} differs from the image processor's")
+        # (top-level min_pixels / max_pixels override size, as in transformers' Qwen2VLVideoProcessor)
+        size = size or {}
+        low, high = cfg.get("min_pixels", size.get("shortest_edge")), cfg.get("max_pixels", size.get("longest_edge"))
+        if not (isinstance(low, int) and isinstance(high, int) and 0 < low <= high):
+            raise UnsupportedModelError(f"{path} gives no usable pixel bounds (size.shortest_edge/longest_edge)")
+        return low, high
+
+    def process_video(
+        self, image_processor: Any, config: Any, frames: list[Image.Image], bounds: tuple[int, int] | None = None
+    ) -> ProcessedPixels:
         """Sampled RGB frames → temporal patches, the layout ``Qwen2VLVideoProcessor`` produces (which needs
-        torchvision, unavailable here): frames resized to one grid with the image processor's pixel bounds,
-        rescaled and normalized, padded to a multiple of ``temporal_patch_size`` by repeating the last frame, then
-        cut into ``(t, h, w)`` patches of ``C × temporal × patch × patch`` values."""
+        torchvision, unavailable here): frames resized to one grid within the video's pixel ``bounds`` (the image
+        processor's when ``None``), rescaled and normalized, padded to a multiple of ``temporal_patch_size`` by
+        repeating the last frame, then cut into ``(t, h, w)`` patches of ``C × temporal × patch × patch`` values."""
         ps, merge, tp = image_processor.patch_size, image_processor.merge_size, image_processor.temporal_patch_size
         size = image_processor.size
-        height, width = smart_resize(
-            frames[0].height, frames[0].width, ps * merge, size.shortest_edge, size.longest_edge
-        )
+        low, high = bounds or (size.shortest_edge, size.longest_edge)
+        height, width = smart_resize(frames[0].height, frames[0].width, ps * merge, low, high)
         mean = np.asarray(image_processor.image_mean, np.float32)[:, None, None]
         std = np.asarray(image_processor.image_std, np.float32)[:, None, None]
         scale = np.float32(image_processor.rescale_factor)
@@ -239,5 +269,9 @@ class Qwen2VLAdapter(FamilyAdapter):
         image = self.build_image_processor(dims)
         image.save_pretrained(out)
         video = {k: v for k, v in image.to_dict().items() if k not in ("image_processor_type", "processor_class")}
+        # Video frames get a quarter of an image's largest area, as real checkpoints bound video below images (and so
+        # that a test can tell which bounds a frame was resized within).
+        low, high = image.size["shortest_edge"], max(image.size["shortest_edge"], image.size["longest_edge"] // 4)
+        video.update(size={"shortest_edge": low, "longest_edge": high}, min_pixels=low, max_pixels=high)
         video.update(video_processor_type="Qwen2VLVideoProcessor", do_sample_frames=False)
         (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2, sort_keys=True) + "\n")

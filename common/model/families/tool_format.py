@@ -15,8 +15,8 @@ system turn as one JSON object per line between ``<tools>`` and ``</tools>``; th
 not special — tokens as Qwen2.5 has them, so they stay in decoded text and the grammar of :mod:`common.tools.grammar`
 can switch on them. The fragments expect the message shapes that
 :meth:`common.protocol.openai.ChatCompletionRequest.template_messages` writes: an assistant message's ``tool_calls``
-with ``function.arguments`` as compact JSON text (written as is) and ``content`` a string (empty when the turn only
-calls).
+with ``function.arguments`` an object (as Hugging Face chat templates take it; written as compact JSON, the way the
+model writes it) and ``content`` a string (empty when the turn only calls).
 
 The instruction prose is ours; the tags, the JSON shape and where they sit are the real family's, so a real
 checkpoint trained on them reads the same prompt.
@@ -52,7 +52,7 @@ ASSISTANT_CALLS = (
     "{%- for call in message['tool_calls'] -%}"
     "{%- if not loop.first or message['content'] -%}{{- '\\n' -}}{%- endif -%}"
     "{{- '<tool_call>\\n{\"name\":' + (call['function']['name'] | tojson) + ',\"arguments\":' -}}"
-    "{{- call['function']['arguments'] + '}\\n</tool_call>' -}}"
+    "{{- (call['function']['arguments'] | tojson(separators=(',', ':'))) + '}\\n</tool_call>' -}}"
     "{%- endfor -%}{%- endif -%}"
 )
 """An assistant turn's calls, after its text, exactly as the model writes them."""

@@ -65,7 +65,11 @@ def test_qwen2vl_directory_has_the_files_a_real_checkpoint_has(model_cache):
     assert video["patch_size"] == image.patch_size == config.vision_config.patch_size
     assert video["temporal_patch_size"] == image.temporal_patch_size == config.vision_config.temporal_patch_size
     assert video["merge_size"] == image.merge_size == config.vision_config.spatial_merge_size
-    assert video["image_mean"] == list(image.image_mean) and video["size"] == dict(image.size)
+    assert video["image_mean"] == list(image.image_mean)
+    # (video frames are bounded below images, as in real checkpoints: the same least area, a quarter of the largest)
+    low, high = image.size["shortest_edge"], image.size["longest_edge"] // 4
+    assert video["size"] == {"shortest_edge": low, "longest_edge": high}
+    assert (video["min_pixels"], video["max_pixels"]) == (low, high)
     assert AutoTokenizer.from_pretrained(d).chat_template
 
 

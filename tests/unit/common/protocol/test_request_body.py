@@ -88,8 +88,6 @@ def test_limits_are_configurable():
     [
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("logprobs", True),
-        ("top_logprobs", 3),
         ("logit_bias", {"50256": -100}),
         ("n", 2),
         ("best_of", 3),
@@ -109,8 +107,6 @@ def test_unsupported_parameters_are_refused_by_name(name, value):
     ("name", "value"),
     [
         ("functions", []),
-        ("logprobs", False),
-        ("top_logprobs", 0),
         ("logit_bias", {}),
         ("n", 1),
         ("modalities", ["text"]),
@@ -124,7 +120,7 @@ def test_defaults_of_unsupported_parameters_are_accepted(name, value):
 
 
 def test_every_unsupported_parameter_has_a_case():
-    covered = {"functions", "function_call", "logprobs", "top_logprobs"}
+    covered = {"functions", "function_call"}
     covered |= {"logit_bias", "n", "best_of", "audio", "modalities", "prediction"}
     assert covered == set(UNSUPPORTED)
 

@@ -13,9 +13,16 @@ import pytest
 import torch
 from transformers import AutoProcessor, LlavaProcessor
 
+from common.engine.decode import DecodeEngine
+from common.engine.prefill import PrefillEngine
+from common.kv.pool import KVPool
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
 from common.reference.pipeline import run_request
+from common.stages.encode import encode_media
+from common.stages.merge import merge
+from common.stages.process import process_images
+from common.stages.prompt import build_prompt
 
 MAX_NEW = 20
 
@@ -137,3 +144,37 @@ def test_different_images_give_different_answers(any_model):
     a = run_request(any_model, _messages(1), [synthetic_image(320, 240, seed=1)], SamplingParams(max_tokens=12))
     b = run_request(any_model, _messages(1), [synthetic_image(320, 240, seed=2)], SamplingParams(max_tokens=12))
     assert a.output.token_ids != b.output.token_ids
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_logprobs_are_log_softmax_of_generates_logits(family, llava, qwen, tiny_llava, tiny_qwen):
+    """The engines' log-probabilities (prefill's first token through its hand-off, then decode's, batched with a
+    sequence that asks for none) equal ``log_softmax`` of the logits ``generate()`` saw at each position, within
+    1e-4, and the top alternatives are its true top 5."""
+    ref, lm = (llava, tiny_llava) if family == "llava" else (qwen, tiny_qwen)  # (generate on its own model object)
+    images = [synthetic_image(320, 240, seed=7)]
+    messages = _messages(1)
+    inputs = (_reference_llava if family == "llava" else _reference_qwen)(ref, messages, images)
+    with torch.inference_mode():
+        out = ref.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)  # fmt: skip
+    expected_ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    expected = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+
+    media = process_images(lm, images)
+    merged = merge(lm, build_prompt(lm, messages, media, 4096), encode_media(lm, media))
+    asked, free = SamplingParams(max_tokens=MAX_NEW, logprobs=5), SamplingParams(max_tokens=MAX_NEW)
+    engine = DecodeEngine(lm, KVPool(256, 16, lm.kv_shape, lm.dtype), max_batch=4)
+    for rid, sampling in (("asked", asked), ("free", free)):
+        engine.submit(rid, PrefillEngine(lm, 16, chunk_tokens=64).run(rid, merged, sampling).output, sampling)
+    events: dict[str, list] = {"asked": [], "free": []}
+    while engine.has_work():
+        for event in engine.step():
+            events[event.request_id].append(event)
+    assert [e.token_id for e in events["asked"]] == [e.token_id for e in events["free"]] == expected_ids
+    assert all(e.logprob is None for e in events["free"])
+    for event, row in zip(events["asked"], expected, strict=True):
+        assert abs(event.logprob.logprob - float(row[event.token_id])) < 1e-4
+        best = torch.topk(row, 5)
+        assert [i for i, _ in event.logprob.top] == best.indices.tolist()
+        assert max(abs(v - float(w)) for (_, v), w in zip(event.logprob.top, best.values, strict=True)) < 1e-4

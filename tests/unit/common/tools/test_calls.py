@@ -76,3 +76,17 @@ def test_a_call_cut_short_is_not_complete():
     assert reader.calls[0].arguments == ONE[ONE.index('{"city"') : 40]
     head_only = read_answer('<tool_call>\n{"na')
     assert head_only.calls == [] and head_only.content == '<tool_call>\n{"na'
+
+
+def test_a_call_of_a_function_not_offered_or_with_a_broken_name_is_text():
+    names = frozenset({"get_w", "time_in"})
+    assert [c.name for c in read_answer(TWO, names).calls] == ["get_w", "time_in"]
+    other = '<tool_call>\n{"name":"rm_rf","arguments":{}}\n</tool_call>'
+    reader = read_answer(other, names)
+    assert reader.calls == [] and reader.content == other and not reader.called
+    broken = '<tool_call>\n{"name":"a\\xq","arguments":{}}\n</tool_call>'  # (not a JSON string escape)
+    reader = read_answer(broken)
+    assert reader.calls == [] and reader.content == broken
+    streamed = CallReader(names=names)
+    pieces = [d for i in range(0, len(other), 3) for d in streamed.push(other[i : i + 3])] + streamed.finish()
+    assert _assembled(pieces) == {"content": other, "calls": []}

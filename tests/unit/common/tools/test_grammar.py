@@ -85,11 +85,26 @@ def test_required_and_named(tiny_model):
     assert _accepts(lm, named, T) and not _accepts(lm, named, W) and not _accepts(lm, named, T + "\n" + T)
 
 
+def _spelled(lm, text: str) -> list[int]:
+    """Token ids that write ``text`` with the call tags spelled out in ordinary tokens (never the tag tokens)."""
+    pieces = text.replace("<tool_call>", "<\x00tool_call>").replace("</tool_call>", "</\x00tool_call>").split("\x00")
+    return [t for p in pieces for t in lm.tokenizer(p, add_special_tokens=False)["input_ids"]]
+
+
+def _accepts_ids(lm, guide, ids: list[int]) -> bool:
+    matcher = compiler_for(lm).matcher(guide)
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
 def test_auto_is_text_or_calls_and_a_call_is_constrained_from_its_first_token(tiny_model):
     lm = tiny_model
     auto = _guide(lm)
     assert _accepts(lm, auto, "Plain words.") and _accepts(lm, auto, "Checking.\n" + W) and _accepts(lm, auto, W)
     assert not _accepts(lm, auto, '<tool_call>\n{"name":"rm_rf","arguments":{}}\n</tool_call>')
+    # A tag spelled out in ordinary tokens is not free text (the reader would take it for an unchecked call).
+    spelled = _spelled(lm, "Checking.\n" + _call("rm_rf", "{}"))
+    assert markers_for(lm.tokenizer).open_id not in spelled and not _accepts_ids(lm, auto, spelled)
+    assert not _accepts_ids(lm, _guide(lm, "none"), _spelled(lm, "x <tool_call> y"))
     fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": TIME}}}
     either = _guide(lm, fmt=fmt)
     assert _accepts(lm, either, '{"zone":3}') and _accepts(lm, either, T) and not _accepts(lm, either, "words")
@@ -104,8 +119,13 @@ def test_none_never_opens_a_call_and_keeps_the_response_format(tiny_model):
 
 
 def test_text_tags_compile_and_a_bad_parameters_schema_is_refused_naming_tools(tiny_llava):
+    """With text tags (a tokenizer without them as tokens) ``auto`` is text or calls; a bad schema names ``tools``."""
+    lm = tiny_llava
     for choice in ("auto", "required", "none"):
-        compiler_for(tiny_llava).check(_guide(tiny_llava, choice, markers=Markers()))
+        compiler_for(lm).check(_guide(lm, choice, markers=Markers()))
+    auto = _guide(lm, markers=Markers())
+    assert _accepts_ids(lm, auto, _spelled(lm, W + "\n" + T)) and _accepts_ids(lm, auto, _spelled(lm, "Plain."))
+    assert not _accepts_ids(lm, auto, _spelled(lm, "Plain <tool_call> words"))
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}}}]  # fmt: skip
     guide = tool_guide(tools_from_request({"tools": bad, "tool_choice": "required"}, 1 << 16), Markers(), None)

@@ -40,7 +40,7 @@ def _body(**kw):
 def test_the_history_renders_as_the_model_writes_calls(frontend):
     req = parse_chat_request(_body())
     messages = req.template_messages()
-    assert messages[1]["content"] == "" and messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city":"Oslo"}'
+    assert messages[1]["content"] == "" and messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     text = render_chat(frontend, messages, req.tool_request.template_tools())
     calls = '<tool_call>\n{"name":"get_w","arguments":{"city":"Oslo"}}\n</tool_call>\n<tool_call>\n' \
             '{"name":"get_w","arguments":{"city":"Rome"}}\n</tool_call>'  # fmt: skip
@@ -76,6 +76,24 @@ def test_malformed_history_is_refused(message):
     with pytest.raises(InvalidRequestError) as info:
         parse_chat_request({"model": "m", "messages": [message]})
     assert info.value.param.startswith("messages.0")
+
+
+def test_call_arguments_nested_past_the_parser_are_a_400_and_empty_ones_are_no_arguments():
+    deep = {"type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request({"model": "m", "messages": [{"role": "assistant", "tool_calls": [deep]}]})
+    assert info.value.param.startswith("messages.0")
+    empty = {"type": "function", "function": {"name": "f", "arguments": ""}}
+    req = parse_chat_request({"model": "m", "messages": [{"role": "assistant", "tool_calls": [empty]}]})
+    assert req.template_messages()[0]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_logprobs_null_is_false():
+    req = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": None})
+    assert req.sampling(16).logprobs is None
+    req = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 3})  # fmt: skip
+    assert req.sampling(16).logprobs == 3
 
 
 def test_call_arguments_count_as_prompt_text():
