@@ -28,6 +28,14 @@ the lost replica: the stream continues as if nothing happened. Every forced toke
 state — is counted in :attr:`DecodeEngine.replay_mismatches` and logged, and the forced token is kept (it is what the
 client saw).
 
+**Choices** (``n`` > 1): one prefill, one hand-off, one lease for the request; :meth:`_begin` forks it into ``n``
+sequences. The prompt's full blocks are shared (each choice references them: reference count ``n``); each choice
+after the first copies the prompt's partial last block into a block of its own (it writes its next tokens there) and
+allocates its own blocks from then on. Choice ``i`` samples with its own seed (:meth:`SamplingParams.for_choice`),
+stop state, penalties and grammar, and starts from prefill's ``forks[i-1]``; its events carry its ``index``. The
+lease (:func:`common.kv.pool.choices_blocks`) goes back when the last choice ends; an abort (deadline, failed step,
+a grammar failure) ends every choice of the request. A request of ``n`` > 1 is not replayed (no migration).
+
 **Grammars** (structured outputs, :mod:`common.grammar`): a sequence whose sampling carries a guide holds a matcher,
 advanced by every token it emits or replays (prefill's first token included); each step fills the masks of all
 constrained sequences in the batch at once and applies them to their logits rows only, before sampling. A sequence
@@ -74,13 +82,19 @@ class TokenEvent:
     """``None`` while the sequence goes on. Cancel emits nothing: it is the caller's own act."""
     logprob: TokenLogprob | None = None
     """The token's log-probabilities, when its request asks for them."""
+    index: int = 0
+    """The request's choice the token belongs to (``n`` > 1)."""
 
 
 @dataclass
 class _Sequence:
     request_id: str
     sampling: SamplingParams
+    """The choice's own (:meth:`SamplingParams.for_choice`)."""
     lease: Lease
+    """The request's (shared by its choices)."""
+    table: list[int]
+    """The sequence's blocks in order (shared prompt blocks, then its own)."""
     rope_delta: int
     length: int
     """Tokens whose KV is in the pool."""
@@ -96,6 +110,11 @@ class _Sequence:
     forced: deque[int] = field(default_factory=deque)
     """Replayed tokens still to feed (the client already has them): taken instead of sampled, never emitted."""
     diverged: bool = False
+    index: int = 0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index
 
 
 class DecodeEngine(Reservations):
@@ -129,7 +148,10 @@ class DecodeEngine(Reservations):
         self._pending: OrderedDict[str, tuple[PrefillOutput, SamplingParams, float | None, tuple[int, ...]]] = (
             OrderedDict()
         )
-        self._running: OrderedDict[str, _Sequence] = OrderedDict()
+        self._running: OrderedDict[tuple[str, int], _Sequence] = OrderedDict()
+        """Sequences by (request id, choice index)."""
+        self._live: Counter[str] = Counter()
+        """Running sequences per request: its lease goes back when the last one ends."""
         self._events: list[TokenEvent] = []
         self._landing: dict[str, tuple[SamplingParams, tuple[int, ...]]] = {}
         """Sequences :meth:`claim` gave blocks whose KV is on its way into them (not yet started: :meth:`start`)."""
@@ -201,7 +223,7 @@ class DecodeEngine(Reservations):
             self.pool.request_lease(request_id, need)
         lease = self.pool.lease(request_id)
         assert lease is not None  # granted just now
-        blocks = self._allocate(lease, pre.layout.num_blocks)
+        blocks = self._allocate(lease, pre, sampling)
         self._landing[request_id] = (sampling, replay)
         return blocks
 
@@ -215,7 +237,7 @@ class DecodeEngine(Reservations):
 
     def _check_new(self, request_id: str) -> None:
         """Refuse a request already queued, landing or running here."""
-        if request_id in self._pending or request_id in self._running or request_id in self._landing:
+        if request_id in self._pending or request_id in self._live or request_id in self._landing:
             raise ValueError(f"request {request_id} is already known to this engine")
 
     def _needs(
@@ -228,12 +250,16 @@ class DecodeEngine(Reservations):
         replay = tuple(int(t) for t in replay)
         if len(replay) >= sampling.max_tokens:
             raise ValueError(f"a replay of {len(replay)} tokens leaves nothing of max_tokens={sampling.max_tokens}")
-        return sampling, replay, self.pool.blocks_for(pre.layout.num_tokens + sampling.max_tokens)
+        if replay and sampling.n > 1:
+            raise ValueError(f"a request of n={sampling.n} choices is not replayed")
+        if len(pre.forks) != sampling.n - 1:
+            raise HandoffError(f"prefill sampled {len(pre.forks) + 1} first tokens for n={sampling.n} choices")
+        return sampling, replay, self.pool.blocks_for_choices(pre.layout.num_tokens, sampling.max_tokens, sampling.n)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a sequence wherever it is and free its KV (its reservation too, if it never claimed one); True if the
         sequence was known (submitted)."""
-        known = self._pending.pop(request_id, None) is not None or self._running.pop(request_id, None) is not None
+        known = self._pending.pop(request_id, None) is not None or self._drop_running(request_id)
         known = self._landing.pop(request_id, None) is not None or known
         self._reserved.pop(request_id, None)
         self._release(request_id)
@@ -257,6 +283,14 @@ class DecodeEngine(Reservations):
     def _release(self, request_id: str) -> None:
         self._admit_granted(self.pool.release(request_id))
 
+    def _drop_running(self, request_id: str) -> bool:
+        """Take every running sequence of a request out of the batch; True if it had any."""
+        if self._live.pop(request_id, 0) == 0:
+            return False
+        for key in [k for k in self._running if k[0] == request_id]:
+            del self._running[key]
+        return True
+
     def _admit_granted(self, granted: list[str]) -> None:
         """Admit the prefilled sequences among leases the pool just granted (a granted reservation waits for its
         submit: the stage is told apart)."""
@@ -268,15 +302,31 @@ class DecodeEngine(Reservations):
         pre, sampling, deadline, replay = self._pending.pop(request_id)
         lease = self.pool.lease(request_id)
         assert lease is not None  # granted by the pool just now
-        blocks = self._allocate(lease, pre.kv.num_blocks)
+        blocks = self._allocate(lease, pre, sampling)
         self.pool.store_blocks(blocks, to_torch(pre.kv.keys, pre.kv.dtype), to_torch(pre.kv.values, pre.kv.dtype))
         self._begin(request_id, lease, pre, sampling, deadline, replay)
 
-    def _allocate(self, lease: Lease, prompt_blocks: int) -> list[int]:
-        """The prompt's blocks in a granted lease: the whole lease as one run when possible (attention then reads the
-        sequence's KV through a view), the first ``prompt_blocks`` of it returned."""
-        run = self.pool.allocate_run(lease, lease.reserved) if self.prefer_contiguous else None
+    def _allocate(self, lease: Lease, pre: Prefilled, sampling: SamplingParams) -> list[int]:
+        """The prompt's blocks in a granted lease: the first sequence's whole span (prompt + ``max_tokens``) as one run
+        when possible (attention then reads its KV through a view) — for ``n`` = 1 the whole lease —, the first
+        ``prompt_blocks`` of it returned."""
+        prompt_blocks, span = pre.layout.num_blocks, self.pool.blocks_for(pre.layout.num_tokens + sampling.max_tokens)
+        run = self.pool.allocate_run(lease, span) if self.prefer_contiguous else None
         return run[:prompt_blocks] if run is not None else self.pool.allocate(lease, prompt_blocks)
+
+    def _fork(self, lease: Lease, pre: Prefilled, sampling: SamplingParams) -> list[int]:
+        """Another choice's block table: the prompt's full blocks shared (one more reference each), then blocks of its
+        own — its share of the lease as one run when possible —, the first a copy of the prompt's partial last block."""
+        prompt = pre.layout.num_tokens
+        full, partial = divmod(prompt, self.pool.block_size)
+        shared = lease.blocks[:full]
+        own = self.pool.blocks_for(prompt + sampling.max_tokens) - full
+        run = self.pool.allocate_run(lease, own) if self.prefer_contiguous else None
+        mine = run if run is not None else self.pool.allocate(lease, 1 if partial else 0)
+        if partial:
+            self.pool.copy_block(lease.blocks[full], mine[0])
+        self.pool.share(lease, shared)
+        return [*shared, *mine]
 
     def _begin(
         self,
@@ -288,31 +338,58 @@ class DecodeEngine(Reservations):
         replay: tuple[int, ...],
     ) -> None:
         try:
-            matcher = self._matcher(sampling)
+            matchers = [self._matcher(sampling) for _ in range(sampling.n)]  # (one compile: the others are cached)
         except Exception:  # (checked at submit; a recompile after eviction failing here ends this sequence alone:
             # _begin may run inside another sequence's release)
             log.exception("grammar of %s did not compile at admission", request_id)
             self._events.append(TokenEvent(request_id, None, "error"))
             self._release(request_id)
             return
+        seq = self._sequence(request_id, 0, lease, list(lease.blocks), pre, sampling, deadline, matchers[0])
+        forks = [
+            self._sequence(request_id, i, lease, self._fork(lease, pre, sampling), pre, sampling, deadline, matchers[i])
+            for i in range(1, sampling.n)
+        ]
+        if not replay:
+            self._emit(seq, pre.first_token_id, pre.first_logprob)
+            for fork, first in zip(forks, pre.forks, strict=True):
+                if request_id in self._live:  # (not if an earlier choice's grammar failed: that ends them all)
+                    fork.last_token = first.token_id
+                    self._emit(fork, first.token_id, first.logprob)
+            return
+        seq.forced.extend(replay)
+        self._replay(seq, pre.first_token_id)
+
+    def _sequence(
+        self,
+        request_id: str,
+        index: int,
+        lease: Lease,
+        table: list[int],
+        pre: Prefilled,
+        sampling: SamplingParams,
+        deadline: float | None,
+        matcher: llguidance.LLMatcher | None,
+    ) -> _Sequence:
+        """Choice ``index``'s running sequence."""
+        own = sampling.for_choice(index)
         seq = _Sequence(
             request_id=request_id,
-            sampling=sampling,
+            sampling=own,
             lease=lease,
+            table=table,
             rope_delta=pre.rope_delta,
             length=pre.layout.num_tokens,
             last_token=pre.first_token_id,
             step=0,
-            stops=StopChecker(self.lm, sampling),
+            stops=StopChecker(self.lm, own),
             deadline=deadline,
             matcher=matcher,
+            index=index,
         )
-        self._running[request_id] = seq
-        if not replay:
-            self._emit(seq, pre.first_token_id, pre.first_logprob)
-            return
-        seq.forced.extend(replay)
-        self._replay(seq, pre.first_token_id)
+        self._running[seq.key] = seq
+        self._live[request_id] += 1
+        return seq
 
     def _matcher(self, sampling: SamplingParams) -> llguidance.LLMatcher | None:
         if sampling.guide is None:
@@ -337,10 +414,13 @@ class DecodeEngine(Reservations):
         reason = seq.stops.check(token, seq.step + 1)
         if reason in (None, "length") and seq.matcher is not None and seq.matcher.is_stopped():
             reason = "stop"  # the grammar is complete (at max_tokens too): nothing may follow
-        self._events.append(TokenEvent(seq.request_id, token, reason, logprob))
+        self._events.append(TokenEvent(seq.request_id, token, reason, logprob, seq.index))
         if reason is not None:
-            del self._running[seq.request_id]
-            self._release(seq.request_id)
+            del self._running[seq.key]
+            self._live[seq.request_id] -= 1
+            if not self._live[seq.request_id]:  # (its last choice: the request's lease goes back)
+                del self._live[seq.request_id]
+                self._release(seq.request_id)
 
     def _replay(self, seq: _Sequence, sampled: int) -> None:
         """Take the next forced token in place of ``sampled``: the state advances as :meth:`_emit` would advance
@@ -380,8 +460,8 @@ class DecodeEngine(Reservations):
                     self._abort(seq.request_id, "error")
             # Rotate so sequences beyond max_batch get their turn next step.
             for seq in batch:
-                if seq.request_id in self._running:
-                    self._running.move_to_end(seq.request_id)
+                if seq.key in self._running:
+                    self._running.move_to_end(seq.key)
         return self.take_events()
 
     def take_events(self) -> list[TokenEvent]:
@@ -393,7 +473,8 @@ class DecodeEngine(Reservations):
     def _expire(self) -> None:
         now = self.clock()
         self.expire_waiting()
-        for rid in [rid for rid, seq in self._running.items() if seq.deadline is not None and seq.deadline <= now]:
+        late = {seq.request_id for seq in self._running.values() if seq.deadline is not None and seq.deadline <= now}
+        for rid in late:
             self._abort(rid, "timeout")
 
     def expire_waiting(self) -> None:
@@ -405,17 +486,17 @@ class DecodeEngine(Reservations):
 
     def _abort(self, request_id: str, reason: EngineFinish) -> None:
         known = self._pending.pop(request_id, None) is not None
-        known = self._running.pop(request_id, None) is not None or known
+        known = self._drop_running(request_id) or known
         if known:
             self._events.append(TokenEvent(request_id, None, reason))
             self._release(request_id)
 
     def _decode(self, batch: list[_Sequence]) -> None:
         for seq in batch:
-            if seq.length == len(seq.lease.blocks) * self.pool.block_size:
-                self.pool.allocate(seq.lease, 1)
+            if seq.length == len(seq.table) * self.pool.block_size:
+                seq.table.extend(self.pool.allocate(seq.lease, 1))
         lengths = [s.length for s in batch]
-        ctx = build_step_context(self.pool, [s.lease.blocks for s in batch], lengths, self.kernel)
+        ctx = build_step_context(self.pool, [s.table for s in batch], lengths, self.kernel)
         with torch.inference_mode():
             out = self.lm.adapter.language_model(self.lm.model)(
                 input_ids=torch.tensor([[s.last_token] for s in batch]),

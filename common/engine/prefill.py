@@ -44,7 +44,7 @@ from common.kv.prefix_hash import block_hashes
 from common.model.loader import LoadedModel
 from common.protocol.handoff import KVBlocks, MergedInputs, PrefillOutput
 from common.protocol.sampling import SamplingParams
-from common.stages.sampler import log_probs, sample_token, token_logprob
+from common.stages.sampler import first_tokens, log_probs
 
 
 @dataclass
@@ -231,12 +231,12 @@ class PrefillEngine:
 
     def _finish(self, state: _State) -> PrefillResult:
         assert state.logits is not None
-        wanted = state.sampling.logprobs
-        raw = log_probs(state.logits) if wanted is not None else None  # (before the mask: the raw distribution)
+        # (the raw distribution: before the mask)
+        raw = log_probs(state.logits) if state.sampling.logprobs is not None else None
         if state.sampling.guide is not None:  # the first token obeys the grammar too
             with torch.inference_mode():
                 mask_row(state.logits, compiler_for(self.lm).matcher(state.sampling.guide), self._mask_buffer())
-        first = sample_token(state.logits, state.sampling, step=0)
+        first, first_logprob, forks = first_tokens(state.logits, raw, state.sampling)
         kv, checksum = export_sealed_kv(state.cache, self.block_size, self.kv_buffers)
         if self.prefix is not None:
             self._insert_prefix(state.hashes, kv, state.stats.cached_tokens // self.block_size)
@@ -247,7 +247,8 @@ class PrefillEngine:
             rope_delta=state.rope_delta,
             model_revision=self.lm.contract.model_revision,
             checksum=checksum,  # (the stage's seal binds it to the attempt)
-            first_logprob=None if raw is None else token_logprob(raw, first, wanted or 0),
+            first_logprob=first_logprob,
+            forks=forks,
         )
         return PrefillResult(state.request_id, output, state.stats)
 

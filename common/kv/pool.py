@@ -16,8 +16,8 @@ Accounting, as queues:
   order as blocks free up, so a large request at the head cannot be starved by a stream of small ones (and it always
   fits eventually: it is at most a fraction of the pool).
 * Inside its lease a request **allocates** blocks (reference count 1) — as one contiguous run when it can, so
-  attention reads its KV through a view with no copy — or **shares** an existing block (a prefix-cache hit:
-  reference count +1, no new capacity used).
+  attention reads its KV through a view with no copy — or **shares** an existing block (a prefix-cache hit, or the
+  prompt's full blocks that a request's ``n`` choices read alike: reference count +1, no new capacity used).
 * The queue is in *rank* order — arrival order unless a lease carries a rank (the decode stage's reservations:
   arrival, plus ``admission.batch_delay_s`` for batch-class traffic, as every stage budget ranks classes); one without
   a rank ranks by the time it asked. So interactive requests go ahead of batch ones that arrived less than the delay
@@ -47,6 +47,14 @@ import numpy as np
 import torch
 
 from common.errors import InvalidRequestError
+
+
+def choices_blocks(block_size: int, prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+    """Blocks ``n`` sequences of one prompt need at most (``max_tokens`` each): the first its prompt + output; each
+    other its own blocks past the prompt's *full* blocks, which all ``n`` share (a partial last block is copied:
+    each choice writes its next tokens into it)."""
+    span = -(-(prompt_tokens + max_tokens) // block_size)
+    return span + (n - 1) * (span - prompt_tokens // block_size)
 
 
 class LeaseTooLarge(InvalidRequestError):
@@ -154,6 +162,15 @@ class KVPool:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def blocks_for_choices(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """What a request's lease needs: :func:`choices_blocks` in this pool's blocks."""
+        return choices_blocks(self.block_size, prompt_tokens, max_tokens, n)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s keys and values into block ``dst`` (a choice's own copy of a shared partial block)."""
+        self.keys[:, dst] = self.keys[:, src]
+        self.values[:, dst] = self.values[:, src]
 
     # ---- leases ---------------------------------------------------------------------------------------------
     def request_lease(self, request_id: str, blocks: int, rank: float | None = None) -> Lease | None:

@@ -290,6 +290,9 @@ class Prefilled(Protocol):
     def first_logprob(self) -> TokenLogprob | None: ...
 
     @property
+    def forks(self) -> tuple[FirstToken, ...]: ...
+
+    @property
     def layout(self) -> KVLayout: ...
 
 
@@ -300,6 +303,15 @@ class TokenLogprob:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The first token of a request's choice ``i`` ≥ 1 (``n`` > 1): sampled by prefill from the same logits as
+    choice 0's, with that choice's seed (:meth:`SamplingParams.for_choice`)."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -321,6 +333,8 @@ class PrefillOutput:
     first_logprob: TokenLogprob | None = None
     """The first token's log-probabilities (when the request asks for them): prefill sampled it, so only prefill saw
     the distribution it came from."""
+    forks: tuple[FirstToken, ...] = ()
+    """Choices 1 … n-1's first tokens (``n`` > 1): one prefill, one KV, ``n`` sequences in decode."""
 
     @property
     def layout(self) -> KVLayout:
@@ -347,6 +361,8 @@ class StreamToken:
     kv_blocks: int = 0
     logprob: TokenLogprob | None = None
     """Its log-probabilities, when the request asks for them (the first token's came from prefill)."""
+    index: int = 0
+    """The choice it belongs to (``n`` > 1: the stream interleaves the choices' tokens; each finishes on its own)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 ``seed`` is resolved once when the request is created (:meth:`SamplingParams.resolved`), and each step's random
 draw is seeded from ``(seed, step)``; so a sequence samples the same tokens whether its steps run in one process or
-its first token is drawn by prefill in one replica and the rest by decode in another.
+its first token is drawn by prefill in one replica and the rest by decode in another. A request for ``n`` choices
+samples choice ``i`` with seed ``seed + i`` (:meth:`SamplingParams.for_choice`): each choice says what the same
+request with ``n = 1`` and that seed says.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from common.grammar.guide import Guide
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
+MAX_CHOICES = 128
+"""The engines' bound on ``n`` (the API's is ``server.max_n``, at most this)."""
+SEED_MODULUS = 2**63
 
 
 def stop_problem(stops: Sequence[object]) -> str | None:
@@ -54,6 +59,8 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     """Return each sampled token's log-probability and this many most likely alternatives (``None``: none) — of the
     model's raw distribution at that position (before the grammar's mask, penalties, temperature and top-p)."""
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Choices to generate from the one prompt (one prefill; the prompt's KV shared by their sequences)."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -82,3 +89,10 @@ class SamplingParams(BaseModel):
         if self.seed is not None:
             return self
         return self.model_copy(update={"seed": secrets.randbits(63)})
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice ``index``'s own sampling: seed ``seed + index`` (modulo 2^63) and ``n = 1`` (needs a resolved
+        seed). Choice 0's is this request's seed."""
+        if self.seed is None:
+            raise ValueError("a choice's sampling needs a resolved seed (SamplingParams.resolved())")
+        return self.model_copy(update={"seed": (self.seed + index) % SEED_MODULUS, "n": 1})

@@ -17,7 +17,7 @@ from common.kv.blocks import export_kv
 from common.model.loader import LoadedModel
 from common.protocol.handoff import MergedInputs, PrefillOutput
 from common.protocol.sampling import SamplingParams
-from common.stages.sampler import log_probs, sample_token, token_logprob
+from common.stages.sampler import first_tokens, log_probs
 
 
 def prefill(lm: LoadedModel, merged: MergedInputs, sampling: SamplingParams, block_size: int) -> PrefillOutput:
@@ -33,7 +33,7 @@ def prefill(lm: LoadedModel, merged: MergedInputs, sampling: SamplingParams, blo
         raw = log_probs(logits) if sampling.logprobs is not None else None
         if sampling.guide is not None:
             mask_row(logits, compiler_for(lm).matcher(sampling.guide), MaskBuffer(logits.shape[-1]))
-        first = sample_token(logits, sampling, step=0)
+        first, first_logprob, forks = first_tokens(logits, raw, sampling)
         kv = export_kv(cache, block_size)
     return PrefillOutput(
         prompt_token_ids=merged.token_ids,
@@ -41,5 +41,6 @@ def prefill(lm: LoadedModel, merged: MergedInputs, sampling: SamplingParams, blo
         kv=kv,
         rope_delta=rope_delta,
         model_revision=lm.contract.model_revision,
-        first_logprob=None if raw is None else token_logprob(raw, first, sampling.logprobs or 0),
+        first_logprob=first_logprob,
+        forks=forks,
     )

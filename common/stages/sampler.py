@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from common.protocol.handoff import TokenLogprob
+from common.protocol.handoff import FirstToken, TokenLogprob
 from common.protocol.sampling import SamplingParams
 
 
@@ -68,3 +68,19 @@ def sample_token(
         filtered = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         probs = filtered / filtered.sum()
     return int(torch.multinomial(probs, 1, generator=_step_generator(params.seed, step)))
+
+
+def first_tokens(
+    logits: torch.Tensor, raw: torch.Tensor | None, params: SamplingParams
+) -> tuple[int, TokenLogprob | None, tuple[FirstToken, ...]]:
+    """Prefill's first token (step 0) from the last position's (masked) ``logits``, its log-probabilities from the
+    ``raw`` row (``None``: not asked), and — for ``n`` > 1 — choices 1 … n-1's first tokens, each drawn with its own
+    seed (:meth:`SamplingParams.for_choice`) from the same logits."""
+
+    def draw(p: SamplingParams) -> tuple[int, TokenLogprob | None]:
+        token = sample_token(logits, p, step=0)
+        return token, None if raw is None else token_logprob(raw, token, params.logprobs or 0)
+
+    first, logprob = draw(params)
+    forks = tuple(FirstToken(*draw(params.for_choice(i))) for i in range(1, params.n))
+    return first, logprob, forks

@@ -46,7 +46,15 @@ from common.kv.digest import digest, flat_bytes
 from common.kv.landing import Landing
 from common.kv.transport.base import KVTransport, Received
 from common.kv.transport.nixl_agent import STAGING_BYTES, Agent, PeerRef, Spans
-from common.protocol.handoff import KVBlocks, KVLayout, Prefilled, PrefillOutput, TokenLogprob, VisualEmbeddings
+from common.protocol.handoff import (
+    FirstToken,
+    KVBlocks,
+    KVLayout,
+    Prefilled,
+    PrefillOutput,
+    TokenLogprob,
+    VisualEmbeddings,
+)
 
 GROUP_BYTES = 16 << 20
 """About how many bytes each of a landing's transfers moves (a KV of a few MB goes as one)."""
@@ -72,6 +80,7 @@ class RemotePrefillOutput:
     request_key: str = ""
     checksum: int = -1
     first_logprob: TokenLogprob | None = None
+    forks: tuple[FirstToken, ...] = ()
 
     @property
     def layout(self) -> KVLayout:
