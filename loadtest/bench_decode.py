@@ -136,7 +136,7 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
     step_times, produced, kv_read = [], 0, 0
     lengths = {rid: pre.kv.num_tokens + 1 for rid, pre, *_ in requests[:batch]}
     while engine.has_work():
-        kv_read += sum(lengths[r] for r in list(engine._running))
+        kv_read += sum(lengths[rid] for rid, _ in list(engine._running))
         start = time.perf_counter()
         events = engine.step()
         step_times.append(time.perf_counter() - start)

@@ -18,7 +18,7 @@ _LIMITS = (
     ("pixels", "max_request_pixels", MediaTooLarge, "source pixels"),
     ("patches", "max_request_patches", MediaTooLarge, "vision patches"),
     ("visual_tokens", "max_request_visual_tokens", InvalidRequestError, "visual tokens"),
-    ("max_output_tokens", "max_request_output_tokens", InvalidRequestError, "output tokens (max_tokens)"),
+    ("max_output_tokens", "max_request_output_tokens", InvalidRequestError, "output tokens (n × max_tokens)"),
 )
 
 
@@ -38,9 +38,10 @@ def check_limits(rv: ResourceVector, cfg: AdmissionConfig, max_prompt_tokens: in
             param="messages",
         )
     if rv.kv_blocks > max_lease_blocks:
+        outputs = f"{rv.choices} choices × " if rv.choices > 1 else ""
         raise InvalidRequestError(
-            f"request needs {rv.kv_blocks} KV blocks (prompt {rv.prompt_tokens} + max_tokens {rv.max_output_tokens} "
-            f"tokens); the per-request limit is {max_lease_blocks} blocks",
+            f"request needs {rv.kv_blocks} KV blocks (prompt {rv.prompt_tokens} + {outputs}max_tokens "
+            f"{rv.max_output_tokens // rv.choices} tokens); the per-request limit is {max_lease_blocks} blocks",
             code="kv_lease_exceeded",
             param="max_tokens",
         )

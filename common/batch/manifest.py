@@ -4,8 +4,10 @@ Columns: ``id`` (unique, non-empty string), ``video`` (a path under the media ro
 ``http(s)`` URL fetched by the same SSRF-safe fetcher as online serving), ``prompt``; optional ``max_tokens``, ``fps``,
 ``max_frames`` (null: the server's policy), ``response_format`` (OpenAI's, as its JSON text — or, in JSONL, the
 object itself: the row's answer is constrained by it; one that cannot be served is that row's
-``invalid_response_format`` error) and ``logprobs`` (0–20: the answer comes with each token's log-probability and that
-many alternatives, as the online API's ``top_logprobs``; null: none). A malformed manifest (missing column, duplicate
+``invalid_response_format`` error), ``logprobs`` (0–20: the answer comes with each token's log-probability and that
+many alternatives, as the online API's ``top_logprobs``; null: none), ``n`` (choices of the one prompt, 1 up to the
+server's ``max_n``: one prefill, their decodes sharing its KV), ``temperature`` (0–2, default 0: greedy) and ``seed``
+(choice ``i`` samples with ``seed + i``; null: a random one). A malformed manifest (missing column, duplicate
 or empty id, wrong type) fails the whole job at once with the row number; a bad *video* is a per-row error later,
 never a job failure.
 """
@@ -21,8 +23,10 @@ from urllib.parse import quote
 import pyarrow.parquet as pq
 
 REQUIRED = ("id", "video", "prompt")
-OPTIONAL = ("max_tokens", "fps", "max_frames", "response_format", "logprobs")
+OPTIONAL = ("max_tokens", "fps", "max_frames", "response_format", "logprobs", "n", "temperature", "seed")
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 128
+"""``n``'s bound here; the server's ``max_n`` (a row's error over it) is usually lower."""
 
 
 class ManifestError(ValueError):
@@ -42,6 +46,9 @@ class BatchRow:
     """JSON text of the row's ``response_format`` (``None``: free text)."""
     logprobs: int | None = None
     """Alternatives per token to report with its log-probability (``None``: no log-probabilities)."""
+    n: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
 
 
 def read_manifest(path: str | Path, media_root: str | Path | None = None) -> list[BatchRow]:
@@ -90,20 +97,26 @@ def _row(record: object, n: int, root: Path, parquet: bool = False) -> BatchRow:
         fps=_optional(record, "fps", float, n),
         max_frames=_optional(record, "max_frames", int, n),
         response_format=_json_object(record, "response_format", n, parquet),
-        logprobs=_top_logprobs(record, n),
+        logprobs=_bounded(record, "logprobs", n, 0, MAX_TOP_LOGPROBS),
+        n=_bounded(record, "n", n, 1, MAX_CHOICES),
+        temperature=_bounded(record, "temperature", n, 0.0, 2.0),
+        seed=_bounded(record, "seed", n, 0, 2**63 - 1),
     )
 
 
-def _top_logprobs(record: dict, n: int) -> int | None:
-    value = record.get("logprobs")
+def _bounded(record: dict, key: str, n: int, low: float, high: float) -> int | float | None:
+    """An optional number from ``low`` to ``high`` — an integer when the bounds are integers (null: ``None``)."""
+    value = record.get(key)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
+    integer = isinstance(low, int)
+    kind = "an integer" if integer else "a number"
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not number or value != int(value):
-        raise ManifestError(f"row {n}: logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}")
-    if not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise ManifestError(f"row {n}: logprobs is {value}; it must be from 0 to {MAX_TOP_LOGPROBS}")
-    return int(value)
+    if not number or (integer and value != int(value)):
+        raise ManifestError(f"row {n}: {key} must be {kind} from {low} to {high}")
+    if not low <= value <= high:
+        raise ManifestError(f"row {n}: {key} is {value}; it must be from {low} to {high}")
+    return int(value) if integer else float(value)
 
 
 def _json_object(record: dict, key: str, n: int, parquet: bool) -> str | None:

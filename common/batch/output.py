@@ -30,6 +30,7 @@ SCHEMA = pa.schema(
         ("status", pa.string()),
         ("text", pa.string()),
         ("logprobs", pa.string()),
+        ("choices", pa.string()),
         ("error_code", pa.string()),
         ("error_message", pa.string()),
         ("frames", pa.int64()),

@@ -8,8 +8,10 @@ the typed error's code and message and passes through the later stages untouched
   duration cap, frame sampling (server policy, row's ``fps`` / ``max_frames`` may only lower it), the processor.
 * :class:`ClipEncoder` (actor): vision tower + projector over a batch of clips.
 * :class:`ClipGenerator` (actor): chat template + span validation + chunked prefill per clip, then continuous-batching
-  decode of the whole batch over a paged KV pool — greedy, so a row's text is what the online API answers with
-  ``temperature: 0`` for the same clip and prompt.
+  decode of the whole batch over a paged KV pool — greedy unless the row sets ``temperature`` (with its ``seed``), so
+  a row's text is what the online API answers with the same sampling for the same clip and prompt. A row of ``n``
+  choices is one prefill and ``n`` sequences sharing its KV; ``text`` / ``logprobs`` are choice 0's, ``choices`` every
+  choice's (JSON), ``output_tokens`` all of theirs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from common.config import PrismConfig
-from common.engine.decode import DecodeEngine
+from common.engine.decode import DecodeEngine, TokenEvent
 from common.engine.prefill import PrefillEngine
 from common.errors import InvalidRequestError, PrismError
 from common.grammar.compiler import compiler_for
@@ -65,6 +67,7 @@ ENCODED: dict[str, Any] = {"embeddings": _EMPTY, "encoder_revision": "", "second
 GENERATED: dict[str, Any] = {
     "text": "",
     "logprobs": "",
+    "choices": "",
     "prompt_tokens": 0,
     "output_tokens": 0,
     "seconds_prefill": 0.0,
@@ -88,6 +91,8 @@ def input_row(row: Row) -> Row:
         | {k: row[k] for k in ("id", "video", "prompt")}
         | {"response_format": row.get("response_format") or ""}
         | {"top_logprobs": -1 if row.get("logprobs") is None else int(row["logprobs"])}  # (-1: none asked)
+        | {"n": int(row.get("n") or 1), "temperature": float(row.get("temperature") or 0.0)}
+        | {"seed": -1 if row.get("seed") is None else int(row["seed"])}  # (-1: a random one)
     )
 
 
@@ -203,10 +208,19 @@ class ClipGenerator:
             raise InvalidRequestError(
                 f"max_tokens is {max_tokens}; the limit is {self.cfg.engine.max_output_tokens}", param="max_tokens"
             )
+        n, limit = int(row.get("n") or 1), self.cfg.server.max_n
+        if n > limit:
+            raise InvalidRequestError(f"n is {n}; the limit is {limit} choices", code="too_many_choices", param="n")
         guide = row_guide(self.cfg, self.lm, row)
-        top = int(row.get("top_logprobs", -1))
-        logprobs = top if top >= 0 else None
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, guide=guide, logprobs=logprobs).resolved()
+        top, seed = int(row.get("top_logprobs", -1)), int(row.get("seed", -1))
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(row.get("temperature") or 0.0),
+            seed=seed if seed >= 0 else None,
+            guide=guide,
+            logprobs=top if top >= 0 else None,
+            n=n,
+        ).resolved()
 
     def __call__(self, rows: Sequence[Row]) -> list[Row]:
         """The rows with their text, reduced to the output columns (the arrays are dropped here)."""
@@ -223,19 +237,29 @@ class ClipGenerator:
                 continue
             out[i] = row | {"prompt_tokens": len(pre.prompt_token_ids), "seconds_prefill": seconds}
             started[row["id"]] = (i, sampling, len(pre.prompt_token_ids))
-        tokens, logprobs, finish, seconds = self._decode(set(started))
+        decoded = self._decode({rid: sampling.n for rid, (_, sampling, _) in started.items()})
+        total = max(1, sum(len(ids) for choices in decoded.tokens.values() for ids in choices))
         for rid, (i, sampling, _) in started.items():
-            if finish.get(rid) in ("timeout", "error", None):
-                out[i] = fail(out[i], PrismError(f"decode ended with {finish.get(rid) or 'no result'}"))
+            failed = decoded.failed(rid)
+            if failed:
+                out[i] = fail(out[i], PrismError(f"decode ended with {failed}"))
                 continue
-            ids = tokens[rid]
-            text = visible_text(self.lm.tokenizer, ids, sampling)
-            share = seconds * len(ids) / max(1, sum(len(t) for t in tokens.values()))
-            out[i] = out[i] | {"text": text, "output_tokens": len(ids), "seconds_decode": share}
+            choices = [self._choice(decoded, rid, c, sampling) for c in range(sampling.n)]
+            spent = sum(len(ids) for ids in decoded.tokens[rid])
+            out[i] = out[i] | {"text": choices[0]["text"], "output_tokens": spent}
+            out[i] |= {"seconds_decode": decoded.seconds * spent / total, "choices": _compact(choices)}
             if sampling.logprobs is not None:  # (JSON text: the online API's logprobs.content entries)
-                found = entries(self.lm.token_bytes, ids, logprobs[rid])
-                out[i]["logprobs"] = json.dumps(found, separators=(",", ":"))
+                out[i]["logprobs"] = _compact(choices[0]["logprobs"])
         return [{k: v for k, v in r.items() if k not in ARRAYS} for r in out]
+
+    def _choice(self, decoded: _Decoded, rid: str, index: int, sampling: SamplingParams) -> dict[str, Any]:
+        """Choice ``index`` of a row as its ``choices`` entry."""
+        ids = decoded.tokens[rid][index]
+        choice = {"index": index, "text": visible_text(self.lm.tokenizer, ids, sampling)}
+        choice["finish_reason"] = decoded.finish[rid][index]
+        if sampling.logprobs is not None:
+            choice["logprobs"] = entries(self.lm.token_bytes, ids, decoded.logprobs[rid][index])
+        return choice
 
     def _prefill(self, row: Row):
         start = time.perf_counter()
@@ -256,25 +280,57 @@ class ClipGenerator:
             self.prefill.cancel(row["id"])  # no-op once finished; drops it if a chunk failed
         return sampling, result.output, time.perf_counter() - start
 
-    def _decode(self, running: set[str]) -> tuple[dict[str, list[int]], dict[str, list], dict[str, str], float]:
+    def _decode(self, running: dict[str, int]) -> _Decoded:
+        """Step the engine until every choice of the ``running`` rows (id → its ``n``) finished."""
         start = time.perf_counter()
-        tokens: dict[str, list[int]] = {rid: [] for rid in running}
-        logprobs: dict[str, list] = {rid: [] for rid in running}
-        finish: dict[str, str] = {}
+        out = _Decoded(running)
         try:
-            while len(finish) < len(running):
+            while not out.done:
                 for event in self.decode.step():
-                    if event.token_id is not None:
-                        tokens[event.request_id].append(event.token_id)
-                        logprobs[event.request_id].append(event.logprob)
-                    if event.finish_reason is not None:
-                        finish[event.request_id] = event.finish_reason
-                if not self.decode.has_work() and self.decode.num_waiting == 0 and len(finish) < len(running):
+                    out.add(event)
+                if not self.decode.has_work() and self.decode.num_waiting == 0 and not out.done:
                     break  # nothing left that could finish them (cannot happen with a sane pool)
         finally:
-            for rid in running - set(finish):
+            for rid in out.unfinished():
                 self.decode.cancel(rid)
-        return tokens, logprobs, finish, time.perf_counter() - start
+        out.seconds = time.perf_counter() - start
+        return out
+
+
+class _Decoded:
+    """The decode engine's events for a batch's rows, per row and choice."""
+
+    def __init__(self, running: dict[str, int]) -> None:
+        self.tokens: dict[str, list[list[int]]] = {rid: [[] for _ in range(n)] for rid, n in running.items()}
+        self.logprobs: dict[str, list[list]] = {rid: [[] for _ in range(n)] for rid, n in running.items()}
+        self.finish: dict[str, list[str | None]] = {rid: [None] * n for rid, n in running.items()}
+        self.aborted: dict[str, str] = {}
+        self.seconds = 0.0
+
+    def add(self, event: TokenEvent) -> None:
+        rid = event.request_id
+        if event.token_id is None:  # (an abort ends every choice of the row)
+            self.aborted[rid] = event.finish_reason or "error"
+            return
+        self.tokens[rid][event.index].append(event.token_id)
+        self.logprobs[rid][event.index].append(event.logprob)
+        if event.finish_reason is not None:
+            self.finish[rid][event.index] = event.finish_reason
+
+    def unfinished(self) -> list[str]:
+        return [rid for rid, ends in self.finish.items() if rid not in self.aborted and None in ends]
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished()
+
+    def failed(self, rid: str) -> str | None:
+        """Why the row has no answer (``None``: every choice finished)."""
+        return self.aborted.get(rid) or ("no result" if None in self.finish[rid] else None)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 ARRAYS = ("pixel_values", "embeddings", "grid_thw")

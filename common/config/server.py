@@ -90,6 +90,9 @@ class ServerConfig(Strict):
     max_tool_calls: int = Field(default=16, ge=1)
     """Calls in one answer, at most (with ``parallel_tool_calls``): the grammar ends the answer after that many, so an
     answer of calls whose arguments' schemas are bounded always ends."""
+    max_n: int = Field(default=8, ge=1, le=128)  # (128: the engines' bound, SamplingParams.n)
+    """Choices (``n``) one request may ask for; more is a 400 ``too_many_choices``. Its KV is the prompt's full blocks
+    once plus each choice's own (within the per-request lease), its output ``n`` × ``max_tokens``."""
     max_unknown_fields: int = Field(default=64, ge=0)
     """Top-level fields Prism does not know (vendor extensions, ``user``, ``metadata`` …) accepted in one request;
     more are a 400 ``too_many_fields``."""

@@ -47,14 +47,7 @@ import numpy as np
 import torch
 
 from common.errors import InvalidRequestError
-
-
-def choices_blocks(block_size: int, prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
-    """Blocks ``n`` sequences of one prompt need at most (``max_tokens`` each): the first its prompt + output; each
-    other its own blocks past the prompt's *full* blocks, which all ``n`` share (a partial last block is copied:
-    each choice writes its next tokens into it)."""
-    span = -(-(prompt_tokens + max_tokens) // block_size)
-    return span + (n - 1) * (span - prompt_tokens // block_size)
+from common.protocol.vector import choices_blocks
 
 
 class LeaseTooLarge(InvalidRequestError):
@@ -138,6 +131,11 @@ class KVPool:
     @property
     def used_blocks(self) -> int:
         return self.num_blocks - self.free_blocks
+
+    @property
+    def shared_blocks(self) -> int:
+        """Blocks referenced more than once (a prompt's full blocks that its choices read alike, prefix-cache hits)."""
+        return int((self._refs > 1).sum())
 
     def _take(self, blocks: np.ndarray) -> list[int]:
         if not self._is_free[blocks].all():

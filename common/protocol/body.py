@@ -42,7 +42,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": _default_or([]),
     "function_call": _default_or("none"),
     "logit_bias": _default_or({}),
-    "n": lambda v: v is None or isinstance(v, bool) or not isinstance(v, int) or v <= 1,  # n < 1: the schema's 400
     "best_of": _default_or(1),
     "audio": _default_or(),
     "modalities": _default_or(["text"]),

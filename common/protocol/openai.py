@@ -132,8 +132,9 @@ class ChatCompletionRequest(BaseModel):
     """Return each generated token's log-probability (``choices[].logprobs.content``); ``null`` is false."""
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     """With ``logprobs``: this many most likely alternatives per token (0–20)."""
-    n: int = Field(default=1, ge=1, le=1)
-    """Choices per request: only 1 (``n`` > 1 is refused by name as an unsupported parameter before this)."""
+    n: int | None = Field(default=None, ge=1, strict=True)
+    """Choices per request (``null``: 1), up to ``server.max_n``: one prefill, ``n`` decodes sharing the prompt's KV;
+    choice ``i`` samples with seed ``seed + i``."""
     return_token_ids: bool = False
     """Prism extension: include ``prompt_token_ids`` and each choice's ``token_ids``."""
     response_format: dict[str, Any] | None = None
@@ -182,6 +183,7 @@ class ChatCompletionRequest(BaseModel):
             presence_penalty=self.presence_penalty,
             guide=self._guide,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            n=self.n or 1,
         )
 
     def media_refs(self) -> list[MediaRef]:
@@ -239,6 +241,9 @@ def parse_chat_request(body: Any, server: ServerConfig | None = None) -> ChatCom
     _check_stop(req.stop)
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if (req.n or 1) > server.max_n:
+        limit = f"n is {req.n}; the limit is {server.max_n} choices"
+        raise InvalidRequestError(limit, code="too_many_choices", param="n")
     req._ignored = ignored
     req._guide = guide_from_request(body, server.max_response_format_bytes)
     req._tools = tools_from_request(body, server.max_tools_bytes)

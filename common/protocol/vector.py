@@ -48,7 +48,10 @@ class ResourceVector:
     visual_tokens: int
     text_tokens: int
     max_output_tokens: int
+    """Every choice's ``max_tokens`` together (``choices`` × ``max_tokens``)."""
     kv_blocks: int
+    choices: int = 1
+    """``n``: sequences decoded from the one prompt (its full KV blocks shared: :func:`choices_blocks`)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -56,11 +59,17 @@ class ResourceVector:
 
     @classmethod
     def at_ingress(
-        cls, rendered_tokens: int, media_items: int, max_output_tokens: int, block_size: int, media_bytes: int = 0
+        cls,
+        rendered_tokens: int,
+        media_items: int,
+        max_output_tokens: int,
+        block_size: int,
+        media_bytes: int = 0,
+        choices: int = 1,
     ) -> ResourceVector:
         """What the ingress knows: the prompt rendered with one placeholder token per media item. Each placeholder
         becomes the item's visual tokens later, so ``text_tokens`` excludes them; ``kv_blocks`` is exact for a
-        text-only request and a lower bound otherwise."""
+        text-only request and a lower bound otherwise. ``max_output_tokens``: one choice's."""
         text = rendered_tokens - media_items
         return cls(
             media_items=media_items,
@@ -70,8 +79,9 @@ class ResourceVector:
             patches=0,
             visual_tokens=media_items,  # at least one token each: the lower bound until the media stage knows
             text_tokens=text,
-            max_output_tokens=max_output_tokens,
-            kv_blocks=_blocks(rendered_tokens + max_output_tokens, block_size),
+            max_output_tokens=choices * max_output_tokens,
+            kv_blocks=choices_blocks(block_size, rendered_tokens, max_output_tokens, choices),
+            choices=choices,
         )
 
     def with_media(
@@ -92,15 +102,24 @@ class ResourceVector:
             frames=sum(_frames(m) for m in media),
             patches=sum(m.patches for m in media),
             visual_tokens=visual,
-            kv_blocks=_blocks(self.text_tokens + visual + self.max_output_tokens, block_size),
+            kv_blocks=self.kv_blocks_of(self.text_tokens + visual, block_size),
         )
+
+    def kv_blocks_of(self, prompt_tokens: int, block_size: int) -> int:
+        """The KV blocks of this request with a prompt of ``prompt_tokens``."""
+        per_choice = self.max_output_tokens // self.choices
+        return choices_blocks(block_size, prompt_tokens, per_choice, self.choices)
+
+
+def choices_blocks(block_size: int, prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+    """Blocks ``n`` sequences of one prompt need at most (``max_tokens`` each): the first its prompt + output; each
+    other its own blocks past the prompt's *full* blocks, which all ``n`` share (a partial last block is copied:
+    each choice writes its next tokens into it)."""
+    span = -(-(prompt_tokens + max_tokens) // block_size)
+    return span + (n - 1) * (span - prompt_tokens // block_size)
 
 
 def _frames(m: MediaFigures) -> int:
     """1 for an image; a video's temporal grid (Qwen2-VL: one per two sampled frames — the media stage counts every
     sampled frame against ``max_request_pixels`` from the headers, before decoding)."""
     return m.grid_thw[0] if m.modality == "video" else 1
-
-
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)

@@ -2,8 +2,9 @@
 
 :meth:`services.ingress.pipeline.PipelineClient.begin` returns a :class:`Call` once the decode stream of its chain has
 sent its :class:`StreamStart`. From there :class:`CallStream` reads it: :meth:`CallStream.tokens` yields
-``(token_id, finish_reason)`` from the typed decode events until the sequence finishes (504 at the deadline, a typed
-error on an abort or a malformed stream), :meth:`CallStream.collect` gathers them for a non-streaming response.
+``(choice index, token_id, finish_reason)`` from the typed decode events until every choice finished (504 at the
+deadline, a typed error on an abort or a malformed stream; ``n`` > 1 interleaves the choices' tokens),
+:meth:`CallStream.collect` gathers them for a non-streaming response.
 :meth:`Call.close` — called once by the request's lifecycle, however it ends — cancels every stage response of the
 chain (decode first, so its KV is freed at once) and gives the tenant's quota back.
 
@@ -14,7 +15,8 @@ embeddings from the encoder cache or encoded again) with the tokens the client a
 the next token, with no error, no repeat and no gap in what the client receives (:mod:`common.engine.decode`,
 *Replay*). At most ``server.max_migrations`` per request, never past its deadline (504); each counted in
 ``prism_migrations_total{outcome}`` when its outcome is known (``resumed`` at the rebuilt stream's first new token,
-``failed``, ``refused``) and listed in the request's trace.
+``failed``, ``refused``) and listed in the request's trace. A request of ``n`` > 1 choices is not migrated: its lost
+replica ends it with the error.
 """
 
 from __future__ import annotations
@@ -55,9 +57,14 @@ class Call:
     reissue: Issue | None = None
     """Issues the chain again for a decode migration; ``None``: the call cannot be migrated."""
     kv_blocks: int = 0
+    """The KV blocks the request held (its choices' together), once every choice finished."""
     migrations: int = 0
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    """Each token's log-probabilities as the stream sent them, in order (``None`` where the request asks for none)."""
+    logprobs: list[list[TokenLogprob | None]] = field(default_factory=list)
+    """Per choice, each token's log-probabilities as the stream sent them, in order (``None`` where the request asks
+    for none)."""
+
+    def __post_init__(self) -> None:
+        self.logprobs = [[] for _ in range(self.admitted.sampling.n)]
 
     @property
     def rid(self) -> str:
@@ -91,10 +98,11 @@ class CallStream:
         self.max_migrations = max_migrations
         self._count = count
 
-    async def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
-        """``(token_id, finish_reason)`` until the sequence finishes; raises 504 / 500 on timeout / failure. A lost
-        decode replica is replaced by a migration (up to ``max_migrations``), unseen by the caller."""
+    async def tokens(self, call: Call) -> AsyncIterator[tuple[int, int, str | None]]:
+        """``(choice index, token_id, finish_reason)`` until every choice finished; raises 504 / 500 on timeout /
+        failure. A lost decode replica is replaced by a migration (up to ``max_migrations``), unseen by the caller."""
         sent: list[int] = []
+        running = call.sampling.n
         moving: _Migration | None = None  # a migration whose stream has not produced a new token yet
         while True:
             try:
@@ -103,7 +111,7 @@ class CallStream:
                     if event.reason == "timeout":
                         raise DeadlineExceeded("deadline exceeded during decode")
                     raise PrismError("decode failed; see the decode replica's log")
-                if not isinstance(event, StreamToken):
+                if not isinstance(event, StreamToken) or not 0 <= event.index < len(call.logprobs):
                     raise HandoffError(f"the decode stream sent {type(event).__name__} where a token was due")
             except CANCELLED:
                 raise
@@ -121,25 +129,27 @@ class CallStream:
             else:  # (a migrated stream's spans would repeat stages the trace has; its entry says what it cost)
                 call.trace.absorb(event.spans)
             call.trace.token()
+            sent.append(event.token_id)  # (only a single choice is migrated: its tokens in order)
+            call.logprobs[event.index].append(event.logprob)
+            yield event.index, event.token_id, event.finish_reason
             if event.finish_reason is not None:
-                call.kv_blocks = event.kv_blocks
-            sent.append(event.token_id)
-            call.logprobs.append(event.logprob)
-            yield event.token_id, event.finish_reason
-            if event.finish_reason is not None:
-                return
+                call.kv_blocks += event.kv_blocks
+                running -= 1
+                if not running:
+                    return
 
-    async def collect(self, call: Call) -> tuple[list[int], str]:
-        """Every token of a non-streaming call and its finish reason; the stream is closed either way."""
-        out: list[int] = []
-        finish: str | None = None
+    async def collect(self, call: Call) -> list[tuple[list[int], str]]:
+        """Every choice's tokens and finish reason, in choice order, for a non-streaming call; the stream is closed
+        either way."""
+        out: list[list[int]] = [[] for _ in range(call.sampling.n)]
+        finish: list[str] = ["stop"] * call.sampling.n
         try:
-            async for token, reason in self.tokens(call):
-                out.append(token)
-                finish = reason
+            async for index, token, reason in self.tokens(call):
+                out[index].append(token)
+                finish[index] = reason or finish[index]
         finally:
             cancel_chain(call.chain)
-        return out, finish or "stop"
+        return list(zip(out, finish, strict=True))
 
     async def _migrate(self, call: Call, sent: tuple[int, ...], lost: BaseException) -> _Migration:
         """Continue ``call`` on a live decode replica after its own was lost: the chain again, replaying ``sent``;
@@ -148,7 +158,7 @@ class CallStream:
         if time.time() >= call.ctx.deadline:
             self._count("refused")
             raise DeadlineExceeded("deadline exceeded when the decode replica was lost") from lost
-        if call.reissue is None or call.migrations >= self.max_migrations:
+        if call.reissue is None or call.migrations >= self.max_migrations or call.sampling.n > 1:
             self._count("refused")
             raise lost
         call.migrations += 1

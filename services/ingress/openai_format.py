@@ -28,41 +28,48 @@ def error_response(exc: PrismError, trace: dict[str, Any] | None = None) -> JSON
     return JSONResponse(error_body(exc, trace), status_code=exc.http_status, headers=headers)
 
 
-def completion_body(
-    rid: str,
-    model: str,
+def choice_body(
+    index: int,
     message: dict[str, Any],
     finish: str,
-    prompt_ids: list[int],
     out_ids: list[int],
     with_ids: bool,
     logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """One choice of a non-streaming answer."""
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "message": message,
         "finish_reason": finish,
         "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
     }
+    if with_ids:
+        choice["token_ids"] = out_ids
+    return choice
+
+
+def completion_body(
+    rid: str, model: str, choices: list[dict[str, Any]], prompt_ids: list[int], completion_tokens: int, with_ids: bool
+) -> dict[str, Any]:
+    """A non-streaming answer of ``choices`` (:func:`choice_body`), ``completion_tokens`` in all of them."""
     body: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": usage(prompt_ids, out_ids),
+        "choices": choices,
+        "usage": usage(prompt_ids, completion_tokens),
     }
     if with_ids:
-        choice["token_ids"] = out_ids
         body["prompt_token_ids"] = prompt_ids
     return body
 
 
-def usage(prompt_ids: list[int], out_ids: list[int]) -> dict[str, int]:
+def usage(prompt_ids: list[int], completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": len(prompt_ids),
-        "completion_tokens": len(out_ids),
-        "total_tokens": len(prompt_ids) + len(out_ids),
+        "completion_tokens": completion_tokens,
+        "total_tokens": len(prompt_ids) + completion_tokens,
     }
 
 
@@ -75,7 +82,8 @@ def chunk(
     top: dict[str, Any] | None = None,
     **extra: Any,
 ) -> str:
-    """One ``chat.completion.chunk`` event: ``extra`` goes into the choice, ``top`` beside ``choices``."""
+    """One ``chat.completion.chunk`` event: ``extra`` goes into the choice (its ``index`` too, 0 unless given),
+    ``top`` beside ``choices``."""
     choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
     choice.update(extra)
     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}

@@ -114,12 +114,13 @@ class PipelineClient:
                 )
                 return
 
-    def tokens(self, call: Call) -> AsyncIterator[tuple[int, str | None]]:
-        """``(token_id, finish_reason)`` of a started call (:meth:`services.ingress.call_stream.CallStream.tokens`)."""
+    def tokens(self, call: Call) -> AsyncIterator[tuple[int, int, str | None]]:
+        """``(choice index, token_id, finish_reason)`` of a started call
+        (:meth:`services.ingress.call_stream.CallStream.tokens`)."""
         return self.streams.tokens(call)
 
-    async def collect(self, call: Call) -> tuple[list[int], str]:
-        """Every token of a non-streaming call and its finish reason (:meth:`CallStream.collect`)."""
+    async def collect(self, call: Call) -> list[tuple[list[int], str]]:
+        """Every choice's tokens and finish reason (:meth:`CallStream.collect`)."""
         return await self.streams.collect(call)
 
 

@@ -162,7 +162,9 @@ def plan(
     ids = frontend.tokenizer(render_chat(frontend, messages, tools))["input_ids"]
     data_bytes = sum(len(r.url) * 3 // 4 for r in refs if r.url[:5].lower() == "data:")
     block_size = cfg.engine.kv_block_size
-    vector = ResourceVector.at_ingress(len(ids), len(refs), sampling.max_tokens, block_size, media_bytes=data_bytes)
+    vector = ResourceVector.at_ingress(
+        len(ids), len(refs), sampling.max_tokens, block_size, media_bytes=data_bytes, choices=sampling.n
+    )
     return Plan(
         tenant=tenant,
         request=req,
@@ -195,16 +197,16 @@ def route_keys(
 
 def kv_estimate(cfg: PrismConfig, frontend: ModelFrontend, refs: tuple[MediaRef, ...], vector: ResourceVector) -> int:
     """KV blocks to reserve for a request with media ``refs`` whose ingress vector is ``vector``: prompt +
-    ``max_tokens`` — exact for a text-only request; with media, each image counted as a small image's visual tokens
-    (exact for a fixed-resolution family like LLaVA) and each video as one token. Never over the per-request lease
+    ``max_tokens`` (each of its ``n`` choices', the prompt's full blocks once) — exact for a text-only request; with
+    media, each image counted as a small image's visual tokens (exact for a fixed-resolution family like LLaVA) and
+    each video as one token. Never over the per-request lease
     (over it is the media stage's to refuse, from the real count)."""
     if not refs:
         return vector.kv_blocks
     small = frontend.small_image_tokens
     visual = sum(small if ref.kind == "image" else 1 for ref in refs)
-    tokens = vector.text_tokens + visual + vector.max_output_tokens
     eng = cfg.engine
-    return min(-(-tokens // eng.kv_block_size), eng.max_lease_blocks)
+    return min(vector.kv_blocks_of(vector.text_tokens + visual, eng.kv_block_size), eng.max_lease_blocks)
 
 
 def admit(

@@ -38,17 +38,23 @@ from common.errors import (
 )
 from common.model.loader import load_frontend
 from common.protocol.body import decode_json
-from common.stages.detokenize import Detokenizer
-from common.stages.logprobs import entries
-from common.stages.stops import visible_text
-from services.ingress.answer import AnswerStream, answer_message, calls_json
+from services.ingress.answer import calls_json
 from services.ingress.body import BodyBytes, off_loop, read_json
 from services.ingress.call_stream import Call
 from services.ingress.chain import Chain
+from services.ingress.choices import ChoiceStream, WholeChoice, as_json, logprob_entries, whole_choice
 from services.ingress.grpc_errors import grpc_abort
 from services.ingress.lifecycle import InFlight, RequestLifecycle
 from services.ingress.observer import RequestObserver
-from services.ingress.openai_format import chunk, completion_body, error_body, error_response, sse, usage
+from services.ingress.openai_format import (
+    choice_body,
+    chunk,
+    completion_body,
+    error_body,
+    error_response,
+    sse,
+    usage,
+)
 from services.ingress.pipeline import PipelineClient
 from services.ingress.plan import RequestHeaders
 from services.platform.loopback import bind_replica
@@ -187,57 +193,50 @@ class IngressDeployment:
 
     async def _completion(self, life: RequestLifecycle, client: PipelineClient, call: Call) -> dict[str, Any]:
         """The non-streaming answer's body (the lifecycle closed as OK once every token is in)."""
-        out_ids, finish = await client.collect(call)
-        text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)
+        collected = await client.collect(call)
         life.close()
-        model, with_ids = call.frontend.served_name, call.req.return_token_ids
-        message, finish = answer_message(call.req.tool_request, text, finish)
-        logprobs = _logprobs(call, out_ids, 0)
-        body = completion_body(call.rid, model, message, finish, call.prompt_ids, out_ids, with_ids, logprobs)
+        with_ids = call.req.return_token_ids
+        choices = [whole_choice(call, i, out_ids, finish) for i, (out_ids, finish) in enumerate(collected)]
+        bodies = [choice_body(c.index, c.message, c.finish, c.out_ids, with_ids, c.logprobs) for c in choices]
+        spent = sum(len(c.out_ids) for c in choices)
+        body = completion_body(call.rid, call.frontend.served_name, bodies, call.prompt_ids, spent, with_ids)
         if life.traced:
             body["prism_trace"] = life.summary()
         return body
 
     async def _sse(self, life: RequestLifecycle, client: PipelineClient, call: Call) -> AsyncIterator[str]:
-        """OpenAI's stream: a role chunk, content chunks, the chunk with the finish reason, and — only when the client
-        set ``stream_options.include_usage`` — a usage chunk with no choices (every other chunk then carries
-        ``usage: null``). ``prism_trace`` and ``prompt_token_ids`` ride on the last chunk, whichever it is."""
+        """OpenAI's stream: a role chunk per choice, content chunks (each with its choice's ``index``; ``n`` > 1
+        interleaves them), each choice's chunk with its finish reason, and — only when the client set
+        ``stream_options.include_usage`` — a usage chunk with no choices (every other chunk then carries ``usage:
+        null``). ``prism_trace`` and ``prompt_token_ids`` ride on the last chunk, whichever it is."""
         rid, model, created = call.rid, call.frontend.served_name, int(time.time())
         options = call.req.stream_options
         with_usage = options is not None and options.include_usage
         nulls = {"usage": None} if with_usage else {}
-        detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
-        answer = AnswerStream(call.req.tool_request)
-        out_ids: list[int] = []
-        reported = 0  # tokens whose log-probabilities went out (with the chunk that carried their text, or a later one)
+        choices = [ChoiceStream(call, i) for i in range(call.sampling.n)]
+        running = len(choices)
         try:
-            yield chunk(rid, model, created, {"role": "assistant", "content": ""}, top=nulls)
-            async for token, finish in client.tokens(call):
-                out_ids.append(token)
-                delta = detok.push(token)
+            for i in range(len(choices)):
+                yield chunk(rid, model, created, {"role": "assistant", "content": ""}, top=nulls, index=i)
+            async for index, token, finish in client.tokens(call):
                 if finish is None:
-                    for piece in answer.push(delta):
-                        logprobs = _logprobs(call, out_ids, reported)
-                        reported = len(out_ids)
-                        yield chunk(rid, model, created, piece, top=nulls, **_choice_logprobs(logprobs))
+                    for delta, fields in choices[index].push(token):
+                        yield chunk(rid, model, created, delta, top=nulls, **fields)
+                    continue
+                pieces, reason = choices[index].end(token, finish)
+                for delta, fields in pieces[:-1]:
+                    yield chunk(rid, model, created, delta, top=nulls, **fields)
+                (delta, fields), running = pieces[-1], running - 1
+                if running:
+                    yield chunk(rid, model, created, delta, reason, top=nulls, **fields)
                     continue
                 life.close()
-                last: dict[str, Any] = {}
-                if call.req.return_token_ids:
-                    last["prompt_token_ids"] = call.prompt_ids
-                if life.traced:
-                    last["prism_trace"] = life.summary()
-                extra = {"token_ids": out_ids} if call.req.return_token_ids else {}
-                pieces, reason = answer.end(delta + detok.finish(), finish)
-                for piece in pieces[:-1]:
-                    logprobs, reported = _logprobs(call, out_ids, reported), len(out_ids)
-                    yield chunk(rid, model, created, piece, top=nulls, **_choice_logprobs(logprobs))
-                extra.update(_choice_logprobs(_logprobs(call, out_ids, reported)))
-                yield chunk(rid, model, created, pieces[-1], reason, top=nulls if with_usage else last, **extra)
+                last = _last_fields(life, call)
+                yield chunk(rid, model, created, delta, reason, top=nulls if with_usage else last, **fields)
                 if with_usage:
+                    spent = usage(call.prompt_ids, sum(len(c.out_ids) for c in choices))
                     final: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created}
-                    final.update(model=model, choices=[], usage=usage(call.prompt_ids, out_ids), **last)
-                    yield sse(final)
+                    yield sse({**final, "model": model, "choices": [], "usage": spent, **last})
         except Exception as exc:  # mid-stream failure: an error event, then the stream ends cleanly
             typed = life.close(exc)
             if typed is None:  # cancelled: nobody to tell
@@ -254,18 +253,19 @@ class IngressDeployment:
         try:
             async with life:
                 client, call = await self._grpc_begin(life, request, headers)
-                out_ids, finish = await client.collect(call)
-                text = visible_text(call.frontend.tokenizer, out_ids, call.sampling)
-                message, finish = answer_message(call.req.tool_request, text, finish)
+                collected = await client.collect(call)
+                choices = [_grpc_choice(whole_choice(call, i, *got)) for i, got in enumerate(collected)]
+                first = choices[0]
                 response = prism_pb2.GenerateResponse(
                     id=call.rid,
-                    text=message["content"] or "",
-                    token_ids=out_ids,
+                    text=first.text,
+                    token_ids=first.token_ids,
                     prompt_token_ids=call.prompt_ids,
-                    finish_reason=finish,
-                    usage=prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids)),
-                    tool_calls_json=calls_json(message),
-                    logprobs_json=_json(_logprobs(call, out_ids, 0)),
+                    finish_reason=first.finish_reason,
+                    usage=_grpc_usage(call, sum(len(c.token_ids) for c in choices)),
+                    tool_calls_json=first.tool_calls_json,
+                    logprobs_json=first.logprobs_json,
+                    choices=choices,
                 )
                 life.close()
                 return response
@@ -296,24 +296,24 @@ class IngressDeployment:
         try:
             async with life:
                 client, call = await self._grpc_begin(life, request, headers)
-                detok = Detokenizer(call.frontend.tokenizer, call.sampling.stop)
-                answer = AnswerStream(call.req.tool_request)
-                out_ids: list[int] = []
-                async for token, finish in client.tokens(call):
-                    out_ids.append(token)
-                    usage_msg, calls = None, ""
+                choices = [ChoiceStream(call, i) for i in range(call.sampling.n)]
+                running = len(choices)
+                async for index, token, finish in client.tokens(call):
+                    choice, usage_msg, calls = choices[index], None, ""
                     if finish:
-                        pieces, finish = answer.end(detok.push(token) + detok.finish(), finish)
-                        usage_msg = prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(out_ids))
-                        calls = calls_json(answer.message())
-                        life.close()
-                        _grpc_trace(grpc_context, life)
+                        pieces, finish = choice.end(token, finish)
+                        calls, running = calls_json(choice.answer.message()), running - 1
+                        if not running:
+                            usage_msg = _grpc_usage(call, sum(len(c.out_ids) for c in choices))
+                            life.close()
+                            _grpc_trace(grpc_context, life)
                     else:
-                        pieces = answer.push(detok.push(token))
-                    delta = "".join(p.get("content") or "" for p in pieces)  # (the calls come whole, last)
+                        pieces = choice.push(token)
+                    delta = "".join(d.get("content") or "" for d, _ in pieces)  # (the calls come whole, last)
+                    logprobs = logprob_entries(call, index, choice.out_ids, len(choice.out_ids) - 1)
                     yield prism_pb2.GenerateChunk(
                         id=call.rid, delta=delta, token_id=token, finish_reason=finish or "", usage=usage_msg,
-                        tool_calls_json=calls, logprobs_json=_json(_logprobs(call, out_ids, len(out_ids) - 1)),
+                        tool_calls_json=calls, logprobs_json=as_json(logprobs), index=index,
                     )  # fmt: skip
         except Exception:
             if life.error is None:  # cancelled
@@ -337,20 +337,30 @@ class _LifecycleStream(StreamingResponse):
             self.life.abandon()  # no-op once the body closed it
 
 
-def _logprobs(call: Call, out_ids: list[int], start: int) -> list[dict[str, Any]] | None:
-    """The ``logprobs.content`` entries of the tokens ``out_ids[start:]`` (``None`` when the request asks for none)."""
-    if call.sampling.logprobs is None:
-        return None
-    return entries(call.frontend.token_bytes, out_ids[start:], call.logprobs[start : len(out_ids)])
+def _last_fields(life: RequestLifecycle, call: Call) -> dict[str, Any]:
+    """What the stream's last chunk carries beside ``choices``: ``prompt_token_ids`` (when asked for) and
+    ``prism_trace`` (when traced)."""
+    last: dict[str, Any] = {}
+    if call.req.return_token_ids:
+        last["prompt_token_ids"] = call.prompt_ids
+    if life.traced:
+        last["prism_trace"] = life.summary()
+    return last
 
 
-def _choice_logprobs(logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """A streamed choice's ``logprobs`` field (left at the chunk's ``null`` when the request asks for none)."""
-    return {} if logprobs is None else {"logprobs": {"content": logprobs, "refusal": None}}
+def _grpc_choice(choice: WholeChoice) -> prism_pb2.Choice:
+    return prism_pb2.Choice(
+        index=choice.index,
+        text=choice.message["content"] or "",
+        token_ids=choice.out_ids,
+        finish_reason=choice.finish,
+        tool_calls_json=calls_json(choice.message),
+        logprobs_json=as_json(choice.logprobs),
+    )
 
 
-def _json(value: Any) -> str:
-    return "" if value is None else json.dumps(value, separators=(",", ":"))
+def _grpc_usage(call: Call, completion_tokens: int) -> prism_pb2.Usage:
+    return prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=completion_tokens)
 
 
 def _bearer(request: Request) -> str | None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aservices/proto/prism.proto\x12\x08prism.v1\"U\n\x0fGenerateRequest\x12\x1c\n\x14\x63hat_completion_json\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x03 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xc0\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.prism.v1.Usage\x12\x17\n\x0ftool_calls_json\x18\x07 \x01(\t\x12\x15\n\rlogprobs_json\x18\x08 \x01(\t\"\xa3\x01\n\rGenerateChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.prism.v1.Usage\x12\x17\n\x0ftool_calls_json\x18\x06 \x01(\t\x12\x15\n\rlogprobs_json\x18\x07 \x01(\t2\x92\x01\n\x05Prism\x12\x41\n\x08Generate\x12\x19.prism.v1.GenerateRequest\x1a\x1a.prism.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.prism.v1.GenerateRequest\x1a\x17.prism.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aservices/proto/prism.proto\x12\x08prism.v1\"U\n\x0fGenerateRequest\x12\x1c\n\x14\x63hat_completion_json\x18\x01 \x01(\t\x12\x0f\n\x07\x61pi_key\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x03 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xe3\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.prism.v1.Usage\x12\x17\n\x0ftool_calls_json\x18\x07 \x01(\t\x12\x15\n\rlogprobs_json\x18\x08 \x01(\t\x12!\n\x07\x63hoices\x18\t \x03(\x0b\x32\x10.prism.v1.Choice\"\x7f\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\t\x12\x15\n\rlogprobs_json\x18\x06 \x01(\t\"\xb2\x01\n\rGenerateChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05\x64\x65lta\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.prism.v1.Usage\x12\x17\n\x0ftool_calls_json\x18\x06 \x01(\t\x12\x15\n\rlogprobs_json\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r2\x92\x01\n\x05Prism\x12\x41\n\x08Generate\x12\x19.prism.v1.GenerateRequest\x1a\x1a.prism.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.prism.v1.GenerateRequest\x1a\x17.prism.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=127
   _globals['_USAGE']._serialized_end=184
   _globals['_GENERATERESPONSE']._serialized_start=187
-  _globals['_GENERATERESPONSE']._serialized_end=379
-  _globals['_GENERATECHUNK']._serialized_start=382
-  _globals['_GENERATECHUNK']._serialized_end=545
-  _globals['_PRISM']._serialized_start=548
-  _globals['_PRISM']._serialized_end=694
+  _globals['_GENERATERESPONSE']._serialized_end=414
+  _globals['_CHOICE']._serialized_start=416
+  _globals['_CHOICE']._serialized_end=543
+  _globals['_GENERATECHUNK']._serialized_start=546
+  _globals['_GENERATECHUNK']._serialized_end=724
+  _globals['_PRISM']._serialized_start=727
+  _globals['_PRISM']._serialized_end=873
 # @@protoc_insertion_point(module_scope)

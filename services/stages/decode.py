@@ -84,6 +84,8 @@ class _Stream:
     timeline: Timeline
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     tokens: int = 0
+    held: dict[str, int] = field(default_factory=dict)
+    """For ``n`` > 1: the blocks the pool held for the request as its choices started (:meth:`_choices_held`)."""
 
 
 def _replica_id() -> str | None:
@@ -201,7 +203,7 @@ class DecodeDeployment:
         try:  # (from the fetch on: a hand-off refused before submit still frees this attempt's reservation)
             prefilled, transfer_s = await self._import(unwrap(pre), sampling, stream)
             yield StreamStart(tuple(prefilled.prompt_token_ids.tolist()), tuple(stream.timeline.spans))
-            async for event in self._tokens(stream, prefilled.layout.num_tokens, transfer_s):
+            async for event in self._tokens(stream, prefilled.layout.num_tokens, transfer_s, sampling.n):
                 yield event
         finally:
             self.queues.pop(ctx.key, None)
@@ -241,6 +243,7 @@ class DecodeDeployment:
                 self.engine.start(ctx.key, pre, deadline)
             else:
                 self.engine.submit(ctx.key, prefilled, sampling, deadline=deadline, replay=ctx.replay)
+            stream.held = self._choices_held(ctx.key, sampling.n)
             self._deliver(self.engine.take_events())  # (its first token now, not after the next forward pass)
         self._pool_changed()  # (its own first token; a reservation made exact may let others in)
         if self.engine.num_waiting:
@@ -266,9 +269,14 @@ class DecodeDeployment:
         verify_handoff(out, key)  # (the bytes fetched against the seal its fields carry over)
         return out
 
-    async def _tokens(self, stream: _Stream, prompt_tokens: int, transfer_s: float) -> AsyncIterator[DecodeEvent]:
-        """The engine's events for the sequence as stream events, until one finishes it (or the engine aborts it)."""
+    async def _tokens(
+        self, stream: _Stream, prompt_tokens: int, transfer_s: float, n: int
+    ) -> AsyncIterator[DecodeEvent]:
+        """The engine's events for the request's ``n`` sequences as stream events, until each has finished (or the
+        engine aborts them). A finishing choice's ``kv_blocks`` are its own (the prompt's full blocks counted once,
+        with choice 0)."""
         replay, timeline = stream.ctx.replay, stream.timeline
+        tokens, running = [0] * n, n
         while True:
             event = await stream.queue.get()
             if event.token_id is None:  # the engine ended it: deadline or a failed step
@@ -278,15 +286,30 @@ class DecodeDeployment:
             if stream.tokens == len(replay) and replay:  # lease wait + import + the replayed steps: not a queue
                 spans = (timeline.mark("decode.replay", tokens=len(replay)),)
             elif stream.tokens == 0:
-                waited = timeline.mark("decode.queue")
+                waited = timeline.mark("decode.queue", **stream.held)
                 spans = (waited,)
                 self.metrics.observe("prism_stage_queue_seconds", transfer_s + waited.duration_s)
             stream.tokens += 1
+            tokens[event.index] += 1
             finish = event.finish_reason
-            kv_blocks = self.pool.blocks_for(prompt_tokens + stream.tokens) if finish else 0
-            yield StreamToken(event.token_id, finish, spans, kv_blocks, event.logprob)  # type: ignore[arg-type]
+            kv_blocks = 0
             if finish is not None:
+                shared = prompt_tokens // self.pool.block_size if event.index else 0
+                kv_blocks = self.pool.blocks_for(prompt_tokens + len(replay) + tokens[event.index]) - shared
+                running -= 1
+            yield StreamToken(event.token_id, finish, spans, kv_blocks, event.logprob, event.index)  # type: ignore[arg-type]
+            if not running:
                 return
+
+    def _choices_held(self, key: str, n: int) -> dict[str, int]:
+        """For ``n`` > 1, what the pool holds for the request as its choices start (the trace's ``decode.queue``
+        attributes): its blocks, and how many of them its choices share (the prompt's full blocks, held once). Empty
+        when its lease is not held (still queued, or every choice ended at its first token)."""
+        lease = self.pool.lease(key)
+        if n == 1 or lease is None:
+            return {}
+        shared = {b for b in lease.blocks if self.pool.refcount(b) > 1}
+        return {"choices": n, "kv_blocks_held": lease.allocated, "kv_blocks_shared": len(shared)}
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:
@@ -306,6 +329,7 @@ class DecodeDeployment:
     async def stats(self) -> dict[str, int | str]:
         return {
             "kv_blocks_used": self.pool.used_blocks,
+            "kv_blocks_shared": self.pool.shared_blocks,
             "running": self.engine.num_running,
             "waiting": self.engine.num_waiting,
             "cancelled": self.cancelled,

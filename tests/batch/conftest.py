@@ -65,8 +65,8 @@ PROMPTS = ["What happens?", "Describe the clip.", "Summarise it in a few words."
 
 @pytest.fixture(scope="package")
 def clips(tmp_path_factory, model_cache):
-    """(manifest path, config path, media dir): 17 good clips (two answering under a JSON schema), one corrupt, one
-    over the duration cap, one missing, one whose JSON schema is unsatisfiable."""
+    """(manifest path, config path, media dir): 17 good clips (two answering under a JSON schema, two with three
+    sampled choices), one corrupt, one over the duration cap, one missing, one whose JSON schema is unsatisfiable."""
     from common.model.builder import resolve_model_dir
 
     resolve_model_dir(QWEN, model_cache)  # built once here, not in every worker
@@ -85,6 +85,8 @@ def clips(tmp_path_factory, model_cache):
             row["max_tokens"] = 40
         if n in (3, 4):  # (free rows: greedy takes the raw distribution's top token)
             row["logprobs"] = 2
+        if n in (5, 6):  # three sampled choices of one prefill (choice i with seed + i)
+            row |= {"n": 3, "temperature": 1.0, "seed": 11 + n}
         rows.append(row)
     (root / "corrupt.mp4").write_bytes(video_bytes(1.0)[:300] + b"\x00" * 200)
     (root / "too-long.mp4").write_bytes(video_bytes(6.0, fps=4))
@@ -94,7 +96,8 @@ def clips(tmp_path_factory, model_cache):
     manifest = root / "manifest.parquet"
     text, number = pa.string(), pa.float64()
     schema = pa.schema([("id", text), ("video", text), ("prompt", text), ("max_tokens", pa.int64()), ("fps", number),
-                        ("response_format", text), ("logprobs", pa.int64())])  # fmt: skip
+                        ("response_format", text), ("logprobs", pa.int64()), ("n", pa.int64()),
+                        ("temperature", number), ("seed", pa.int64())])  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), manifest)
     config = root / "batch.yaml"
     config.write_text(

@@ -49,12 +49,16 @@ def _reference_texts(config_path: Path, manifest: Path) -> dict[str, str]:
         if row.id in ERRORS:
             continue
         rf = {"response_format": json.loads(row.response_format)} if row.response_format else {}
-        sampling = SamplingParams(max_tokens=row.max_tokens or cfg.batch.default_max_tokens, temperature=0,
+        sampling = SamplingParams(max_tokens=row.max_tokens or cfg.batch.default_max_tokens,
+                                  temperature=row.temperature or 0, seed=row.seed or 0,
                                   guide=guide_from_request(rf, 1 << 16))  # fmt: skip
         ref = MediaRef("video", row.video, fps=row.fps)
         eng = cfg.engine
-        ids = media_tokens(lm, ref, row.prompt, sampling, cfg.media, eng.max_prompt_tokens, eng.kv_block_size)
-        texts[row.id] = visible_text(lm.tokenizer, ids, sampling)
+        texts[row.id] = []
+        for i in range(row.n or 1):  # (each choice as its own request, with its seed)
+            own = sampling.for_choice(i)
+            ids = media_tokens(lm, ref, row.prompt, own, cfg.media, eng.max_prompt_tokens, eng.kv_block_size)
+            texts[row.id].append(visible_text(lm.tokenizer, ids, own))
     return texts
 
 
@@ -80,7 +84,8 @@ def test_one_row_per_input_with_the_expected_statuses(clips, first_run):
         row = by_id[cid]
         assert row["status"] == "ok" and row["error_code"] is None, row
         assert row["frames"] >= 1 and row["visual_tokens"] > 0 and row["prompt_tokens"] > row["visual_tokens"]
-        assert 1 <= row["output_tokens"] <= 10 or (cid in ("clip-01", "clip-02") and row["output_tokens"] <= 40)
+        bound = 40 if cid in ("clip-01", "clip-02") else 10 * len(json.loads(row["choices"]))
+        assert 1 <= row["output_tokens"] <= bound
         assert all(row[f"seconds_{s}"] >= 0 for s in ("fetch_decode", "process", "encode", "prefill", "decode"))
     # frame sampling follows the server policy (2 fps by default) and a row's lower fps
     assert by_id["clip-07"]["frames"] > by_id["clip-00"]["frames"]  # 3.0 s vs 0.5 s
@@ -107,8 +112,12 @@ def test_ok_rows_text_equals_the_online_path(clips, first_run):
     manifest, config, _ = clips
     out, _ = first_run
     reference = _reference_texts(config, manifest)
-    got = {r["id"]: r["text"] for r in _results(out) if r["status"] == "ok"}
+    ok = [r for r in _results(out) if r["status"] == "ok"]
+    got = {r["id"]: [c["text"] for c in json.loads(r["choices"])] for r in ok}
     assert got == reference
+    assert all(r["text"] == got[r["id"]][0] for r in ok)  # (``text``: choice 0's)
+    sampled = [texts for texts in got.values() if len(texts) == 3]
+    assert len(sampled) == 2 and all(len(set(texts)) > 1 for texts in sampled), "seed + i: the choices differ"
 
 
 def test_rows_that_ask_for_logprobs_get_them(first_run):

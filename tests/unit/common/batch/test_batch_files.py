@@ -50,11 +50,25 @@ def test_manifest_rows_and_video_urls(tmp_path):
         ([{"id": 7, "video": "v", "prompt": "p"}], "id must be a string"),
         ([{"id": "a", "video": "v", "prompt": "p", "response_format": "{json"}], "response_format is not JSON"),
         ([{"id": "a", "video": "v", "prompt": "p", "response_format": [1]}], "response_format must be a JSON object"),
+        ([{"id": "a", "video": "v", "prompt": "p", "logprobs": 21}], "logprobs is 21; it must be from 0 to 20"),
+        ([{"id": "a", "video": "v", "prompt": "p", "logprobs": True}], "logprobs must be an integer"),
+        ([{"id": "a", "video": "v", "prompt": "p", "n": 0}], "n is 0; it must be from 1 to 128"),
+        ([{"id": "a", "video": "v", "prompt": "p", "n": 2.5}], "n must be an integer"),
+        ([{"id": "a", "video": "v", "prompt": "p", "temperature": 2.5}], "temperature is 2.5; it must be from 0.0"),
+        ([{"id": "a", "video": "v", "prompt": "p", "seed": -1}], "seed is -1"),
     ],
 )
 def test_malformed_manifests_are_refused_with_the_row(tmp_path, rows, message):
     with pytest.raises(ManifestError, match=message):
         read_manifest(_jsonl(tmp_path / "m.jsonl", rows))
+
+
+def test_a_rows_choices_and_sampling_are_read(tmp_path):
+    row = {"id": "a", "video": "v", "prompt": "p", "n": 3, "temperature": 0.7, "seed": 5, "logprobs": 2}
+    (got,) = read_manifest(_jsonl(tmp_path / "m.jsonl", [row]))
+    assert (got.n, got.temperature, got.seed, got.logprobs) == (3, 0.7, 5, 2)
+    (plain,) = read_manifest(_jsonl(tmp_path / "p.jsonl", [{"id": "a", "video": "v", "prompt": "p"}]))
+    assert (plain.n, plain.temperature, plain.seed, plain.logprobs) == (None, None, None, None)
 
 
 def test_a_rows_response_format_is_kept_as_json_text(tmp_path):

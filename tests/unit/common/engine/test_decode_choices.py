@@ -9,10 +9,11 @@ import pytest
 
 from common.engine.decode import DecodeEngine
 from common.kv.landing import Landing
-from common.kv.pool import KVPool, choices_blocks
+from common.kv.pool import KVPool
 from common.kv.transport import make_transport
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
+from common.protocol.vector import choices_blocks
 from common.reference.decode import decode_stream
 from common.reference.prefill import prefill
 from common.stages.encode import encode_media
@@ -53,8 +54,9 @@ def test_choices_equal_each_choice_alone_and_share_the_prompt(tiny_model, contig
     block = 16
     # whole-blocks: a prompt of whole blocks (no partial last block to copy); else one that ends in a partial block
     merged = next(
-        m for k in range(64) if (len((m := _merged(lm, "What is shown" + " here" * k + "?")).token_ids) % block == 0)
-        == aligned
+        m
+        for k in range(64)
+        if (len((m := _merged(lm, "What is shown" + " here" * k + "?")).token_ids) % block == 0) == aligned
     )
     prompt = len(merged.token_ids)
     sampling = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=41, n=4, logprobs=2, ignore_eos=True)

@@ -186,7 +186,7 @@ def test_a_reply_complete_at_max_tokens_stops_and_a_failed_grammar_ends_in_an_er
             return getattr(self.inner, name)
 
     engine.step()
-    seq = engine._running["failing"]
+    seq = engine._running["failing", 0]
     seq.matcher = Failed(seq.matcher)
     events = [(e.token_id, e.finish_reason) for e in engine.step() if e.request_id == "failing"]
     assert events == [(None, "error")]

@@ -65,6 +65,8 @@ def test_not_json(raw):
         ({**BASE, "messages": [{"role": "user", "content": 5}]}, "invalid_request", "messages.0.content"),
         ({**BASE, "frequency_penalty": 2.5}, "invalid_request", "frequency_penalty"),
         ({**BASE, "n": 0}, "invalid_request", "n"),
+        ({**BASE, "n": True}, "invalid_request", "n"),
+        ({**BASE, "n": 9}, "too_many_choices", "n"),
         ({**BASE, "messages": [{"role": "developer", "content": "x"}]}, "invalid_request", "messages.0.role"),
     ],
 )
@@ -72,6 +74,14 @@ def test_shape_limits_and_values(body, code, param):
     err = _refused(body)
     assert (err.http_status, err.code) == (400, code)
     assert err.param == param
+
+
+def test_n_is_served_up_to_the_configured_maximum():
+    assert parse_chat_request({**BASE, "n": 8}).sampling(16).n == 8
+    assert parse_chat_request({**BASE, "n": None}).sampling(16).n == 1
+    assert parse_chat_request({**BASE, "n": 12}, ServerConfig(max_n=12)).sampling(16).n == 12
+    err = _refused({**BASE, "n": 3}, max_n=2)
+    assert (err.code, err.param) == ("too_many_choices", "n") and "limit is 2" in err.message
 
 
 def test_limits_are_configurable():
@@ -89,7 +99,6 @@ def test_limits_are_configurable():
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
         ("logit_bias", {"50256": -100}),
-        ("n", 2),
         ("best_of", 3),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("modalities", ["text", "audio"]),
@@ -108,7 +117,6 @@ def test_unsupported_parameters_are_refused_by_name(name, value):
     [
         ("functions", []),
         ("logit_bias", {}),
-        ("n", 1),
         ("modalities", ["text"]),
         ("audio", None),
         ("presence_penalty", 0),
@@ -121,7 +129,7 @@ def test_defaults_of_unsupported_parameters_are_accepted(name, value):
 
 def test_every_unsupported_parameter_has_a_case():
     covered = {"functions", "function_call"}
-    covered |= {"logit_bias", "n", "best_of", "audio", "modalities", "prediction"}
+    covered |= {"logit_bias", "best_of", "audio", "modalities", "prediction"}
     assert covered == set(UNSUPPORTED)
 
 

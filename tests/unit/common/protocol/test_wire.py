@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 
@@ -9,7 +10,14 @@ import numpy as np
 import pytest
 
 from common.errors import HandoffError
-from common.protocol.handoff import KVBlocks, PlaceholderSpan, PrefillOutput, TokenizedPrompt
+from common.protocol.handoff import (
+    FirstToken,
+    KVBlocks,
+    PlaceholderSpan,
+    PrefillOutput,
+    TokenizedPrompt,
+    TokenLogprob,
+)
 from common.protocol.wire import from_bytes, to_bytes
 
 
@@ -32,6 +40,13 @@ def test_round_trip_is_exact():
     assert back.first_token_id == 7 and back.rope_delta == -3 and back.model_revision == "abc"
     np.testing.assert_array_equal(back.kv.keys, pre.kv.keys)
     assert back.kv.keys.dtype == np.uint16 and back.kv.dtype == "bfloat16"
+
+    # n choices' first tokens and every token's log-probabilities travel with it, typed
+    logprob = TokenLogprob(-0.5, ((7, -0.5), (2, -1.25)))
+    forks = (FirstToken(2, TokenLogprob(-1.25, ((7, -0.5), (2, -1.25)))), FirstToken(9, None))
+    pre = dataclasses.replace(pre, first_logprob=logprob, forks=forks)
+    back = from_bytes(PrefillOutput, to_bytes(pre))
+    assert back.first_logprob == logprob and back.forks == forks
 
     span = PlaceholderSpan(0, "image", 3, 4, (4, 8), "d" * 64, (1, 4, 4))
     prompt = TokenizedPrompt(token_ids=np.arange(9), spans=(span, span))
