@@ -507,12 +507,13 @@ class DecodeEngine(Reservations):
                 prism_paged=ctx,
             )
             logits = self.lm.model.lm_head(out.last_hidden_state[:, -1:, :])[:, -1]
-            # (the raw distribution, before the grammar's mask; only the rows that report it, not replaying)
-            raw = {
-                i: log_probs(logits[i]) for i, s in enumerate(batch) if s.sampling.logprobs is not None and not s.forced
-            }
+            # (the raw distribution, before the grammar's mask; only the rows that report it, not replaying: one pass)
+            asking = [i for i, s in enumerate(batch) if s.sampling.logprobs is not None and not s.forced]
+            raw = dict(zip(asking, log_probs(logits[asking]), strict=True)) if asking else {}
             self._mask(batch, logits)
         for i, seq in enumerate(batch):
+            if seq.key not in self._running:  # (another choice of its request aborted them all in this loop)
+                continue
             seq.length += 1
             seq.step += 1
             sampled = sample_token(logits[i], seq.sampling, seq.step, seq.counts)

@@ -12,7 +12,6 @@ content (spans carry only counts, shapes and keyed media hashes; the prompt and 
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -43,6 +42,9 @@ class RequestTrace:
         self.timeline = Timeline(self.start, clock=clock)
         self.tenant = ""
         self.token_times: list[float] = []
+        """When each token arrived, every choice's (``n`` > 1 interleaves them)."""
+        self._gaps: list[float] = []
+        self._last_of: dict[int, float] = {}
         self.prompt_tokens = 0
         self.end: float | None = None
         self.status = 0
@@ -70,12 +72,17 @@ class RequestTrace:
         failure), the exception that told of the loss, ``resumed`` / ``failed``."""
         self.migrations.append({"after_tokens": after_tokens, "ms": _ms(took_s), "cause": cause, "outcome": outcome})
 
-    def token(self) -> float | None:
-        """Stamp one received token; returns the gap since the previous one (``None`` for the first)."""
+    def token(self, choice: int = 0) -> float | None:
+        """Stamp one received token of ``choice``; returns the gap since that choice's previous one (``None`` for its
+        first): inter-token latency is each choice's own, not the gaps between choices decoded in the same step."""
         now = self.clock()
         if not self.token_times:
             self.timeline.mark("first_token")
-        gap = now - self.token_times[-1] if self.token_times else None
+        last = self._last_of.get(choice)
+        gap = None if last is None else now - last
+        if gap is not None:
+            self._gaps.append(gap)
+        self._last_of[choice] = now
         self.token_times.append(now)
         return gap
 
@@ -101,7 +108,8 @@ class RequestTrace:
         return (self.end or self.clock()) - self.start
 
     def itl(self) -> list[float]:
-        return [b - a for a, b in itertools.pairwise(self.token_times)]
+        """The inter-token gaps, each choice's in its own sequence."""
+        return list(self._gaps)
 
     def attr_sum(self, key: str, span: str | None = None) -> int:
         """Sum of an integer attribute over the spans (only those named ``span``, if given)."""

@@ -64,13 +64,23 @@ class FunctionCall(_Part):
     """The call's arguments as JSON text (an object), as OpenAI returns them; ``""`` (some clients send it for a
     function without parameters) is ``{}``."""
 
+    _parsed: tuple[dict[str, Any] | None] | None = PrivateAttr(default=None)
+    """``(parsed(),)`` once parsed."""
+
     def parsed(self) -> dict[str, Any] | None:
-        """The arguments as an object (``None``: not a JSON object, or nested past what the parser takes)."""
-        try:
-            value = json.loads(self.arguments) if self.arguments.strip() else {}
-        except (ValueError, RecursionError):
-            return None
-        return value if isinstance(value, dict) else None
+        """The arguments as an object (``None``: not a JSON object, or nested past what the parser takes); parsed once
+        (the request's check, then its template, read the same object)."""
+        if self._parsed is None:
+            self._parsed = (_object(self.arguments),)
+        return self._parsed[0]
+
+
+def _object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class ToolCallIn(_Part):

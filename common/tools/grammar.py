@@ -21,8 +21,10 @@ Compiled like any guide (:mod:`common.grammar.compiler`): a function whose schem
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +49,22 @@ class Markers:
 
 
 def markers_for(tokenizer: Any) -> Markers:
-    """The call tags of ``tokenizer`` (a Hugging Face tokenizer), as single tokens where it has them."""
+    """The call tags of ``tokenizer`` (a Hugging Face tokenizer), as single tokens where it has them (looked up once
+    per tokenizer: the ingress asks for every request with tools)."""
+    try:
+        return _MARKERS[tokenizer]
+    except (KeyError, TypeError):  # (TypeError: a tokenizer that cannot be weakly referenced is looked up each time)
+        pass
+    markers = _markers(tokenizer)
+    with contextlib.suppress(TypeError):
+        _MARKERS[tokenizer] = markers
+    return markers
+
+
+_MARKERS: weakref.WeakKeyDictionary[Any, Markers] = weakref.WeakKeyDictionary()
+
+
+def _markers(tokenizer: Any) -> Markers:
 
     def single(text: str) -> int | None:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -111,8 +111,10 @@ class CallStream:
                     if event.reason == "timeout":
                         raise DeadlineExceeded("deadline exceeded during decode")
                     raise PrismError("decode failed; see the decode replica's log")
-                if not isinstance(event, StreamToken) or not 0 <= event.index < len(call.logprobs):
+                if not isinstance(event, StreamToken):
                     raise HandoffError(f"the decode stream sent {type(event).__name__} where a token was due")
+                if not 0 <= event.index < len(call.logprobs):
+                    raise HandoffError(f"the decode stream sent a token of choice {event.index} (n={call.sampling.n})")
             except CANCELLED:
                 raise
             except BaseException as exc:
@@ -128,7 +130,7 @@ class CallStream:
                 moving = None
             else:  # (a migrated stream's spans would repeat stages the trace has; its entry says what it cost)
                 call.trace.absorb(event.spans)
-            call.trace.token()
+            call.trace.token(event.index)
             sent.append(event.token_id)  # (only a single choice is migrated: its tokens in order)
             call.logprobs[event.index].append(event.logprob)
             yield event.index, event.token_id, event.finish_reason

@@ -142,7 +142,9 @@ def plan(
     req = parse_chat_request(body, cfg.server)  # (the ingress picked this model by the body's `model`)
     priority = headers.resolve_priority(req.priority)
     until = deadline(cfg, headers.deadline_ms, time.time() if now is None else now)
-    sampling = req.sampling(cfg.engine.max_output_tokens).resolved()
+    # (without max_tokens, n choices share the request's output limit: n × max_tokens never over it by default)
+    unset = min(cfg.engine.max_output_tokens, max(1, cfg.admission.max_request_output_tokens // (req.n or 1)))
+    sampling = req.sampling(unset).resolved()
     tools = None
     if req.tool_request is not None:  # (what tool_choice allows, with the model's call tags, replaces the guide)
         if not renders_tools(frontend.tokenizer):

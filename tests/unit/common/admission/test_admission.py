@@ -62,6 +62,29 @@ def test_ingress_vector_completed_by_the_media_stage_is_the_prompt_prefill_build
     assert text_only.prompt_tokens == rendered and text_only.kv_blocks == -(-(rendered + 32) // 16)
 
 
+def test_a_request_of_n_choices_counts_the_prompts_full_blocks_once(tiny_qwen):
+    """``n`` choices: the KV the decode engine's lease for them needs (the prompt's full blocks once, each choice's own
+    blocks after them), ``n`` × ``max_tokens`` output; completed by the media stage the same way."""
+    from common.kv.pool import KVPool
+
+    one = ResourceVector.at_ingress(40, 0, 30, 16)
+    four = ResourceVector.at_ingress(40, 0, 30, 16, choices=4)
+    span, full = -(-(40 + 30) // 16), 40 // 16
+    assert (one.kv_blocks, four.kv_blocks) == (span, span + 3 * (span - full))
+    assert four.max_output_tokens == 120 and four.kv_blocks < 4 * one.kv_blocks
+    pool = KVPool(64, 16, tiny_qwen.kv_shape, tiny_qwen.dtype)
+    assert pool.blocks_for_choices(40, 30, 4) == four.kv_blocks  # (what the engine leases)
+    media = process_images(tiny_qwen, [synthetic_image(200, 120, seed=1)])
+    with_media = ResourceVector.at_ingress(41, 1, 30, 16, choices=4).with_media(media, 16, visual_tokens=24)
+    assert with_media.kv_blocks == pool.blocks_for_choices(40 + 24, 30, 4)
+    with pytest.raises(InvalidRequestError) as info:
+        check_limits(four, AdmissionConfig(max_request_output_tokens=100), 100_000, 100_000)
+    assert info.value.code == "too_many_max_output_tokens" and "n × max_tokens" in info.value.message
+    with pytest.raises(InvalidRequestError) as info:
+        check_limits(four, AdmissionConfig(), 100_000, four.kv_blocks - 1)
+    assert info.value.code == "kv_lease_exceeded" and "4 choices × max_tokens 30" in info.value.message
+
+
 def test_limits_name_what_is_over(tiny_qwen):
     rv = _vector(tiny_qwen, 3)
     with pytest.raises(InvalidRequestError) as info:

@@ -144,3 +144,37 @@ def test_a_prefill_without_the_choices_first_tokens_or_a_replay_of_choices_is_re
     with pytest.raises(ValueError, match="not replayed"):
         engine.submit("b", prefill(lm, merged, three, 16), three, replay=(1,))
     engine.pool.check_no_leaks()
+
+
+def test_a_failed_grammar_in_one_choice_ends_its_request_alone_in_the_step(tiny_llava):
+    """One choice's grammar failing at the step where its sibling finishes ends that request — one error event, its
+    lease back — and the step goes on for every other sequence in the batch."""
+    from common.grammar.formats import guide_from_request
+
+    lm = tiny_llava
+    merged = _merged(lm)
+    guide = guide_from_request({"guided_regex": "[a-z]{30,40}"}, 1 << 16)
+    two = SamplingParams(max_tokens=2, temperature=1.0, seed=3, n=2, guide=guide)
+    other = SamplingParams(max_tokens=6, seed=4, ignore_eos=True)
+    pool = KVPool(100, 16, lm.kv_shape, lm.dtype)
+    engine = DecodeEngine(lm, pool)
+    engine.submit("other", prefill(lm, _merged(lm, "Another question."), other, 16), other)
+    engine.submit("two", prefill(lm, merged, two, 16), two)
+    engine.take_events()
+
+    advance = engine._advance
+
+    def fails_for_choice_0(seq, token):  # (what a matcher that met a parser limit does: abort, False)
+        if seq.key == ("two", 0):
+            engine._abort("two", "error")
+            return False
+        return advance(seq, token)
+
+    engine._advance = fails_for_choice_0
+    events = engine.step()  # (choice 1 reaches max_tokens in this very step)
+    assert [(e.token_id, e.finish_reason) for e in events if e.request_id == "two"] == [(None, "error")]
+    assert [e.finish_reason for e in events if e.request_id == "other"] == [None], "the neighbour goes on"
+    assert engine.failed_steps == 0 and pool.lease("two") is None
+    while engine.has_work():
+        engine.step()
+    pool.check_no_leaks()

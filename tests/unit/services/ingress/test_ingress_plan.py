@@ -79,6 +79,24 @@ def test_media_is_referenced_once_and_its_kv_estimated(setup):
     assert planned.priority == "interactive"
 
 
+def test_n_choices_are_priced_as_one_prompt_and_n_outputs(setup):
+    """``n``: the reservation is the engine's lease for the n sequences (the prompt's full blocks once); without
+    ``max_tokens`` each choice gets its share of the request's output limit, so a default request is never refused."""
+    cfg, frontend = setup
+    body = {"model": "prism-tiny-llava", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "n": 4}
+    planned = plan(cfg, frontend, "t", body, _headers())
+    bs, prompt = cfg.engine.kv_block_size, planned.vector.text_tokens
+    span, full = -(-(prompt + 40) // bs), prompt // bs
+    assert planned.sampling.n == 4 and planned.vector.max_output_tokens == 160
+    assert planned.kv_blocks == planned.vector.kv_blocks == span + 3 * (span - full)
+    unset = {k: v for k, v in body.items() if k != "max_tokens"}
+    assert plan(cfg, frontend, "t", unset, _headers()).sampling.max_tokens == 1024  # (4 × 1024 = the 4096 limit)
+    eight = plan(cfg, frontend, "t", {**unset, "n": 8}, _headers())
+    assert eight.sampling.max_tokens == 512 and eight.vector.max_output_tokens == 4096
+    quotas = TenantQuotas(cfg.admission)
+    assert admit(eight, quotas.enter("t"), cfg, quotas, AdmissionRecorder(_Sink(), "ingress")).sampling.n == 8
+
+
 def test_the_body_priority_wins_and_an_invalid_header_is_a_400_only_without_one(setup):
     cfg, frontend = setup
     body = {"model": "prism-tiny-llava", "messages": [{"role": "user", "content": "hi"}]}
