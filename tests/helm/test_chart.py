@@ -46,8 +46,8 @@ def test_helm_lint_passes(rendered):
 
 def test_builtin_manifests_validate_against_kubernetes_schemas(rendered):
     _, _, docs = rendered
-    builtin = [d for d in docs if d["apiVersion"] in ("v1", "apps/v1", "networking.k8s.io/v1")]
-    assert {d["kind"] for d in builtin} >= {"ConfigMap", "NetworkPolicy"}
+    builtin = [d for d in docs if d["apiVersion"] in ("v1", "apps/v1", "networking.k8s.io/v1", "policy/v1")]
+    assert {d["kind"] for d in builtin} >= {"ConfigMap", "NetworkPolicy", "PodDisruptionBudget"}
     for doc in builtin:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -252,6 +252,57 @@ def test_monitoring_and_auth_objects(rendered):
             assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in ports
 
 
+def test_each_worker_group_has_a_disruption_budget_and_drains_before_it_stops(rendered):
+    """One PodDisruptionBudget per worker group selecting exactly that group's pods (none for the head); a worker's
+    preStop drains its Ray node within the grace its termination period leaves; the head stops Ray at once and stays
+    out of the Serve Service."""
+    _, _, docs = rendered
+    cluster = one(docs, "RayService")["spec"]["rayClusterConfig"]
+    pdbs = [d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"]
+    budgets = {b["selector"]["matchLabels"]["prism.io/group"]: b for b in pdbs}
+    groups = cluster["workerGroupSpecs"]
+    assert sorted(budgets) == sorted(g["groupName"] for g in groups)
+    for group in groups:
+        pod = group["template"]
+        selector = budgets[group["groupName"]]["selector"]["matchLabels"]
+        assert (
+            selector.items() <= pod["metadata"]["labels"].items() and budgets[group["groupName"]]["maxUnavailable"] == 1
+        )
+        others = [g for g in [*groups, {"template": cluster["headGroupSpec"]["template"]}] if g is not group]
+        assert not any(selector.items() <= g["template"]["metadata"]["labels"].items() for g in others)
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 150
+        stop = pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert stop == ["python", "-m", "services.platform.drain", "--grace-s", "120"]
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", "-c", "ray stop"]
+    assert one(docs, "RayService")["spec"]["excludeHeadPodFromServeSvc"] is True
+    assert "gcsFaultToleranceOptions" not in cluster  # (off by default)
+    docs = render({"podDisruptionBudget": {"enabled": False}, "serveService": {"excludeHead": False}})
+    assert not [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert one(docs, "RayService")["spec"]["excludeHeadPodFromServeSvc"] is False
+
+
+def test_gcs_fault_tolerance_renders_kuberays_options():
+    values = {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis.prism:6379",
+                                    "redisPasswordSecret": {"name": "redis-auth", "key": "password"}}}  # fmt: skip
+    service = one(render(values), "RayService")
+    validate_openapi(service, crd_schema("ray.io_rayservices.yaml"))
+    assert service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis.prism:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}}},
+    }
+    values["gcsFaultTolerance"]["redisPasswordSecret"]["name"] = ""  # (a Redis without a password)
+    options = one(render(values), "RayService")["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert options == {"redisAddress": "redis.prism:6379"}
+
+
+def test_drain_is_the_module_the_prestop_runs():
+    """The preStop's module is importable and documents its lifecycle (what the chart runs in every worker pod)."""
+    from services.platform import drain
+
+    assert callable(drain.main) and "ray drain-node" in (drain.__doc__ or "")
+
+
 def test_a_disabled_worker_group_unpins_its_stage():
     docs = render({"stages": {"encode": {"workers": {"enabled": False}}}})
     groups = [g["groupName"] for g in one(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
@@ -289,6 +340,9 @@ BAD_VALUES = {
     "bad tenant name": {"auth": {"keys": {"k": "no spaces allowed"}}},
     "unknown Ray auth mode": {"rayAuth": {"mode": "password"}},
     "a network peer of an unknown kind": {"networkPolicy": {"serveFrom": [{"everyone": True}]}},
+    "GCS fault tolerance without a Redis": {"gcsFaultTolerance": {"enabled": True}},
+    "a disruption budget of no pods": {"podDisruptionBudget": {"maxUnavailable": 0}},
+    "a negative drain grace": {"drain": {"graceSeconds": -5}},
 }
 
 

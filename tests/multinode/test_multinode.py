@@ -169,3 +169,49 @@ def _busy_decode_node(app: str, nodes: dict) -> tuple[str, int]:
             return group_of_node[node_of_pid[pid]], pid
         time.sleep(0.01)
     raise AssertionError("no decode replica was generating under the load")
+
+
+def test_a_drained_decode_node_hands_its_replicas_over_under_load(cluster):
+    """A pod's preStop drains its Ray node (:mod:`services.platform.drain`): with a new decode node in the cluster,
+    a node that holds decode replicas is drained under a streaming load — Serve starts each replica's replacement on
+    another node and then stops the drained one's, within the grace; no request fails or hangs."""
+    from ray import serve
+
+    from services.platform.drain import drain_and_wait
+    from tests.multinode.conftest import STORE_MB, chart_cluster_shape
+
+    base, _, ray_cluster = cluster
+    name, prefix, _ = APPS["object_store"]
+    _, groups = chart_cluster_shape()
+    fresh = ray_cluster.add_node(num_cpus=1, resources=groups["decode"], object_store_memory=STORE_MB * 2**20)
+    ray_cluster.wait_for_nodes()
+    drained = replicas_by_node(name)["Decode"][0]  # (after the node removal above: the node holding both)
+    stop, outcomes = threading.Event(), []
+    kw = {"key": API_KEY, "max_tokens": 96}
+    threads = [
+        threading.Thread(target=load_client, args=(f"{base}{prefix}", MODEL, i, stop, outcomes), kwargs=kw, daemon=True)
+        for i in range(3)
+    ]
+    start = time.time()
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(4)
+        began = time.time()
+        left = drain_and_wait(drained, 90, ray_cluster.address)
+        took = time.time() - began
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(90)
+    summary = summarize(outcomes, [("Decode", began)], start, time.time())
+    _report("decode node drained", drain_s=round(took, 1), **{k: v for k, v in summary.items() if k != "failures"})
+    assert left == 0 and took < 90, "every Serve replica left the drained node within the grace"
+    assert summary["requests"] >= 6 and not any(t.is_alive() for t in threads)
+    assert summary["complete"] == summary["requests"], summary["failures"]
+    assert max(o.end - o.start for o in outcomes) < 30, "a request hung"
+    status = serve.status().applications[name].deployments["Decode"]
+    assert sum(n for state, n in status.replica_states.items() if str(state).endswith("RUNNING")) == 2
+    moved = replicas_by_node(name)["Decode"]
+    assert len(moved) == 2 and drained not in moved and fresh.node_id in moved

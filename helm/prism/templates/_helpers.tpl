@@ -229,6 +229,7 @@ metadata:
     {{- include "prism.labels" $root | nindent 4 }}
     prism.io/group: {{ .group }}
 spec:
+  terminationGracePeriodSeconds: {{ add $v.drain.graceSeconds 30 }}
   securityContext:
     {{- toYaml $v.podSecurityContext | nindent 4 }}
   {{- with $v.imagePullSecrets }}
@@ -270,10 +271,17 @@ spec:
       {{- end }}
       resources:
         {{- toYaml $res | nindent 8 }}
+      {{- /* a worker drains its Ray node first — no new work; Serve replaces its replicas elsewhere and stops them
+      here (a decode stream of a stopped replica migrates) — then stops Ray (services/platform/drain.py); the head,
+      which runs no replica, stops at once */}}
       lifecycle:
         preStop:
           exec:
+            {{- if eq .group "head" }}
             command: ["/bin/sh", "-c", "ray stop"]
+            {{- else }}
+            command: ["python", "-m", "services.platform.drain", "--grace-s", {{ $v.drain.graceSeconds | quote }}]
+            {{- end }}
       volumeMounts:
         - {name: shm, mountPath: /dev/shm}
         - {name: tmp, mountPath: /tmp}
