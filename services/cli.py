@@ -4,9 +4,10 @@
   metrics export on port 8080), builds the configured model if needed, deploys the application with ``serve run``
   and serves until interrupted; then stops the head it started. This is ``make serve``. The head listens on
   loopback only (GCS, raylet, object manager, workers and each Serve replica's gRPC server, client server,
-  metrics); the HTTP and gRPC proxies listen on the Serve config's ``http_options.host`` (127.0.0.1 in the local
-  configs; see :mod:`services.platform.loopback`): that is why Ray's token authentication can stay off here
-  (``RAY_AUTH_MODE`` from the environment still wins).
+  metrics, and Ray's dashboard / job / Serve REST API on port 8265, where ``serve status``, ``serve deploy`` and
+  ``ray job submit`` reach it); the HTTP and gRPC proxies listen on the Serve config's ``http_options.host``
+  (127.0.0.1 in the local configs; see :mod:`services.platform.loopback`): that is why Ray's token authentication
+  can stay off here (``RAY_AUTH_MODE`` from the environment still wins).
 * ``python -m services.cli demo [--model NAME] [--images N] [--repeat K]`` — loads (building if needed) a model and
   runs requests through every stage in this process, printing the answer and per-stage timings (median of K runs);
   needs no Ray cluster (``make demo``).
@@ -93,7 +94,11 @@ def _serve(args: argparse.Namespace) -> int:
         "--node-ip-address=127.0.0.1",
         f"--metrics-export-port={args.metrics_port}",
         "--disable-usage-stats",
-        "--include-dashboard=false",
+        # Ray's dashboard, job and Serve REST API on loopback: `serve status`, `serve deploy`, `ray job submit` and the
+        # dashboard work against this head as Ray documents, reachable from this machine only
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={args.dashboard_port}",
     ]
     started = subprocess.run(start, env=env, check=False).returncode == 0
     if not started:
@@ -142,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--config", default="ray_configs/local_cpu.yaml", help="Serve config YAML")
     serve.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics export port")
     serve.add_argument("--ray-port", type=int, default=6379, help="the Ray head's GCS port")
+    serve.add_argument(
+        "--dashboard-port", type=int, default=8265, help="Ray's dashboard, job and Serve REST API (on 127.0.0.1)"
+    )
     serve.set_defaults(func=_serve)
     demo = sub.add_parser("demo", help="run requests through every stage in-process and print timings")
     demo.add_argument("--model", default=ModelConfig().model, help="embedded model name or HF model directory")

@@ -44,10 +44,11 @@ def _upstream_timeout(line: dict) -> bool:
 @contextlib.contextmanager
 def make_serve(model_cache: str, work: Path, private_media: str = "", topology: dict[str, str] | None = None):
     """Yields a dict: ``base`` URL, ``grpc`` and ``metrics`` ports, ``request_log`` path, ``log`` (make serve's
-    output), ``config`` (the application's PrismConfig dict) and ``up_s`` (launch → /health answering).
+    output), ``config`` (the application's PrismConfig dict), ``up_s`` (launch → /health answering), ``ray_port`` and
+    ``dashboard`` (the URL of Ray's dashboard / job / Serve REST API).
     ``private_media``: CIDRs the media stage may fetch from (``PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS``, e.g. a test's own
     origin on loopback). ``topology``: a model's ``deployments.topology`` in the config, by model name."""
-    http, grpc_port, metrics, ray_port = free_port(), free_port(), free_port(), free_port()
+    http, grpc_port, metrics, ray_port, dashboard = free_port(), free_port(), free_port(), free_port(), free_port()
     config = yaml.safe_load((ROOT / "ray_configs" / "local_cpu.yaml").read_text())
     config["http_options"]["port"] = http
     config["grpc_options"]["port"] = grpc_port
@@ -61,7 +62,8 @@ def make_serve(model_cache: str, work: Path, private_media: str = "", topology: 
     cfg = work / "serve.yaml"
     cfg.write_text(yaml.safe_dump(config))
     log = work / "make-serve.log"
-    cmd = ["make", "serve", f"CONFIG={cfg}", f"SERVE_FLAGS=--metrics-port {metrics} --ray-port {ray_port}"]
+    flags = f"--metrics-port {metrics} --ray-port {ray_port} --dashboard-port {dashboard}"
+    cmd = ["make", "serve", f"CONFIG={cfg}", f"SERVE_FLAGS={flags}"]
     started = time.monotonic()
     env = {**os.environ, "PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS": private_media} if private_media else None
     with open(log, "wb") as out:
@@ -80,6 +82,8 @@ def make_serve(model_cache: str, work: Path, private_media: str = "", topology: 
             "up_s": time.monotonic() - started,
             "pid": proc.pid,  # make's; it leads the session its children run in
             "ray_port": ray_port,
+            "dashboard": f"http://127.0.0.1:{dashboard}",
+            "serve_config": cfg,  # (the Serve config file make serve deployed)
         }
     finally:
         _stop(proc)

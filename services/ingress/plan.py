@@ -142,9 +142,7 @@ def plan(
     req = parse_chat_request(body, cfg.server)  # (the ingress picked this model by the body's `model`)
     priority = headers.resolve_priority(req.priority)
     until = deadline(cfg, headers.deadline_ms, time.time() if now is None else now)
-    # (without max_tokens, n choices share the request's output limit: n × max_tokens never over it by default)
-    unset = min(cfg.engine.max_output_tokens, max(1, cfg.admission.max_request_output_tokens // (req.n or 1)))
-    sampling = req.sampling(unset).resolved()
+    sampling = req.sampling(default_max_tokens(cfg, req.n or 1)).resolved()
     tools = None
     if req.tool_request is not None:  # (what tool_choice allows, with the model's call tags, replaces the guide)
         if not renders_tools(frontend.tokenizer):
@@ -180,6 +178,12 @@ def plan(
         route=route_keys(cfg, frontend, tenant, ids, refs),
         kv_blocks=kv_estimate(cfg, frontend, refs, vector),
     )
+
+
+def default_max_tokens(cfg: PrismConfig, n: int) -> int:
+    """``max_tokens`` of a request that sets none: ``engine.max_output_tokens``, or — ``n`` choices sharing the
+    request's output limit — its ``n``-th part, so a request that leaves it unset is never over that limit."""
+    return min(cfg.engine.max_output_tokens, max(1, cfg.admission.max_request_output_tokens // n))
 
 
 def route_keys(

@@ -134,8 +134,10 @@ def test_make_serve_listens_on_loopback_only(served):
     ports = {port for _, port, _ in listeners}
     gcs = served["ray_port"]
     http = int(served["base"].rsplit(":", 1)[1])
-    # the check saw the servers it is about (GCS, the HTTP and gRPC proxies, the metrics export) and more of Ray's
-    assert {gcs, http, served["grpc"], served["metrics"]} <= ports and len(ports) > 6, listeners
+    dashboard = int(served["dashboard"].rsplit(":", 1)[1])
+    # the check saw the servers it is about (GCS, the HTTP and gRPC proxies, the metrics export, the dashboard / job
+    # API) and more of Ray's
+    assert {gcs, http, served["grpc"], served["metrics"], dashboard} <= ports and len(ports) > 6, listeners
     exposed = [(ip, port, pid) for ip, port, pid in listeners if not ipaddress.ip_address(ip).is_loopback]
     assert exposed == [], exposed
 
