@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from common.config.base import Strict
 
 
@@ -23,3 +25,10 @@ class ObservabilityConfig(Strict):
     Off by default: a hit tells a caller that someone sharing its cache scope (its tenant, or every tenant with
     ``engine.shared_cache_scope``) sent the same image or prompt prefix. The request log and the metrics keep them
     either way; the local configs and the load generator turn it on."""
+    otlp_endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s]+$")
+    """OTLP/HTTP traces endpoint (``http://<collector>:4318/v1/traces``): each request's spans — the ingress's own
+    work and every stage's queue, work and transfer — are exported there (OpenTelemetry), continuing the client's W3C
+    ``traceparent``; the response then carries a ``traceresponse`` header (gRPC: trailing metadata). ``None``: no
+    export, no cost."""
+    otlp_service_name: str = "prism"
+    """``service.name`` of the exported spans."""

@@ -58,9 +58,13 @@ class InFlight:
 
 
 class RequestLifecycle:
-    def __init__(self, observer: RequestObserver, places: InFlight, protocol: str, traced: bool) -> None:
+    def __init__(
+        self, observer: RequestObserver, places: InFlight, protocol: str, traced: bool, traceparent: str | None = None
+    ) -> None:
         self.observer, self.places, self.traced = observer, places, traced
         self.trace: RequestTrace = observer.start(protocol)
+        self.exported = observer.export(self.trace, traceparent)
+        """The request's OpenTelemetry root span (``None``: no export), ended with the trace on close."""
         self.call: Any = None
         """The request's :class:`services.ingress.call_stream.Call` once its chain is issued (its stream is cancelled on
         close)."""
@@ -116,7 +120,7 @@ class RequestLifecycle:
         try:
             if self.call is not None:
                 self.call.close()  # cancels what of its chain still runs (frees KV at once)
-            self.observer.finish(self.trace, status, code, kv_blocks)
+            self.observer.finish(self.trace, status, code, kv_blocks, self.exported)
         finally:  # what the request holds goes back whatever the above did
             self._release_held()
         return self.error
@@ -130,6 +134,10 @@ class RequestLifecycle:
             if self._admitted:
                 self._admitted = False
                 self.places.release()
+
+    def response_headers(self) -> dict[str, str]:
+        """Headers every response of the request carries: ``traceresponse`` when its spans are exported."""
+        return {} if self.exported is None else {"traceresponse": self.exported.traceresponse}
 
     def summary(self) -> dict[str, Any] | None:
         """The trace summary when the client asked for it — without cache outcomes unless

@@ -13,6 +13,7 @@ import sys
 import uuid
 
 from common.config import ObservabilityConfig
+from common.obs.otel import OtlpTraces, RequestSpan
 from common.obs.request_trace import RequestTrace
 from services.platform.metrics import Metrics
 
@@ -37,17 +38,28 @@ class RequestObserver:
         self.cfg = cfg
         self.metrics = Metrics("ingress")
         self.log = _request_logger(cfg) if cfg.request_log else None
+        self.otel = None
+        if cfg.otlp_endpoint:  # (built only when configured: off costs nothing)
+            self.otel = OtlpTraces(cfg.otlp_endpoint, cfg.otlp_service_name, cfg.trace_cache_hits)
 
     def start(self, protocol: str) -> RequestTrace:
         return RequestTrace(f"chatcmpl-{uuid.uuid4().hex}", protocol)
 
+    def export(self, trace: RequestTrace, traceparent: str | None) -> RequestSpan | None:
+        """The request's OpenTelemetry root span, open until :meth:`finish` (``None``: no export configured)."""
+        return None if self.otel is None else self.otel.begin(trace, traceparent)
+
     def wants_trace(self, header: str | None) -> bool:
         return self.cfg.allow_client_traces and (header or "").strip().lower() in ("1", "true", "yes")
 
-    def finish(self, trace: RequestTrace, status: int, code: str, kv_blocks: int = 0) -> None:
+    def finish(
+        self, trace: RequestTrace, status: int, code: str, kv_blocks: int = 0, exported: RequestSpan | None = None
+    ) -> None:
         if trace.end is not None:
             return
         trace.finish(status, code, **({"kv_blocks": kv_blocks} if kv_blocks else {}))
+        if exported is not None and self.otel is not None:
+            self.otel.end(trace, exported)
         m, proto = self.metrics, trace.protocol
         m.inc("prism_requests_total", protocol=proto, status=str(status), code=code)
         m.observe("prism_e2e_seconds", trace.e2e_s, protocol=proto, code=code)

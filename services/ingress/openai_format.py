@@ -20,9 +20,11 @@ def error_body(exc: PrismError, trace: dict[str, Any] | None = None) -> dict[str
     return body
 
 
-def error_response(exc: PrismError, trace: dict[str, Any] | None = None) -> JSONResponse:
-    """:func:`error_body` as an HTTP response (with ``Retry-After`` when the error carries one)."""
-    headers = {}
+def error_response(
+    exc: PrismError, trace: dict[str, Any] | None = None, extra: dict[str, str] | None = None
+) -> JSONResponse:
+    """:func:`error_body` as an HTTP response (with ``Retry-After`` when the error carries one, and ``extra``)."""
+    headers = dict(extra or {})
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     return JSONResponse(error_body(exc, trace), status_code=exc.http_status, headers=headers)

@@ -56,6 +56,8 @@ class RequestHeaders:
     """``X-Prism-Deadline-Ms`` as sent (gRPC: the message's ``deadline_ms``), checked by :func:`deadline`."""
     trace: str | None = None
     """``X-Prism-Trace`` as sent."""
+    traceparent: str | None = None
+    """W3C ``traceparent`` as sent (the exported trace continues it: :mod:`common.obs.otel`)."""
 
     @classmethod
     def read(
@@ -66,7 +68,7 @@ class RequestHeaders:
         value = None if raw in (None, "") else raw.strip().lower()
         valid = value in (None, "interactive", "batch")
         priority: Priority | None = value if valid else None  # type: ignore[assignment]
-        return cls(api_key, priority, not valid, deadline_ms, get("x-prism-trace"))
+        return cls(api_key, priority, not valid, deadline_ms, get("x-prism-trace"), get("traceparent"))
 
     @property
     def header_class(self) -> Priority:

@@ -135,8 +135,9 @@ class IngressDeployment:
         served = ", ".join(repr(n) for n in self.clients)
         raise ModelNotFound(f"model {name[:64]!r} is not served here; served: {served}", param="model")
 
-    def _lifecycle(self, protocol: str, trace_header: str | None) -> RequestLifecycle:
-        return RequestLifecycle(self.observer, self.places, protocol, self.observer.wants_trace(trace_header))
+    def _lifecycle(self, protocol: str, headers: RequestHeaders) -> RequestLifecycle:
+        traced = self.observer.wants_trace(headers.trace)
+        return RequestLifecycle(self.observer, self.places, protocol, traced, headers.traceparent)
 
     # ---- HTTP ---------------------------------------------------------------------------------------------
     @api.get("/health")
@@ -167,18 +168,18 @@ class IngressDeployment:
     async def chat(self, request: Request) -> Response:
         get = request.headers.get
         headers = RequestHeaders.read(get, _bearer(request), get("x-prism-deadline-ms"))
-        life = self._lifecycle("http", headers.trace)
+        life = self._lifecycle("http", headers)
         try:
             async with life:
                 client, call = await self._http_begin(life, request, headers)
                 if call.req.stream:
                     # The body outlives this handler: the response closes the lifecycle (also if its body never ran).
                     return _LifecycleStream(self._sse(life.detach(), client, call), life)
-                return JSONResponse(await self._completion(life, client, call))
+                return JSONResponse(await self._completion(life, client, call), headers=life.response_headers())
         except Exception:  # closed by the lifecycle under its typed error
             if life.error is None:  # a cancellation Serve raised as an exception: the client is gone
                 raise
-            return error_response(life.error, life.summary())
+            return error_response(life.error, life.summary(), life.response_headers())
 
     async def _http_begin(
         self, life: RequestLifecycle, request: Request, headers: RequestHeaders
@@ -249,7 +250,7 @@ class IngressDeployment:
     # ---- gRPC (method names are the service's RPCs) -------------------------------------------------------
     async def Generate(self, request: prism_pb2.GenerateRequest, grpc_context) -> prism_pb2.GenerateResponse:
         headers = _grpc_headers(request, grpc_context)
-        life = self._lifecycle("grpc", headers.trace)
+        life = self._lifecycle("grpc", headers)
         try:
             async with life:
                 client, call = await self._grpc_begin(life, request, headers)
@@ -292,7 +293,7 @@ class IngressDeployment:
 
     async def GenerateStream(self, request: prism_pb2.GenerateRequest, grpc_context):
         headers = _grpc_headers(request, grpc_context)
-        life = self._lifecycle("grpc", headers.trace)
+        life = self._lifecycle("grpc", headers)
         try:
             async with life:
                 client, call = await self._grpc_begin(life, request, headers)
@@ -327,7 +328,7 @@ class _LifecycleStream(StreamingResponse):
     body ever ran (then the body's own ``finally`` never runs, and Starlette skips background tasks)."""
 
     def __init__(self, body: AsyncIterator[str], life: RequestLifecycle) -> None:
-        super().__init__(body, media_type="text/event-stream")
+        super().__init__(body, media_type="text/event-stream", headers=life.response_headers())
         self.life = life
 
     async def __call__(self, scope, receive, send) -> None:
@@ -378,9 +379,13 @@ def _grpc_headers(request: prism_pb2.GenerateRequest, grpc_context) -> RequestHe
 
 
 def _grpc_trace(grpc_context, life: RequestLifecycle) -> None:
-    """gRPC has no body to extend: the trace travels as the ``prism-trace`` trailing metadata (JSON)."""
+    """gRPC has no body to extend: the trace travels as the ``prism-trace`` trailing metadata (JSON), the exported
+    trace's id as ``traceresponse``."""
+    metadata = list(life.response_headers().items())
     if life.traced:
-        grpc_context.set_trailing_metadata([("prism-trace", json.dumps(life.summary(), separators=(",", ":")))])
+        metadata.append(("prism-trace", json.dumps(life.summary(), separators=(",", ":"))))
+    if metadata:
+        grpc_context.set_trailing_metadata(metadata)
 
 
 # FastAPI's class-based view rewrite must happen at import time in every process (replicas re-import this module;

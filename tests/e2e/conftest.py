@@ -21,7 +21,16 @@ OTHER_KEY = "test-key-b"
 
 
 @pytest.fixture(scope="package")
-def prism_server(model_cache, tmp_path_factory):
+def otlp_receiver():
+    """A real OTLP/HTTP trace receiver the app exports its spans to (``observability.otlp_endpoint``)."""
+    from tests.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="package")
+def prism_server(model_cache, tmp_path_factory, otlp_receiver):
     """(base_url, config) of a deployed app; its media stage may fetch from 127.0.0.1 — opened through the
     environment variable in the cluster's processes only, never in this test process."""
     import ray
@@ -49,7 +58,11 @@ def prism_server(model_cache, tmp_path_factory):
             "prefill": stage,
             "decode": stage,
         },
-        "observability": {"request_log_path": str(request_log), "trace_cache_hits": True},
+        "observability": {
+            "request_log_path": str(request_log),
+            "trace_cache_hits": True,
+            "otlp_endpoint": otlp_receiver.endpoint,
+        },
     }
     from common.config import PrismConfig
     from services.platform.proxy_guard import GuardSettings, ray_env

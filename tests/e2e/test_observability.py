@@ -246,3 +246,47 @@ def test_request_log_has_one_line_per_request_without_url_or_prompt(client, pris
     raw = json.dumps(line)
     assert path not in raw and "private-" not in raw and "127.0.0.1" not in raw
     assert secret_prompt not in raw and "secret" not in raw
+
+
+def test_a_traceparent_continues_into_one_otlp_trace_with_a_span_per_stage(client, prism_server, otlp_receiver):
+    """The client's W3C ``traceparent`` is continued: the app exports one OTLP trace (to a real receiver, decoded
+    with ``opentelemetry-proto``) whose root ``prism.request`` is the client span's child and whose children are the
+    request's stage spans — the same ones ``X-Prism-Trace`` returns, with their times — and the response's
+    ``traceresponse`` names it; an untraced call starts a trace of its own, gRPC returns it as trailing metadata."""
+    import base64
+
+    import grpc
+
+    from services.proto import prism_pb2, prism_pb2_grpc
+
+    parent_trace, parent_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    url = "data:image/png;base64," + base64.b64encode(_png(77)).decode()
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=_messages("What is shown?", [url]), max_tokens=6,
+        extra_headers={**TRACE, "traceparent": f"00-{parent_trace}-{parent_span}-01"},
+    )  # fmt: skip
+    names = [s["name"] for s in raw.parse().model_extra["prism_trace"]["spans"]]
+    spans = otlp_receiver.trace(parent_trace, until=lambda s: len(s) == len(names) + 1)
+    (root,) = [s for s in spans if s.name == "prism.request"]
+    assert root.parent_span_id == parent_span and root.service == "prism"
+    assert raw.headers["traceresponse"] == f"00-{parent_trace}-{root.span_id}-01"
+    children = [s for s in spans if s is not root]
+    assert sorted(s.name for s in children) == sorted(names)
+    assert {"ingress", "media.process", "encode", "prefill", "decode.queue", "decode"} <= {s.name for s in children}
+    assert all(s.parent_span_id == root.span_id and root.start_ns <= s.start_ns <= s.end_ns for s in children)
+    assert root.attributes["prism.status"] == 200 and root.attributes["prism.output_tokens"] == 6
+
+    plain = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=_messages("Hello"), max_tokens=2
+    )  # (no traceparent: a new trace, still exported)
+    own = plain.headers["traceresponse"].split("-")[1]
+    assert own != parent_trace and otlp_receiver.trace(own, until=lambda s: len(s) >= 3)
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{prism_server[1]['_grpc_port']}")
+    body = {"model": MODEL, "messages": _messages("Hi"), "max_tokens": 2}
+    request = prism_pb2.GenerateRequest(chat_completion_json=json.dumps(body), api_key=API_KEY)
+    metadata = (("application", "prism"), ("traceparent", f"00-{uuid.uuid4().hex}-{parent_span}-01"))
+    _, call = prism_pb2_grpc.PrismStub(channel).Generate.with_call(request, metadata=metadata, timeout=60)
+    returned = dict(call.trailing_metadata())["traceresponse"]
+    assert returned.split("-")[1] == metadata[1][1].split("-")[1]
+    channel.close()
