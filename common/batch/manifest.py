@@ -22,11 +22,10 @@ from urllib.parse import quote
 
 import pyarrow.parquet as pq
 
+from common.protocol.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS  # (``n``: the server's max_n, lower, is a row error)
+
 REQUIRED = ("id", "video", "prompt")
 OPTIONAL = ("max_tokens", "fps", "max_frames", "response_format", "logprobs", "n", "temperature", "seed")
-MAX_TOP_LOGPROBS = 20
-MAX_CHOICES = 128
-"""``n``'s bound here; the server's ``max_n`` (a row's error over it) is usually lower."""
 
 
 class ManifestError(ValueError):

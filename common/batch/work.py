@@ -35,7 +35,7 @@ from common.media.loader import LoadTimings
 from common.media.stage import MediaStage
 from common.model.loader import load_frontend, load_model
 from common.protocol.handoff import MediaRef, ProcessedMedia, VisualEmbeddings
-from common.protocol.sampling import SamplingParams
+from common.protocol.sampling import SamplingParams, check_choices
 from common.stages.encode import encode_media
 from common.stages.logprobs import entries
 from common.stages.merge import merge
@@ -208,9 +208,8 @@ class ClipGenerator:
             raise InvalidRequestError(
                 f"max_tokens is {max_tokens}; the limit is {self.cfg.engine.max_output_tokens}", param="max_tokens"
             )
-        n, limit = int(row.get("n") or 1), self.cfg.server.max_n
-        if n > limit:
-            raise InvalidRequestError(f"n is {n}; the limit is {limit} choices", code="too_many_choices", param="n")
+        n = int(row.get("n") or 1)
+        check_choices(n, self.cfg.server.max_n)
         guide = row_guide(self.cfg, self.lm, row)
         top, seed = int(row.get("top_logprobs", -1)), int(row.get("seed", -1))
         return SamplingParams(

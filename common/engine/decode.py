@@ -33,8 +33,8 @@ sequences. The prompt's full blocks are shared (each choice references them: ref
 after the first copies the prompt's partial last block into a block of its own (it writes its next tokens there) and
 allocates its own blocks from then on. Choice ``i`` samples with its own seed (:meth:`SamplingParams.for_choice`),
 stop state, penalties and grammar, and starts from prefill's ``forks[i-1]``; its events carry its ``index``. The
-lease (:func:`common.kv.pool.choices_blocks`) goes back when the last choice ends; an abort (deadline, failed step,
-a grammar failure) ends every choice of the request. A request of ``n`` > 1 is not replayed (no migration).
+lease (:func:`common.protocol.vector.choices_blocks`) goes back when the last choice ends; an abort (deadline, failed
+step, a grammar failure) ends every choice of the request. A request of ``n`` > 1 is not replayed (no migration).
 
 **Grammars** (structured outputs, :mod:`common.grammar`): a sequence whose sampling carries a guide holds a matcher,
 advanced by every token it emits or replays (prefill's first token included); each step fills the masks of all

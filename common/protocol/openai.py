@@ -19,7 +19,7 @@ from common.grammar.formats import guide_from_request
 from common.grammar.guide import Guide
 from common.protocol.body import check_parameters, check_shape
 from common.protocol.handoff import MediaRef
-from common.protocol.sampling import SamplingParams, stop_problem
+from common.protocol.sampling import MAX_TOP_LOGPROBS, SamplingParams, check_choices, stop_problem
 from common.tools.spec import ToolRequest, tools_from_request
 
 
@@ -140,7 +140,7 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
     """Return each generated token's log-probability (``choices[].logprobs.content``); ``null`` is false."""
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """With ``logprobs``: this many most likely alternatives per token (0–20)."""
     n: int | None = Field(default=None, ge=1, strict=True)
     """Choices per request (``null``: 1), up to ``server.max_n``: one prefill, ``n`` decodes sharing the prompt's KV;
@@ -251,9 +251,7 @@ def parse_chat_request(body: Any, server: ServerConfig | None = None) -> ChatCom
     _check_stop(req.stop)
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-    if (req.n or 1) > server.max_n:
-        limit = f"n is {req.n}; the limit is {server.max_n} choices"
-        raise InvalidRequestError(limit, code="too_many_choices", param="n")
+    check_choices(req.n or 1, server.max_n)
     req._ignored = ignored
     req._guide = guide_from_request(body, server.max_response_format_bytes)
     req._tools = tools_from_request(body, server.max_tools_bytes)

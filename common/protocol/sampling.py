@@ -14,12 +14,15 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from common.errors import InvalidRequestError
 from common.grammar.guide import Guide
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
 MAX_CHOICES = 128
 """The engines' bound on ``n`` (the API's is ``server.max_n``, at most this)."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a token's log-probabilities may list (OpenAI's bound on ``top_logprobs``)."""
 SEED_MODULUS = 2**63
 
 
@@ -31,6 +34,13 @@ def stop_problem(stops: Sequence[object]) -> str | None:
     if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_LENGTH for s in stops):
         return f"each stop string must be 1 to {MAX_STOP_LENGTH} characters"
     return None
+
+
+def check_choices(n: int, limit: int) -> None:
+    """Refuse ``n`` choices over ``limit`` (``server.max_n``): 400 ``too_many_choices`` naming ``n`` — the one rule
+    the API and the batch job's rows share."""
+    if n > limit:
+        raise InvalidRequestError(f"n is {n}; the limit is {limit} choices", code="too_many_choices", param="n")
 
 
 class SamplingParams(BaseModel):
@@ -56,7 +66,7 @@ class SamplingParams(BaseModel):
     """Keep generating past EOS (benchmarks use it for fixed output lengths)."""
     guide: Guide | None = None
     """The output constraint (structured outputs), checked at the ingress; every sampled token obeys it."""
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """Return each sampled token's log-probability and this many most likely alternatives (``None``: none) — of the
     model's raw distribution at that position (before the grammar's mask, penalties, temperature and top-p)."""
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)

@@ -59,7 +59,7 @@ class Call:
     kv_blocks: int = 0
     """The KV blocks the request held (its choices' together), once every choice finished."""
     migrations: int = 0
-    logprobs: list[list[TokenLogprob | None]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob | None]] = field(init=False)
     """Per choice, each token's log-probabilities as the stream sent them, in order (``None`` where the request asks
     for none)."""
 

@@ -20,6 +20,7 @@ from common.stages.logprobs import entries
 from common.stages.stops import visible_text
 from services.ingress.answer import AnswerStream, answer_message
 from services.ingress.call_stream import Call
+from services.ingress.openai_format import logprobs_object
 
 Piece = tuple[dict[str, Any], dict[str, Any]]
 """A streamed piece: its ``delta``, and the fields of its choice (``index``, ``logprobs``, ``token_ids``)."""
@@ -35,7 +36,7 @@ def logprob_entries(call: Call, index: int, out_ids: list[int], start: int) -> l
 
 def choice_logprobs(logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
     """A streamed choice's ``logprobs`` field (left at the chunk's ``null`` when the request asks for none)."""
-    return {} if logprobs is None else {"logprobs": {"content": logprobs, "refusal": None}}
+    return {} if logprobs is None else {"logprobs": logprobs_object(logprobs)}
 
 
 def as_json(value: Any) -> str:

@@ -43,11 +43,16 @@ def choice_body(
         "index": index,
         "message": message,
         "finish_reason": finish,
-        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+        "logprobs": logprobs_object(logprobs),
     }
     if with_ids:
         choice["token_ids"] = out_ids
     return choice
+
+
+def logprobs_object(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` value (``None``: the request asks for none)."""
+    return None if entries is None else {"content": entries, "refusal": None}
 
 
 def completion_body(

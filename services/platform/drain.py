@@ -37,18 +37,24 @@ def drain_node(node_id: str, grace_s: int, address: str) -> bool:
     return done.returncode == 0
 
 
-def serve_replicas_on(node_id: str) -> int:
-    """Serve replica actors alive on ``node_id`` (the GCS actor table: no dashboard needed; the driver is connected).
-    ``ray._private.state`` is Ray's own reader of that table, stable across the versions this project pins."""
+def serve_replicas() -> list[tuple[str, str, str]]:
+    """``(application, deployment, node id)`` of every Serve replica actor alive in the cluster, from the GCS actor
+    table (no dashboard needed; the driver is connected). ``ray._private.state`` is Ray's own reader of that table,
+    stable across the versions this project pins."""
     from ray._private import state
 
-    return sum(
-        1
-        for info in state.actors().values()
-        if info.get("State") == "ALIVE"
-        and (info.get("Name") or "").startswith("SERVE_REPLICA::")
-        and (info.get("Address") or {}).get("NodeID") == node_id
-    )
+    out = []
+    for info in state.actors().values():
+        name = info.get("Name") or ""
+        parts = name.removeprefix("SERVE_REPLICA::").split("#")  # SERVE_REPLICA::<app>#<deployment>#<id>
+        if info.get("State") == "ALIVE" and name.startswith("SERVE_REPLICA::") and len(parts) == 3:
+            out.append((parts[0], parts[1], (info.get("Address") or {}).get("NodeID", "")))
+    return out
+
+
+def serve_replicas_on(node_id: str) -> int:
+    """Serve replica actors alive on ``node_id``."""
+    return sum(node == node_id for _, _, node in serve_replicas())
 
 
 def drain_and_wait(

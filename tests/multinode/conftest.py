@@ -112,11 +112,10 @@ def cluster(model_cache):
 
 def replicas_by_node(app: str) -> dict[str, list[str]]:
     """Live replica actors of ``app``: deployment name → the node ids they run on (GCS actor table)."""
-    from ray._private import state
+    from services.platform.drain import serve_replicas
 
     out: dict[str, list[str]] = {}
-    for info in state.actors().values():
-        parts = (info.get("Name") or "").split("::")[-1].split("#")  # SERVE_REPLICA::<app>#<deployment>#<id>
-        if info.get("State") == "ALIVE" and len(parts) == 3 and parts[0] == app:
-            out.setdefault(parts[1], []).append(info["Address"]["NodeID"])
+    for owner, deployment, node in serve_replicas():
+        if owner == app:
+            out.setdefault(deployment, []).append(node)
     return out

@@ -3,45 +3,45 @@
 
 from __future__ import annotations
 
-from common.obs.otel import OtlpTraces
+from common.obs.otel import OtlpTraces, RequestSpan
 from common.obs.request_trace import RequestTrace
 from common.obs.trace import Span
-from tests.otlp_receiver import OtlpReceiver
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 PARENT_TRACE, PARENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 
-def _trace(clock: list[float]) -> RequestTrace:
-    trace = RequestTrace("chatcmpl-1", "http", clock=lambda: clock[0])
-    trace.tenant = "alpha"
-    trace.absorb(
-        (
-            Span("ingress", 100.0, 0.004, {"prompt_tokens": 12}),
-            Span("media.process", 100.004, 0.02, {"visual_tokens": 64, "processor_cache_hits": 1}),
-            Span("prefill", 100.024, 0.05, {"prompt_tokens": 76, "chunks": 1}),
+def _export(traceparent: str, **options) -> tuple[RequestSpan, list[ReceivedSpan]]:
+    """A request's trace exported to a real receiver: its root span (opened at arrival, as the ingress does) and every
+    span the receiver got for the trace it names."""
+    with OtlpReceiver() as receiver:
+        otel = OtlpTraces(receiver.endpoint, **options)
+        clock = [100.0]
+        trace = RequestTrace("chatcmpl-1", "http", clock=lambda: clock[0])
+        root = otel.begin(trace, traceparent)
+        trace.tenant = "alpha"
+        trace.absorb(
+            (
+                Span("ingress", 100.0, 0.004, {"prompt_tokens": 12}),
+                Span("media.process", 100.004, 0.02, {"visual_tokens": 64, "processor_cache_hits": 1}),
+                Span("prefill", 100.024, 0.05, {"prompt_tokens": 76, "chunks": 1}),
+            )
         )
-    )
-    clock[0] = 100.1
-    trace.token()
-    clock[0] = 100.2
-    trace.token()
-    trace.finish(200, "ok")
-    return trace
+        clock[0] = 100.1
+        trace.token()
+        clock[0] = 100.2
+        trace.token()
+        trace.finish(200, "ok")
+        otel.end(trace, root)
+        otel.provider.force_flush()
+        spans = receiver.trace(root.traceresponse.split("-")[1], until=lambda s: len(s) == 6)
+        otel.shutdown()
+    return root, spans
 
 
 def test_a_requests_spans_reach_the_collector_under_the_clients_trace():
-    with OtlpReceiver() as receiver:
-        otel = OtlpTraces(receiver.endpoint, "prism-test")
-        clock = [100.0]
-        trace = RequestTrace("chatcmpl-1", "http", clock=lambda: clock[0])
-        root = otel.begin(trace, f"00-{PARENT_TRACE}-{PARENT_SPAN}-01")
-        assert root.traceresponse.startswith(f"00-{PARENT_TRACE}-") and root.traceresponse.endswith("-01")
-        finished = _trace(clock)
-        finished.start = trace.start
-        otel.end(finished, root)
-        otel.provider.force_flush()
-        spans = receiver.trace(PARENT_TRACE, until=lambda s: len(s) == 6)
-        otel.shutdown()
+    root, spans = _export(f"00-{PARENT_TRACE}-{PARENT_SPAN}-01", service_name="prism-test")
+    assert root.traceresponse.startswith(f"00-{PARENT_TRACE}-") and root.traceresponse.endswith("-01")
     by_name = {s.name: s for s in spans}
     assert set(by_name) == {"prism.request", "ingress", "media.process", "prefill", "first_token", "decode"}
     request = by_name["prism.request"]
@@ -57,19 +57,9 @@ def test_a_requests_spans_reach_the_collector_under_the_clients_trace():
 
 
 def test_without_a_valid_traceparent_the_request_starts_a_trace():
-    with OtlpReceiver() as receiver:
-        otel = OtlpTraces(receiver.endpoint, cache_outcomes=True)
-        clock = [100.0]
-        trace = RequestTrace("chatcmpl-2", "grpc", clock=lambda: clock[0])
-        root = otel.begin(trace, "00-not-a-valid-parent-01")
-        trace_id = root.traceresponse.split("-")[1]
-        assert len(trace_id) == 32 and trace_id != PARENT_TRACE
-        finished = _trace(clock)
-        finished.start = trace.start
-        otel.end(finished, root)
-        otel.provider.force_flush()
-        spans = receiver.trace(trace_id, until=lambda s: len(s) == 6)
-        otel.shutdown()
+    root, spans = _export("00-not-a-valid-parent-01", cache_outcomes=True)
+    trace_id = root.traceresponse.split("-")[1]
+    assert len(trace_id) == 32 and trace_id != PARENT_TRACE and len(spans) == 6
     (request,) = [s for s in spans if s.name == "prism.request"]
     assert request.parent_span_id == "" and request.service == "prism"
     media = next(s for s in spans if s.name == "media.process")
