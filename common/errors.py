@@ -97,6 +97,14 @@ class HandoffLost(HandoffError):
     default_code = "handoff_lost"
 
 
+class RevisionMismatch(HandoffLost):
+    """A hand-off from another model revision (weights, encoder) than the replica's own: during a rolling update
+    the chain's replicas may be of both revisions, and a request never mixes them — the ingress issues the chain again
+    (retried, or migrated), as for a lost hand-off, until its stages are of one revision."""
+
+    default_code = "model_revision_mismatch"
+
+
 class MediaFetchBlocked(PrismError):
     """Fetch refused by policy: scheme, userinfo, domain list, non-global address, ``file://`` outside the root."""
 

@@ -10,7 +10,10 @@ is a :class:`PrismConfig` as a dict. Each served model gets a ``Media`` deployme
 (:mod:`services.routers.affinity`); decode alone always gets the router that sends a request to the replica holding
 its KV reservation (:mod:`services.routers.pinned`). Each deployment gets its own replicas, resources, queue bound and
 — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth.
-The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``).
+The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``). Rolling updates start each
+replacement before the replica it replaces stops (``max_surge_percent``); a deployment holding decode is given
+``server.drain_grace_s`` + :data:`~common.config.server.DRAIN_MOVE_S` to stop, so the ingress can move its streams
+first (:mod:`services.ingress.leaving`), the ingress its requests' longest deadline.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 
-from common.config import ModelStages, PrismConfig, RoutingConfig, StageConfig, deployment_suffix
+from common.config import PrismConfig, RoutingConfig, StageConfig, deployment_suffix
+from common.config.server import DRAIN_MOVE_S
 from common.config.topology import Group, group_name, groups
 from services.ingress.server import IngressApp
 from services.routers.affinity import AffinityRouter
@@ -38,8 +42,9 @@ def _router(group: Group, routing: RoutingConfig) -> dict[str, Any]:
     """The router of a deployment holding ``group``: decode alone gets the router that sends ``generate`` to the
     replica holding the request's KV reservation; otherwise, with ``routing.affinity``, the cache-affinity router keyed
     by the group's first stage (encode: the media; prefill: the prompt prefix). A group that ends with decode reserves
-    the KV in the replica that prefills, so it needs no pinning."""
-    if group == ("decode",):
+    the KV in the replica that prefills, so it needs no pinning; without affinity it still gets the pinned router
+    (routing like Serve's default) so that its replica set reaches the ingress."""
+    if group == ("decode",) or (group[-1] == "decode" and not routing.affinity):  # (see PinnedRouter)
         return {"request_router_config": RequestRouterConfig(request_router_class=PinnedRouter)}
     key = {"encode": "media", "prefill": "prefix"}[group[0]]
     if not routing.affinity:
@@ -55,10 +60,12 @@ def _router(group: Group, routing: RoutingConfig) -> dict[str, Any]:
 _SINGLE: dict[str, type] = {"encode": EncodeDeployment, "prefill": PrefillDeployment, "decode": DecodeDeployment}
 
 
-def _stage_app(group: Group, stages: ModelStages, routing: RoutingConfig, suffix: str, retry: int, raw: dict) -> Any:
+def _stage_app(group: Group, sub: PrismConfig, suffix: str, retry: int, raw: dict) -> Any:
     """The bound deployment of one group of a model's topology: the stage's own class, or a grouped one."""
-    opts = _options(f"{group_name(group)}{suffix}", stages.group_stage(group), retry)
-    deployment = serve.deployment(**opts, **_router(group, routing))
+    opts = _options(f"{group_name(group)}{suffix}", sub.deployments.group_stage(group), retry)
+    if "decode" in group:  # its streams get the drain grace, then time to move (services.ingress.leaving)
+        opts["graceful_shutdown_timeout_s"] = sub.server.drain_grace_s + DRAIN_MOVE_S
+    deployment = serve.deployment(**opts, **_router(group, sub.routing))
     if len(group) == 1:
         return deployment(_SINGLE[group[0]]).bind(raw)
     return deployment(GroupDeployment).bind(raw, group)
@@ -71,6 +78,7 @@ def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any
         "max_ongoing_requests": stage.max_ongoing_requests,
         "max_queued_requests": stage.max_queued_requests,
         "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=retry_after_s),
+        "max_surge_percent": stage.max_surge_percent,
     }
     if stage.max_replicas > stage.min_replicas:
         opts["autoscaling_config"] = {
@@ -104,9 +112,13 @@ def build_app(args: dict[str, Any]) -> Application:
         suffix = deployment_suffix(sub.model.name) if cfg.models else ""  # one model: plain names, as before
         d = sub.deployments
         media = serve.deployment(**_options(f"Media{suffix}", d.media, retry))(MediaDeployment).bind(raw)
-        groups_ = [_stage_app(g, d, sub.routing, suffix, retry, raw) for g in groups(d.topology)]
+        groups_ = [_stage_app(g, sub, suffix, retry, raw) for g in groups(d.topology)]
         pipelines.append([media, *groups_])
     raw = cfg.model_dump(mode="json")
     raw["observability"]["media_hash_key"] = key
-    ingress = serve.deployment(**_options("Ingress", cfg.deployments.ingress, retry))(IngressApp)
+    front = _options("Ingress", cfg.deployments.ingress, retry)
+    # (its calls are the clients' own streams, which cannot move: an old ingress replica serves them to the end —
+    # each ends by its deadline — while the proxy sends new requests to its replacement)
+    front["graceful_shutdown_timeout_s"] = cfg.server.max_deadline_ms / 1000 + DRAIN_MOVE_S
+    ingress = serve.deployment(**front)(IngressApp)
     return ingress.bind(raw, pipelines)

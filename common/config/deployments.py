@@ -31,6 +31,13 @@ class StageConfig(Strict):
     """Requests a replica works on at once."""
     max_queued_requests: int = Field(default=64, ge=-1)
     """Requests waiting for a replica before callers get 429 (-1: unbounded)."""
+    max_surge_percent: int = Field(default=100, ge=0, le=100)
+    """Extra replicas Serve may start during a rolling update (``serve deploy`` of a changed config that restarts
+    replicas), as a percentage of the target count, rounded up: the replacements start *before* the replicas they
+    replace stop, so a stage of one replica is never without one (its old replica keeps serving until the new one
+    answers, then drains: see ``server.drain_grace_s``). It needs room for the extra replicas (CPU shares, or nodes the
+    cluster's autoscaler adds); until a replacement fits, the old replica goes on serving. 0: Serve's own default,
+    stop before start (a stage of one replica has a gap the ingress rides out within each request's deadline)."""
     cpu_nice: int = Field(default=0, ge=0, le=19)
     """OS scheduling niceness the replica's threads are raised to (never lowered; Prism starts Ray's workers at 0,
     ``services/platform/priority.py``). Where

@@ -12,6 +12,9 @@ from pydantic import Field, field_validator
 from common.config.base import Strict
 
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+DRAIN_MOVE_S = 10.0
+"""Time a leaving decode replica is given past ``drain_grace_s`` for its remaining streams to move (their chains
+issued again and replayed elsewhere) before Serve may kill it."""
 
 
 def _check_tenants(keys: dict[str, str]) -> dict[str, str]:
@@ -109,6 +112,13 @@ class ServerConfig(Strict):
     """Times one request's decode stream may move to a live replica after its own was lost mid-generation (the
     chain is issued again and the tokens already sent are replayed, so the client sees neither error nor repeat).
     0: a lost decode replica fails its requests (503, or an error event in a stream)."""
+    drain_grace_s: float = Field(default=5.0, ge=0, le=300)
+    """How long the decode streams of a replica that is leaving (autoscaler scale-down, rolling update, node drain:
+    Serve stops routing to it, then waits for its calls) may go on there before the ingress moves each one still
+    running to a live replica of its deployment by migration (replayed, unseen by the client; one of
+    ``max_migrations``). Short streams finish where they are; a long one is not cut when Serve's graceful timeout
+    ends — the deployment's ``graceful_shutdown_timeout_s`` is this plus :data:`DRAIN_MOVE_S`. With no live replica to
+    move to yet, the stream stays until one answers (or its replica exits: then it migrates as a lost one would)."""
 
     @property
     def json_structure_limit(self) -> int:

@@ -24,7 +24,7 @@ import torch
 import xxhash
 from transformers import DynamicCache
 
-from common.errors import HandoffError
+from common.errors import HandoffError, RevisionMismatch
 from common.kv.digest import digest, flat_bytes
 from common.protocol.handoff import KVBlocks, KVLayout, Prefilled, PrefillOutput
 
@@ -137,7 +137,7 @@ def check_prefill(lm: LoadedModel, pre: Prefilled) -> None:
     """Refuse a prefill hand-off from another model, or whose KV does not match its prompt or the model's geometry
     (on its layout: before any block is leased or any byte moves)."""
     if pre.model_revision != lm.contract.model_revision:
-        raise HandoffError(f"KV from model revision {pre.model_revision}, this is {lm.contract.model_revision}")
+        raise RevisionMismatch(f"KV from model revision {pre.model_revision}, this is {lm.contract.model_revision}")
     layout = pre.layout
     if layout.num_tokens != len(pre.prompt_token_ids):
         raise HandoffError(f"KV holds {layout.num_tokens} tokens but the prompt has {len(pre.prompt_token_ids)}")

@@ -146,6 +146,12 @@ METRICS: tuple[MetricSpec, ...] = (
         ("outcome",),
         on_failure=True,
     ),
+    _c(
+        "prism_replicas_left_total",
+        "Replicas an ingress replica saw leave the routing set of a deployment it calls (autoscaler scale-down, "
+        "rolling update, node drain), by that deployment; the streams it then moved off them are migrations.",
+        "from_deployment",
+    ),
     # ---- caches -------------------------------------------------------------------------------------------------
     _c(
         "prism_cache_lookups_total",

@@ -198,11 +198,18 @@ def requests_dashboard() -> dict[str, Any]:
     )
     lay.panel(
         "Decode migrations by outcome",
-        [(f"sum by (outcome) (rate({m('prism_migrations_total')}{{{APP}}}[{RATE}]))", "{{outcome}}")],
+        [
+            (f"sum by (outcome) (rate({m('prism_migrations_total')}{{{APP}}}[{RATE}]))", "{{outcome}}"),
+            (
+                f"sum by (from_deployment) (rate({m('prism_replicas_left_total')}{{{APP}}}[{RATE}]))",
+                "replicas left {{from_deployment}}",
+            ),
+        ],
         unit="reqps",
-        desc="resumed: a stream whose decode replica was lost went on on a live one, unseen by its client; failed: "
-        "the rebuilt stream ended before a new token; refused: server.max_migrations spent or no time left (the "
-        "client got an error).",
+        desc="resumed: a stream whose decode replica was lost, or left (scale-down, update, drain: moved after "
+        "server.drain_grace_s), went on on a live one, unseen by its client; failed: the rebuilt stream ended before "
+        "a new token; refused: server.max_migrations spent or no time left (the client got an error). Replicas left: "
+        "decode replicas the ingress saw leave their deployment's routing set.",
     )
     lay.row("Admission")
     lay.panel(

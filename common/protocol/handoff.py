@@ -348,6 +348,9 @@ class StreamStart:
 
     prompt_token_ids: tuple[int, ...]
     spans: tuple[Span, ...] = ()
+    replica: str | None = None
+    """The Serve id of the decode replica streaming (where the ingress watches for it to leave); ``None`` outside
+    Serve."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from common.errors import SpanMismatchError
+from common.errors import RevisionMismatch, SpanMismatchError
 from common.model.loader import LoadedModel
 from common.protocol.handoff import MergedInputs, PlaceholderSpan, TokenizedPrompt, VisualEmbeddings
 
@@ -48,7 +48,7 @@ def validate_spans(
         if span.modality != emb.modality:
             raise SpanMismatchError(f"media #{i}: span is {span.modality}, embedding is {emb.modality}")
         if emb.encoder_revision != encoder_revision:
-            raise SpanMismatchError(f"media #{i}: embedding is from encoder {emb.encoder_revision}, not this model's")
+            raise RevisionMismatch(f"media #{i}: embedding is from encoder {emb.encoder_revision}, not this model's")
         rows, width = emb.embeddings.shape if emb.embeddings.ndim == 2 else (-1, -1)
         if (rows, width) != (span.prompt_token_length, hidden_size) or tuple(span.embedding_shape) != (rows, width):
             raise SpanMismatchError(

@@ -3,7 +3,8 @@
 ``LocalHandle(obj).method.remote(*args)`` starts ``obj.method(*args)`` as an asyncio task after awaiting any
 argument that is itself a pending call (Serve resolves a ``DeploymentResponse`` passed to another call the same way);
 ``.options(stream=True).remote(...)`` gives an async iterator with ``cancel()`` over a streaming method. Cancelling a
-stream also cancels the upstream calls it was waiting on, as Serve propagates cancellation.
+stream also cancels the upstream calls it was waiting on, as Serve propagates cancellation, and a read in progress
+ends with Serve's ``RequestCancelledError``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from typing import Any
+
+from ray.serve.exceptions import RequestCancelledError
 
 
 class LocalResponse:
@@ -28,20 +31,38 @@ class LocalStream:
     def __init__(self, method: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.method, self.args = method, args
         self._gen: Any = None
+        self._reading: asyncio.Task | None = None
+        self._cancelled = False
 
     def __aiter__(self) -> LocalStream:
         return self
 
     async def __anext__(self) -> Any:
+        if self._cancelled:
+            raise RequestCancelledError("the stream was cancelled")
         if self._gen is None:
             self._gen = self.method(*(await _resolve(self.args)))
-        return await self._gen.__anext__()
+        self._reading = asyncio.current_task()
+        try:
+            return await self._gen.__anext__()
+        except asyncio.CancelledError:
+            if not self._cancelled or self._reading is None:
+                raise
+            self._reading.uncancel()  # (cancelled by cancel() below, not by its caller: Serve's error instead)
+            raise RequestCancelledError("the stream was cancelled") from None
+        finally:
+            self._reading = None
 
     def cancel(self) -> None:
+        """Like Serve's: a read in progress ends with ``RequestCancelledError`` (the generator closed where it
+        waited), and so does every later one."""
+        self._cancelled = True
         for arg in self.args:
             if isinstance(arg, LocalResponse):
                 arg.cancel()
-        if self._gen is not None:
+        if self._reading is not None:
+            self._reading.cancel()
+        elif self._gen is not None:
             asyncio.get_running_loop().create_task(self._gen.aclose())
 
 

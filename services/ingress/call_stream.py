@@ -16,11 +16,15 @@ the next token, with no error, no repeat and no gap in what the client receives 
 *Replay*). At most ``server.max_migrations`` per request, never past its deadline (504); each counted in
 ``prism_migrations_total{outcome}`` when its outcome is known (``resumed`` at the rebuilt stream's first new token,
 ``failed``, ``refused``) and listed in the request's trace. A request of ``n`` > 1 choices is not migrated: its lost
-replica ends it with the error.
+replica ends it with the error. A decode replica that *leaves* (scale-down, rolling update, drain) is not lost: its
+streams run on there for ``server.drain_grace_s``, then the :class:`~services.ingress.leaving.LeavingWatch` takes each
+one still running off it (:meth:`Call.move`) and :meth:`CallStream.tokens` migrates it the same way (cause
+``ReplicaLeft``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -35,7 +39,8 @@ from common.protocol.handoff import RequestContext, StreamAbort, StreamToken, To
 from common.protocol.openai import ChatCompletionRequest
 from common.protocol.sampling import SamplingParams
 from services.ingress.chain import Issue
-from services.ingress.failures import CANCELLED, REPLICA_LOST
+from services.ingress.failures import CANCELLED, REPLICA_LOST, ReplicaLeft
+from services.ingress.leaving import LeavingWatch
 from services.ingress.plan import AdmittedRequest
 from services.ingress.responses import cancel_chain, next_event
 
@@ -59,6 +64,12 @@ class Call:
     kv_blocks: int = 0
     """The KV blocks the request held (its choices' together), once every choice finished."""
     migrations: int = 0
+    decode_replica: str | None = None
+    """The decode replica the stream comes from (as its start said)."""
+    leaving: str | None = None
+    """Set by :meth:`move`: the replica the stream was taken off because it is leaving; cleared once it moved."""
+    watch: LeavingWatch | None = None
+    """The watch that moves the stream off a leaving replica, while it is read (:meth:`CallStream.tokens`)."""
     logprobs: list[list[TokenLogprob | None]] = field(init=False)
     """Per choice, each token's log-probabilities as the stream sent them, in order (``None`` where the request asks
     for none)."""
@@ -81,6 +92,14 @@ class Call:
     def close(self) -> None:
         """Cancel whatever of the chain still runs; safe to call more than once."""
         cancel_chain(self.chain)
+        if self.watch is not None:
+            self.watch.forget(self)
+
+    def move(self) -> None:
+        """Take the stream off its replica, which is leaving (:mod:`services.ingress.leaving`): the stream is
+        cancelled there (its KV freed at once) and :meth:`CallStream.tokens` migrates the call."""
+        self.leaving = self.decode_replica
+        cancel_chain([self.stream])
 
 
 @dataclass(frozen=True)
@@ -94,13 +113,32 @@ class CallStream:
     """Reads started calls (one per ingress model client); ``count(outcome)`` counts a migration's outcome in
     ``prism_migrations_total`` (the client's, which knows its metrics)."""
 
-    def __init__(self, max_migrations: int, count: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        max_migrations: int,
+        count: Callable[[str], None],
+        drain_grace_s: float = 5.0,
+        decode_deployment: str | None = None,
+        count_left: Callable[[str], None] = lambda deployment: None,
+    ) -> None:
+        """``drain_grace_s``: how long a stream may go on on a leaving replica of ``decode_deployment`` before it
+        moves; ``count_left`` counts a replica that left (:class:`LeavingWatch`)."""
         self.max_migrations = max_migrations
         self._count = count
+        self.leaving = LeavingWatch(drain_grace_s, self._movable, decode_deployment, count_left)
+
+    def _movable(self, call: Call) -> bool:
+        return (
+            call.reissue is not None
+            and call.migrations < self.max_migrations
+            and call.sampling.n == 1
+            and time.time() < call.ctx.deadline
+        )
 
     async def tokens(self, call: Call) -> AsyncIterator[tuple[int, int, str | None]]:
         """``(choice index, token_id, finish_reason)`` until every choice finished; raises 504 / 500 on timeout /
         failure. A lost decode replica is replaced by a migration (up to ``max_migrations``), unseen by the caller."""
+        self.leaving.watch(call)  # (until the call closes)
         sent: list[int] = []
         running = call.sampling.n
         moving: _Migration | None = None  # a migration whose stream has not produced a new token yet
@@ -115,15 +153,16 @@ class CallStream:
                     raise HandoffError(f"the decode stream sent {type(event).__name__} where a token was due")
                 if not 0 <= event.index < len(call.logprobs):
                     raise HandoffError(f"the decode stream sent a token of choice {event.index} (n={call.sampling.n})")
-            except CANCELLED:
-                raise
             except BaseException as exc:
+                left = _left(call, exc)
+                if left is None and isinstance(exc, CANCELLED):
+                    raise
                 if moving is not None:  # the rebuilt stream failed before its first new token
                     self._migration_done(call, moving, "failed")
                     moving = None
-                if not isinstance(exc, REPLICA_LOST):
+                if left is None and not isinstance(exc, REPLICA_LOST):
                     raise
-                moving = await self._migrate(call, tuple(sent), exc)
+                moving = await self._migrate(call, tuple(sent), left or exc)
                 continue
             if moving is not None:
                 self._migration_done(call, moving, "resumed")
@@ -177,6 +216,7 @@ class CallStream:
             self._migration_done(call, moving, "failed")
             raise
         call.chain, call.stream, call.ctx = started.responses, started.stream, started.ctx
+        call.decode_replica, call.leaving = started.first.replica, None
         if started.ctx.decode_replica is not None:
             call.trace.route("decode", started.ctx.reservation, started.ctx.decode_replica)
         return moving
@@ -186,3 +226,14 @@ class CallStream:
         time covers the chain, the replay and the lease wait), ``failed`` if it ended before that."""
         call.trace.migrated(moving.after_tokens, time.time() - moving.started, moving.cause, outcome)
         self._count(outcome)
+
+
+def _left(call: Call, exc: BaseException) -> ReplicaLeft | None:
+    """The move behind ``exc``, if that is what it is: the cancellation of a stream the watch took off its leaving
+    replica (:meth:`Call.move`) — not the caller going away (this task cancelled)."""
+    if call.leaving is None or not isinstance(exc, CANCELLED):
+        return None
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return None
+    return ReplicaLeft(f"decode replica {call.leaving} left its deployment")

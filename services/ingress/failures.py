@@ -20,7 +20,13 @@ from common.errors import HandoffLost, Overloaded, PrismError, StageUnavailable
 
 log = logging.getLogger("prism.ingress")
 
-REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError, HandoffLost)
+
+class ReplicaLeft(Exception):
+    """The decode replica of a running stream left its deployment (scale-down, rolling update, node drain) and the
+    ingress took the stream off it (:mod:`services.ingress.leaving`): it moves like a lost replica's."""
+
+
+REPLICA_LOST = (RayActorError, ActorUnavailableError, DeploymentUnavailableError, HandoffLost, ReplicaLeft)
 """Failures that say a stage replica went away under the request (retried before the first token, else 503) — a
 hand-off whose sender died before it was read among them."""
 

@@ -7,7 +7,8 @@ parse, validate, price), admits it on the event loop (:func:`services.ingress.pl
 tenant's quota ticket) and issues its chain (:class:`services.ingress.chain.Chain`), returning once the decode stream
 started. The :class:`~services.ingress.call_stream.Call` it returns is read by :meth:`PipelineClient.tokens` /
 :meth:`PipelineClient.collect` (:class:`~services.ingress.call_stream.CallStream`: the typed decode events under the
-deadline, and decode migration when the decode replica is lost mid-stream).
+deadline, and decode migration when the decode replica is lost mid-stream, or leaves its deployment:
+:mod:`services.ingress.leaving`).
 
 The quota ticket is charged what the media stage measured (pixels, patches, visual tokens) when it reaches the ingress
 with the stream's start; the request's lifecycle releases it when the request closes, however it closes. Every call
@@ -52,7 +53,11 @@ class PipelineClient:
         self.quotas = quotas or TenantQuotas(cfg.admission, retry_after_s=cfg.server.retry_after_s)
         self.recorder = recorder or AdmissionRecorder(metrics, "ingress")
         self.metrics = metrics
-        self.streams = CallStream(cfg.server.max_migrations, self._count_migration)
+        server, decode = cfg.server, chain.of["decode"]
+        deployment = f"{decode.app_name}/{decode.deployment_name}" if hasattr(decode, "deployment_name") else None
+        self.streams = CallStream(
+            server.max_migrations, self._count_migration, server.drain_grace_s, deployment, self._count_left
+        )
 
     async def begin(
         self, ticket: Ticket, body: Any, headers: RequestHeaders, trace: RequestTrace, size: int = INLINE_BYTES
@@ -94,11 +99,16 @@ class PipelineClient:
             trace=trace,
             chain=started.responses,
             reissue=issue,
+            decode_replica=started.first.replica,
         )
 
     def _count_migration(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.inc("prism_migrations_total", outcome=outcome)
+
+    def _count_left(self, deployment: str) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("prism_replicas_left_total", from_deployment=deployment)
 
     def _charge_media(self, ticket: Ticket, vector: ResourceVector, spans: tuple[Span, ...]) -> None:
         """Charge the tenant what the media stage measured (pixels, patches, visual tokens beyond the lower bound)."""

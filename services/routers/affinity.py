@@ -15,8 +15,9 @@ feeds it Serve's events: which replica accepted a call (``on_request_routed``: S
 under its strict max-ongoing-requests protocol, the default for handles outside Ray Client — where the ingress runs;
 a replica that refuses a full queue is never recorded, and the call is routed again), when that call completed
 (``on_request_completed``, matched by request *and* replica, so a late completion of a refused attempt cannot free
-another replica's count) and which replicas died. Each decision is counted in ``prism_route_affinity_total{stage,
-outcome}`` and kept for the request's trace (:mod:`services.routers.route_log`).
+another replica's count) and which replicas died; every replica set it is given is reported to
+:mod:`services.routers.replica_sets` (how the ingress sees a replica leave). Each decision is counted in
+``prism_route_affinity_total{stage, outcome}`` and kept for the request's trace (:mod:`services.routers.route_log`).
 
 Serve pickles this module *by value* into the processes that hold a handle: it keeps no module state of its own (no
 module-level locks or records — those live in modules pickled by reference), only the class.
@@ -35,6 +36,7 @@ from common.protocol.handoff import RequestContext
 from common.sched.affinity import AffinityTable, Outcome
 from services.platform.metrics import Metrics
 from services.routers import route_log
+from services.routers.replica_sets import ReportsReplicas
 
 PENDING_KEPT = 4096
 """Routing decisions kept for calls Serve has not assigned yet (one cancelled before that never is)."""
@@ -57,7 +59,7 @@ def request_context(pending: PendingRequest | None) -> RequestContext | None:
     return None
 
 
-class AffinityRouter(RequestRouter):
+class AffinityRouter(ReportsReplicas, RequestRouter):
     """Routes each call by its affinity key; see the module docstring."""
 
     def initialize_state(

@@ -8,7 +8,10 @@ if that replica's queue is full, Serve backs off (``should_backoff``) and asks a
 than leasing a second time elsewhere (the decode stage keeps a slot free for every reservation's ``generate``:
 :meth:`services.stages.decode.DecodeDeployment.reserve`). A call with no named replica (``reserve`` itself), or one
 whose replica is gone (died, scaled down: the replica that takes it leases afresh on submit), is routed like Serve's
-default: two candidates at random, and Serve takes the one with the shorter queue.
+default: two candidates at random, and Serve takes the one with the shorter queue. A group that ends with decode
+(``PD``, ``EPD``) without cache affinity gets this router too — its calls name no replica, so they are routed like
+Serve's default — for what every Prism router does besides: report its replica set
+(:mod:`services.routers.replica_sets`), so the ingress sees a decode replica leave.
 
 Not FIFO: with Serve's ``FIFOMixin`` a replica found for one call is handed to the oldest call waiting in the router,
 which would send a pinned call to another call's replica. Serve's base router matches each replica to the call it
@@ -25,9 +28,10 @@ import random
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from services.routers.affinity import request_context
+from services.routers.replica_sets import ReportsReplicas
 
 
-class PinnedRouter(RequestRouter):
+class PinnedRouter(ReportsReplicas, RequestRouter):
     """Routes a decode call to its reserving replica; see the module docstring."""
 
     async def choose_replicas(

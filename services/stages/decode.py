@@ -202,7 +202,8 @@ class DecodeDeployment:
         self.queues[ctx.key] = stream.queue
         try:  # (from the fetch on: a hand-off refused before submit still frees this attempt's reservation)
             prefilled, transfer_s = await self._import(unwrap(pre), sampling, stream)
-            yield StreamStart(tuple(prefilled.prompt_token_ids.tolist()), tuple(stream.timeline.spans))
+            prompt = tuple(prefilled.prompt_token_ids.tolist())
+            yield StreamStart(prompt, tuple(stream.timeline.spans), self.replica_id)
             async for event in self._tokens(stream, prefilled.layout.num_tokens, transfer_s, sampling.n):
                 yield event
         finally:

@@ -49,6 +49,8 @@ def test_local_default_serves_both_families_and_fits_two_cores():
     cpus = sum(d.ray_actor_options["num_cpus"] * _replicas(d)[0] for d in deployments)
     most = sum(d.ray_actor_options["num_cpus"] * _replicas(d)[1] for d in deployments)
     assert cpus < 2 and most < 2, "Serve never starts a replica whose CPU share does not fit"
+    largest = max(d.ray_actor_options["num_cpus"] for d in deployments)
+    assert most + largest <= 2, "a rolling update starts a replacement before the replica it replaces stops"
 
 
 @pytest.mark.parametrize(
@@ -84,6 +86,32 @@ def test_each_topology_deploys_its_groups_sized_for_what_they_hold(topology, nam
         assert router.endswith("PinnedRouter" if group == ("decode",) else "AffinityRouter"), router
         if len(group) > 1:
             assert list(d.init_args)[1] == group
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_replicas_roll_start_before_stop_and_decode_drains_before_it_is_stopped(affinity):
+    """Every deployment starts a replacement before its old replica stops (``max_surge_percent``: 100 by default);
+    a deployment holding decode gives its streams the drain grace and the time to move before Serve may kill it, the
+    ingress its requests' longest deadline; a group ending with decode reports its replicas even without affinity."""
+    from common.config.server import DRAIN_MOVE_S
+    from services.app import build_app
+
+    for topology in ("E/P/D", "EPD"):
+        config = {"deployments": {"topology": topology, "media": {"max_surge_percent": 0}},
+                  "routing": {"affinity": affinity}, "server": {"drain_grace_s": 7}}  # fmt: skip
+        built = {d.name: d for d in _deployments(build_app({"config": config}))}
+        surge = {name: d._deployment_config.max_surge_percent for name, d in built.items()}
+        assert surge == {name: 0 if name == "Media" else 100 for name in built}
+        for name, d in built.items():
+            grace = d._deployment_config.graceful_shutdown_timeout_s
+            if name.endswith("Decode"):
+                assert grace == 7 + DRAIN_MOVE_S
+                router = d._deployment_config.request_router_config.request_router_class
+                assert router.endswith("PinnedRouter" if name == "Decode" or not affinity else "AffinityRouter")
+            elif name == "Ingress":
+                assert grace == PrismConfig().server.max_deadline_ms / 1000 + DRAIN_MOVE_S
+            else:
+                assert grace == 20.0, "Serve's default: their calls are short"
 
 
 def _replicas(d) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from common.errors import HandoffError
+from common.errors import HandoffError, RevisionMismatch
 from common.kv.blocks import export_kv, import_kv, seal, verify_handoff
 from common.protocol.handoff import PrefillOutput
 from common.protocol.sampling import SamplingParams
@@ -82,7 +82,7 @@ def test_inconsistent_handoffs_are_refused(tiny_llava):
     lm = tiny_llava
     sampling = SamplingParams(max_tokens=4)
     pre = _prefill(lm, 1, sampling)
-    with pytest.raises(HandoffError, match="model revision"):
+    with pytest.raises(RevisionMismatch, match="model revision"):  # (a HandoffLost: the ingress issues it again)
         decode(lm, replace(pre, model_revision="someone-else"), sampling)
     with pytest.raises(HandoffError, match="tokens"):
         decode(lm, replace(pre, prompt_token_ids=pre.prompt_token_ids[:-1]), sampling)
