@@ -11,9 +11,9 @@ is a :class:`PrismConfig` as a dict. Each served model gets a ``Media`` deployme
 its KV reservation (:mod:`services.routers.pinned`). Each deployment gets its own replicas, resources, queue bound and
 — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth.
 The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``). Rolling updates start each
-replacement before the replica it replaces stops (``max_surge_percent``); a deployment holding decode is given
-``server.drain_grace_s`` + :data:`~common.config.server.DRAIN_MOVE_S` to stop, so the ingress can move its streams
-first (:mod:`services.ingress.leaving`), the ingress its requests' longest deadline.
+replacement before the replica it replaces stops (``max_surge_percent``); a stopping ingress or decode replica is
+given as long as its calls may run (``_stopping_s``), the decode streams that can move being moved after
+``server.drain_grace_s`` (:mod:`services.ingress.leaving`).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ _SINGLE: dict[str, type] = {"encode": EncodeDeployment, "prefill": PrefillDeploy
 def _stage_app(group: Group, sub: PrismConfig, suffix: str, retry: int, raw: dict) -> Any:
     """The bound deployment of one group of a model's topology: the stage's own class, or a grouped one."""
     opts = _options(f"{group_name(group)}{suffix}", sub.deployments.group_stage(group), retry)
-    if "decode" in group:  # its streams get the drain grace, then time to move (services.ingress.leaving)
-        opts["graceful_shutdown_timeout_s"] = sub.server.drain_grace_s + DRAIN_MOVE_S
+    if "decode" in group:  # (see _stopping_s)
+        opts["graceful_shutdown_timeout_s"] = _stopping_s(sub)
     deployment = serve.deployment(**opts, **_router(group, sub.routing))
     if len(group) == 1:
         return deployment(_SINGLE[group[0]]).bind(raw)
@@ -101,6 +101,14 @@ def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any
     return opts
 
 
+def _stopping_s(cfg: PrismConfig) -> float:
+    """How long Serve waits for a stopping ingress or decode replica's calls before it kills it: as long as any may
+    run. The ingress's calls are the clients' own streams, which cannot move; a decode replica's streams move after
+    ``server.drain_grace_s`` (:mod:`services.ingress.leaving`), but not all can (``n`` > 1, migrations spent), and
+    every call ends by its deadline — so a replica stops as soon as its last call ended, and none is cut."""
+    return max(cfg.server.max_deadline_ms / 1000, cfg.server.drain_grace_s) + DRAIN_MOVE_S
+
+
 def build_app(args: dict[str, Any]) -> Application:
     cfg = PrismConfig.model_validate(args.get("config", {}))
     key = cfg.observability.media_hash_key or secrets.token_hex(16)  # one key for every replica of this app
@@ -117,8 +125,6 @@ def build_app(args: dict[str, Any]) -> Application:
     raw = cfg.model_dump(mode="json")
     raw["observability"]["media_hash_key"] = key
     front = _options("Ingress", cfg.deployments.ingress, retry)
-    # (its calls are the clients' own streams, which cannot move: an old ingress replica serves them to the end —
-    # each ends by its deadline — while the proxy sends new requests to its replacement)
-    front["graceful_shutdown_timeout_s"] = cfg.server.max_deadline_ms / 1000 + DRAIN_MOVE_S
+    front["graceful_shutdown_timeout_s"] = _stopping_s(cfg)
     ingress = serve.deployment(**front)(IngressApp)
     return ingress.bind(raw, pipelines)

@@ -13,8 +13,8 @@ from common.config.base import Strict
 
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DRAIN_MOVE_S = 10.0
-"""Time a leaving decode replica is given past ``drain_grace_s`` for its remaining streams to move (their chains
-issued again and replayed elsewhere) before Serve may kill it."""
+"""Time a stopping ingress or decode replica is given past the longest a call may run (``max_deadline_ms``, or
+``drain_grace_s`` if longer) before Serve may kill it: the moves after the grace, and the calls' own ends."""
 
 
 def _check_tenants(keys: dict[str, str]) -> dict[str, str]:
@@ -116,9 +116,10 @@ class ServerConfig(Strict):
     """How long the decode streams of a replica that is leaving (autoscaler scale-down, rolling update, node drain:
     Serve stops routing to it, then waits for its calls) may go on there before the ingress moves each one still
     running to a live replica of its deployment by migration (replayed, unseen by the client; one of
-    ``max_migrations``). Short streams finish where they are; a long one is not cut when Serve's graceful timeout
-    ends — the deployment's ``graceful_shutdown_timeout_s`` is this plus :data:`DRAIN_MOVE_S`. With no live replica to
-    move to yet, the stream stays until one answers (or its replica exits: then it migrates as a lost one would)."""
+    ``max_migrations``). Short streams finish where they are; a stream that cannot move (``n`` > 1, migrations
+    spent) runs on there to its end — Serve gives a stopping decode replica ``max_deadline_ms`` plus
+    :data:`DRAIN_MOVE_S`, and stops it as soon as its last call ended. With no live replica to move to yet, the stream
+    stays until one answers (or its replica exits: then it migrates as a lost one would)."""
 
     @property
     def json_structure_limit(self) -> int:

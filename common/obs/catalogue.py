@@ -33,8 +33,8 @@ class MetricSpec:
     in_replica: bool = True
     """Recorded inside Serve replicas (which add :data:`SERVE_TAGS`); ``False`` for the controller's autoscaler."""
     on_failure: bool = False
-    """Recorded only when a replica fails under a request (a Ray counter cannot be set to 0), so a healthy run never
-    exports it; the test that causes the failure checks it instead."""
+    """Recorded only when a replica fails under a request, or leaves (a Ray counter cannot be set to 0), so a steady
+    run never exports it; the test that causes the event checks it instead."""
 
     @property
     def exported(self) -> str:
@@ -146,11 +146,13 @@ METRICS: tuple[MetricSpec, ...] = (
         ("outcome",),
         on_failure=True,
     ),
-    _c(
+    MetricSpec(
         "prism_replicas_left_total",
-        "Replicas an ingress replica saw leave the routing set of a deployment it calls (autoscaler scale-down, "
+        "counter",
+        "Decode replicas an ingress replica saw leave the routing set of their deployment (autoscaler scale-down, "
         "rolling update, node drain), by that deployment; the streams it then moved off them are migrations.",
-        "from_deployment",
+        ("from_deployment",),
+        on_failure=True,
     ),
     # ---- caches -------------------------------------------------------------------------------------------------
     _c(

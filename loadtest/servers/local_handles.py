@@ -40,10 +40,13 @@ class LocalStream:
     async def __anext__(self) -> Any:
         if self._cancelled:
             raise RequestCancelledError("the stream was cancelled")
-        if self._gen is None:
-            self._gen = self.method(*(await _resolve(self.args)))
         self._reading = asyncio.current_task()
         try:
+            if self._gen is None:
+                args = await _resolve(self.args)
+                if self._cancelled:  # (cancelled as its arguments arrived: the method never starts)
+                    raise RequestCancelledError("the stream was cancelled")
+                self._gen = self.method(*args)
             return await self._gen.__anext__()
         except asyncio.CancelledError:
             if not self._cancelled or self._reading is None:

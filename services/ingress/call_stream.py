@@ -25,24 +25,29 @@ one still running off it (:meth:`Call.move`) and :meth:`CallStream.tokens` migra
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentResponseGenerator
 
-from common.errors import DeadlineExceeded, HandoffError, PrismError
+from common.errors import DeadlineExceeded, HandoffError, Overloaded, PrismError
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
 from common.protocol.handoff import RequestContext, StreamAbort, StreamToken, TokenLogprob
 from common.protocol.openai import ChatCompletionRequest
 from common.protocol.sampling import SamplingParams
-from services.ingress.chain import Issue
+from services.ingress.chain import Issue, Started
 from services.ingress.failures import CANCELLED, REPLICA_LOST, ReplicaLeft
 from services.ingress.leaving import LeavingWatch
 from services.ingress.plan import AdmittedRequest
 from services.ingress.responses import cancel_chain, next_event
+
+REISSUE_WAIT_S = 1.0
+"""The longest a migration waits before asking again a stage that refused its chain for a full queue."""
 
 
 @dataclass(kw_only=True)
@@ -206,7 +211,7 @@ class CallStream:
         cancel_chain(call.chain)  # whatever of the lost attempt still runs (a replica merely unreachable frees its KV)
         moving = _Migration(time.time(), len(sent), type(lost).__name__)
         try:
-            started = await call.reissue(sent)
+            started = await _reissue(call, sent)
             if list(started.first.prompt_token_ids) != call.prompt_ids:
                 cancel_chain(started.responses)
                 raise HandoffError("a migrated stream's prompt differs from the original attempt's")
@@ -217,6 +222,7 @@ class CallStream:
             raise
         call.chain, call.stream, call.ctx = started.responses, started.stream, started.ctx
         call.decode_replica, call.leaving = started.first.replica, None
+        self.leaving.watch(call)  # (its new replica may be leaving too)
         if started.ctx.decode_replica is not None:
             call.trace.route("decode", started.ctx.reservation, started.ctx.decode_replica)
         return moving
@@ -228,10 +234,26 @@ class CallStream:
         self._count(outcome)
 
 
+async def _reissue(call: Call, sent: tuple[int, ...]) -> Started:
+    """The call's chain again, replaying ``sent``; a stage that refuses it for a full queue (429) is asked again after
+    its ``Retry-After`` (at most :data:`REISSUE_WAIT_S`) until the deadline: the client's stream has started, and a
+    pause is better than an error."""
+    while True:
+        try:
+            return await call.reissue(sent)  # type: ignore[misc]
+        except (Overloaded, BackPressureError) as exc:
+            asked = getattr(exc, "retry_after_s", None) or REISSUE_WAIT_S
+            wait = min(asked, REISSUE_WAIT_S) * (0.5 + random.random())
+            if time.time() + wait >= call.ctx.deadline:
+                raise
+            await asyncio.sleep(wait)
+
+
 def _left(call: Call, exc: BaseException) -> ReplicaLeft | None:
-    """The move behind ``exc``, if that is what it is: the cancellation of a stream the watch took off its leaving
-    replica (:meth:`Call.move`) — not the caller going away (this task cancelled)."""
-    if call.leaving is None or not isinstance(exc, CANCELLED):
+    """The move behind ``exc``, if that is what it is: the end of a stream the watch took off its leaving replica
+    (:meth:`Call.move`; Serve's cancellation error, or whatever else ended it then) — not the caller going away
+    (this task cancelled), nor the request's deadline."""
+    if call.leaving is None or isinstance(exc, DeadlineExceeded):
         return None
     task = asyncio.current_task()
     if task is not None and task.cancelling():

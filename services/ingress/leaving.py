@@ -6,14 +6,14 @@ sets (:mod:`services.routers.replica_sets`); this watch listens.
 
 Lifecycle: :class:`~services.ingress.call_stream.CallStream` registers each call it reads (:meth:`LeavingWatch.watch`)
 until the call closes (:meth:`LeavingWatch.forget`); a call knows the decode replica its stream comes from (the
-stream's start says so). When a replica leaves a deployment's set while a watched call streams from it, a *drain* of
-that replica starts on the ingress's loop: the call is given ``server.drain_grace_s`` to finish where it is (short
-streams do), then every one still running that can move (see ``movable``) is moved: :meth:`Call.move` marks it and
-cancels its stream — the leaving replica frees the sequence's KV at once — and ``CallStream.tokens`` takes the
-cancellation for what it is (:class:`~services.ingress.failures.ReplicaLeft`) and migrates the call as it would a lost
-replica's: the chain issued again on a live replica, the tokens sent replayed, nothing seen by the client. The
-deployment's ``graceful_shutdown_timeout_s`` leaves :data:`common.config.server.DRAIN_MOVE_S` for that
-(:mod:`services.app`).
+stream's start says so). When a replica leaves a deployment's set while a watched call streams from it — or a call's
+stream starts on a replica that already left — a *drain* of that replica starts on the ingress's loop: the call is
+given ``server.drain_grace_s`` to finish where it is (short streams do), then every one still running that can move
+(see ``movable``) is moved: :meth:`Call.move` marks it and cancels its stream — the leaving replica frees the
+sequence's KV at once — and ``CallStream.tokens`` takes the cancellation for what it is
+(:class:`~services.ingress.failures.ReplicaLeft`) and migrates the call as it would a lost replica's: the chain issued
+again on a live replica (a refusal for a full queue waited out until the deadline), the tokens sent replayed, nothing
+seen by the client. The deployment's ``graceful_shutdown_timeout_s`` leaves time for that (:mod:`services.app`).
 
 Where the deployment has no live replica to move to yet (an update that stops a one-replica stage before starting
 its replacement), the calls stay where they run and the drain looks again every :data:`POLL_S`, until a replica is
@@ -74,6 +74,10 @@ class LeavingWatch:
         self._loop = asyncio.get_running_loop()
         self._calls[id(call)] = call
         call.watch = self
+        deployment, replica = self.deployment, call.decode_replica
+        if deployment is not None and replica is not None and replica_sets.known(deployment):
+            if replica not in replica_sets.present(deployment):  # (its stream started after the replica left)
+                self._start(deployment, frozenset({replica}), count=False)
 
     def forget(self, call: Call) -> None:
         self._calls.pop(id(call), None)
@@ -83,12 +87,16 @@ class LeavingWatch:
         loop = self._loop
         if self.deployment not in (None, deployment):
             return
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._start, deployment, left)
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._start, deployment, left)
+            except RuntimeError:  # the loop closed: nothing left to move
+                pass
 
-    def _start(self, deployment: str, left: frozenset[str]) -> None:
+    def _start(self, deployment: str, left: frozenset[str], count: bool = True) -> None:
         for replica in left:
-            self._count_left(deployment.rpartition("/")[2])
+            if count:
+                self._count_left(deployment.rpartition("/")[2])
             if replica not in self._drains and self._on(replica):
                 self._drains[replica] = asyncio.get_running_loop().create_task(self._drain(deployment, replica))
 

@@ -18,10 +18,13 @@ router's thread and must hand over to their own loop.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
+
+log = logging.getLogger("prism.ingress")
 
 Listener = Callable[[str, frozenset[str]], None]
 """Called with a deployment and the replicas that just left it."""
@@ -46,7 +49,22 @@ def update(router: int, deployment: str, replicas: Iterable[str]) -> None:
     if left:
         for listener in listeners:
             if listener is not None:
-                listener(deployment, left)
+                try:
+                    listener(deployment, left)
+                except Exception:  # (never into Serve's replica update, which would skip its own work)
+                    log.exception("a listener failed on replicas leaving %s", deployment)
+
+
+def forget(router: int, deployment: str) -> None:
+    """``router`` is gone: its set no longer keeps replicas present."""
+    with _lock:
+        _sets.get(deployment, {}).pop(router, None)
+
+
+def known(deployment: str) -> bool:
+    """Whether some router of ``deployment`` in this process reported a set."""
+    with _lock:
+        return bool(_sets.get(deployment))
 
 
 def present(deployment: str) -> frozenset[str]:
@@ -73,4 +91,8 @@ class ReportsReplicas:
 
     def update_replicas(self, replicas: list[Any]) -> None:
         super().update_replicas(replicas)  # type: ignore[misc]
-        update(id(self), deployment_key(self), [r.replica_id.unique_id for r in replicas])
+        deployment = deployment_key(self)
+        if not getattr(self, "_reports", False):  # (once: a router gone takes its set with it)
+            self._reports = True
+            weakref.finalize(self, forget, id(self), deployment)
+        update(id(self), deployment, [r.replica_id.unique_id for r in replicas])

@@ -208,7 +208,8 @@ def test_metrics_follow_the_traffic_and_every_declared_metric_is_exported(client
     assert total(samples, "ray_prism_requests_total", **ok) == before_ok + 4
     assert total(samples, "ray_prism_requests_total", **bad) == before_bad + 1
     names = {n for n, _, _ in samples}
-    # (metrics of replica failures are checked by the tests that cause one: tests/e2e/test_two_replicas.py)
+    # (metrics of replica failures and departures are checked by the tests that cause one: test_two_replicas.py,
+    # tests/defaults/test_operator_tools.py)
     missing = [m.name for m in METRICS if m.in_replica and not m.on_failure and not set(m.series_names) <= names]
     assert not missing, f"declared but not exported: {missing}"
     # plausible values: per-stage series exist for every stage, histograms counted the requests

@@ -13,6 +13,8 @@ import base64
 import os
 import random
 import signal
+import threading
+import time
 from collections import Counter
 
 import httpx
@@ -44,9 +46,12 @@ def affinity(prism_server):
     one, two = {"num_cpus": 0.05}, {"num_cpus": 0.05, "min_replicas": 2, "max_replicas": 2}
     deployments = {"ingress": {**config["deployments"]["ingress"], **one}, "media": one}
     cfg["deployments"] = {**deployments, "encode": two, "prefill": two, "decode": two}
+    # a leaving decode replica's streams move at once (the rolling update's test: the tiny model's streams are shorter
+    # than the default grace)
+    cfg["server"] = {**cfg.get("server", {}), "drain_grace_s": 0.0}
     serve.run(build_app({"config": cfg}), name=APP, route_prefix="/affinity")
     with httpx.Client(timeout=60) as http:
-        yield f"{base}/affinity", http, config
+        yield f"{base}/affinity", http, {**config, "_app": cfg}
     serve.delete(APP)
 
 
@@ -146,6 +151,70 @@ def test_each_request_decodes_on_the_replica_that_reserved_its_kv(affinity):
         assert route["outcome"] in ("reserved", "waited") and transfer["attrs"]["replica"] == route["replica"], trace
         reserved[route["replica"]] += 1
     assert len(reserved) == 2, reserved  # (24 requests, each to one of 2 replicas at random: both, all but surely)
+
+
+def _streams(base: str, stop: threading.Event, results: list[dict], client: int) -> None:
+    """Greedy streams one after another until ``stop``: each one's finish reason, tokens and migrations."""
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    n = 0
+    while not stop.is_set():
+        n += 1
+        out = {"finish": None, "tokens": 0, "migrations": [], "error": None}
+        try:
+            for chunk in oai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"Tell me story number {client}-{n}, a long one."}],
+                max_tokens=256,
+                temperature=0,
+                stream=True,
+                extra_headers={"X-Prism-Trace": "1"},
+            ):
+                for choice in chunk.choices:
+                    out["finish"] = choice.finish_reason or out["finish"]
+                    out["tokens"] += 1 if choice.delta.content else 0
+                trace = (chunk.model_extra or {}).get("prism_trace")
+                if trace:
+                    out["migrations"] = trace.get("migrations", [])
+        except Exception as exc:  # (recorded: the test says which)
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        results.append(out)
+
+
+def test_a_rolling_update_moves_the_streams_of_the_decode_replicas_it_stops(affinity):
+    """The application deployed again under a streaming load: Serve replaces every replica (the new one first), and
+    each old decode replica leaves its routers' sets while streams run on it; the ingress moves them (this app's
+    ``drain_grace_s`` is 0) to a live replica — every stream ends with its finish reason, at least one moved, its
+    replay exact, and no KV is held afterwards."""
+    from ray import serve
+
+    from services.app import build_app
+
+    base, _, config = affinity
+    before = set(decode_stats(APP))
+    stop, results = threading.Event(), []
+    clients = [threading.Thread(target=_streams, args=(base, stop, results, i), daemon=True) for i in range(3)]
+    for t in clients:
+        t.start()
+    try:
+        time.sleep(2)
+        serve.run(build_app({"config": config["_app"]}), name=APP, route_prefix="/affinity")
+        deadline = time.time() + 120
+        while time.time() < deadline and set(decode_stats(APP, timeout=10)) & before:
+            time.sleep(1)  # (until the old decode replicas are gone)
+        time.sleep(1)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(90)
+    failed = [r for r in results if r["error"] or not r["finish"]]
+    moved = [m for r in results for m in r["migrations"]]
+    print(f"[rolling, 2 replicas] {len(results)} streams, moved: {moved}")
+    assert len(results) >= 6 and not failed, failed
+    assert any(m["cause"] == "ReplicaLeft" and m["outcome"] == "resumed" for m in moved), moved
+    seen = decode_stats(APP)
+    assert len(seen) == 2 and not set(seen) & before, seen
+    assert all(s["kv_blocks_used"] == 0 and s["running"] == 0 and s["reserved"] == 0 for s in seen.values()), seen
+    assert all(s["replay_mismatches"] == 0 for s in seen.values()), seen
 
 
 @pytest.fixture(scope="module")

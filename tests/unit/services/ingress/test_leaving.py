@@ -167,3 +167,45 @@ def test_choices_are_not_moved(leaving):
     got = asyncio.run(scenario())
     assert got.status_code == 200 and _moves(got) == [] and client.streams.leaving.moved == 0
     _nothing_held(decode)
+
+
+def test_a_stream_that_starts_on_a_replica_already_gone_is_moved_too(leaving):
+    """The ``generate`` was on its way when its replica left: its stream starts there after the departure was heard,
+    and is drained like the others."""
+    app, client, decode, deployment = leaving
+    client.streams.leaving.deployment = deployment  # (as the ingress names its decode deployment)
+    replica_sets.update(1, deployment, ["r2"])  # r1 left before the stream started
+
+    async def scenario():
+        task = await _streaming(app, client)
+        decode.replica_id = "r2"
+        return await task
+
+    got = asyncio.run(scenario())
+    assert got.status_code == 200 and _moves(got) == [("ReplicaLeft", "resumed")]
+    _nothing_held(decode)
+
+
+def test_a_move_refused_for_a_full_queue_waits_and_asks_again(monkeypatch):
+    """A stage at capacity answers a moved stream's chain with 429: the migration waits its Retry-After and asks
+    again until the deadline, rather than ending a started stream with an error."""
+    import time
+    from types import SimpleNamespace
+
+    from common.errors import Overloaded
+    from services.ingress import call_stream
+
+    answers = [Overloaded("full", retry_after_s=0.01), Overloaded("full", retry_after_s=0.01), "started"]
+
+    async def reissue(sent):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    call = SimpleNamespace(reissue=reissue, ctx=SimpleNamespace(deadline=time.time() + 5))
+    assert asyncio.run(call_stream._reissue(call, (1, 2))) == "started" and not answers
+    call.ctx.deadline = time.time() + 0.001
+    answers[:] = [Overloaded("full", retry_after_s=0.5)]
+    with pytest.raises(Overloaded):  # (no time left to wait: the refusal stands)
+        asyncio.run(call_stream._reissue(call, ()))

@@ -4,6 +4,7 @@ routes to it, listeners hear of it (and only of it) then, and a listener goes wi
 from __future__ import annotations
 
 import gc
+import weakref
 
 from ray.serve.request_router import RequestRouter
 
@@ -37,13 +38,41 @@ def test_a_replica_leaves_once_no_router_of_its_deployment_has_it():
     assert ear.heard[-1] == ("app-t1/Other", frozenset({"x"})) and replica_sets.present("app-t1/Other") == frozenset()
 
 
-def test_a_listener_is_held_weakly():
+def test_a_listener_is_held_weakly_and_cannot_fail_the_update():
     ear = _Ear()
     replica_sets.listen(ear.hear)
+    gone = weakref.ref(ear)
     del ear
     gc.collect()
+    assert gone() is None, "the registry does not keep its listeners alive"
+
+    class _Failing:
+        def hear(self, deployment, left):
+            raise RuntimeError("the loop closed")
+
+    failing, after = _Failing(), _Ear()
+    replica_sets.listen(failing.hear)
+    replica_sets.listen(after.hear)
     replica_sets.update(1, "app-t2/Decode", ["a"])
-    replica_sets.update(1, "app-t2/Decode", [])  # (a dead listener is skipped, not called)
+    replica_sets.update(1, "app-t2/Decode", [])  # (Serve's router called this: it must not raise)
+    assert after.heard == [("app-t2/Decode", frozenset({"a"}))]
+
+
+def test_a_router_gone_takes_its_set_with_it():
+    class _Base:
+        def update_replicas(self, replicas):
+            pass
+
+    class _Router(ReportsReplicas, _Base):
+        _deployment_id = type("Dep", (), {"app_name": "app-t4", "name": "Decode"})()
+
+    replica = type("R", (), {"replica_id": type("Id", (), {"unique_id": "r9"})()})()
+    router = _Router()
+    router.update_replicas([replica])
+    assert replica_sets.known("app-t4/Decode") and replica_sets.present("app-t4/Decode") == {"r9"}
+    del router
+    gc.collect()
+    assert replica_sets.present("app-t4/Decode") == frozenset()
 
 
 def test_prism_routers_report_their_sets():
