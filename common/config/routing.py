@@ -13,7 +13,9 @@ class RoutingConfig(Strict):
 
     affinity: bool = True
     """Send a media item's encode call, and a prompt's prefill call, to the replica whose cache holds them (bounded
-    by load); off: Serve's default power-of-two-choices router."""
+    by load); off: Serve's default power-of-two-choices router — for a group that ends with decode, Prism's decode
+    router, which picks the same way (two at random, the shorter queue; not first-come-first-served, no locality
+    preference) and reports its replica set, so that the ingress sees a replica leave."""
     load_factor: float = Field(default=1.25, ge=1.0, le=10.0)
     """The most a replica may carry, as a multiple of the stage's average (requests in flight, and a new key's
     share of recent requests), before work meant for it goes to another replica."""

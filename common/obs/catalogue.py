@@ -150,7 +150,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "prism_replicas_left_total",
         "counter",
         "Decode replicas an ingress replica saw leave the routing set of their deployment (autoscaler scale-down, "
-        "rolling update, node drain), by that deployment; the streams it then moved off them are migrations.",
+        "rolling update, node drain; a replica that died leaves it too), by that deployment, counted from its first "
+        "stream on; the streams it then moved off them are migrations.",
         ("from_deployment",),
         on_failure=True,
     ),
