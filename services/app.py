@@ -12,8 +12,8 @@ its KV reservation (:mod:`services.routers.pinned`). Each deployment gets its ow
 — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth.
 The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``). Rolling updates start each
 replacement before the replica it replaces stops (``max_surge_percent``); a stopping ingress or decode replica is
-given as long as its calls may run (``_stopping_s``), the decode streams that can move being moved after
-``server.drain_grace_s`` (:mod:`services.ingress.leaving`).
+given the drain grace and time to move its streams (``_stopping_s``; the decode streams that can move are moved after
+``server.drain_grace_s``: :mod:`services.ingress.leaving`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 
 from common.config import PrismConfig, RoutingConfig, StageConfig, deployment_suffix
-from common.config.server import DRAIN_MOVE_S
+from common.config.server import DRAIN_MOVE_S, SERVE_GRACEFUL_S
 from common.config.topology import Group, group_name, groups
 from services.ingress.server import IngressApp
 from services.routers.affinity import AffinityRouter
@@ -102,11 +102,11 @@ def _options(name: str, stage: StageConfig, retry_after_s: int) -> dict[str, Any
 
 
 def _stopping_s(cfg: PrismConfig) -> float:
-    """How long Serve waits for a stopping ingress or decode replica's calls before it kills it: as long as any may
-    run. The ingress's calls are the clients' own streams, which cannot move; a decode replica's streams move after
-    ``server.drain_grace_s`` (:mod:`services.ingress.leaving`), but not all can (``n`` > 1, migrations spent), and
-    every call ends by its deadline — so a replica stops as soon as its last call ended, and none is cut."""
-    return max(cfg.server.max_deadline_ms / 1000, cfg.server.drain_grace_s) + DRAIN_MOVE_S
+    """How long Serve waits for a stopping ingress or decode replica's calls before it kills it: the drain grace, time
+    for the moves after it, and never less than Serve's own default. Not longer: on a node being drained, Serve stops a
+    replica at once — before its replacement runs elsewhere — when its graceful timeout would not end before the
+    node's deadline (the chart's ``drain.graceSeconds``)."""
+    return max(SERVE_GRACEFUL_S, cfg.server.drain_grace_s + DRAIN_MOVE_S)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -13,8 +13,10 @@ from common.config.base import Strict
 
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DRAIN_MOVE_S = 10.0
-"""Time a stopping ingress or decode replica is given past the longest a call may run (``max_deadline_ms``, or
-``drain_grace_s`` if longer) before Serve may kill it: the moves after the grace, and the calls' own ends."""
+"""Time a stopping decode replica is given past ``drain_grace_s`` for its remaining streams to move (their chains
+issued again and replayed elsewhere) before Serve may kill it."""
+SERVE_GRACEFUL_S = 20.0
+"""Serve's own ``graceful_shutdown_timeout_s``: a stopping ingress or decode replica never gets less."""
 
 
 def _check_tenants(keys: dict[str, str]) -> dict[str, str]:
@@ -116,10 +118,10 @@ class ServerConfig(Strict):
     """How long the decode streams of a replica that is leaving (autoscaler scale-down, rolling update, node drain:
     Serve stops routing to it, then waits for its calls) may go on there before the ingress moves each one still
     running to a live replica of its deployment by migration (replayed, unseen by the client; one of
-    ``max_migrations``). Short streams finish where they are; a stream that cannot move (``n`` > 1, migrations
-    spent) runs on there to its end — Serve gives a stopping decode replica ``max_deadline_ms`` plus
-    :data:`DRAIN_MOVE_S`, and stops it as soon as its last call ended. With no live replica to move to yet, the stream
-    stays until one answers (or its replica exits: then it migrates as a lost one would)."""
+    ``max_migrations``). Short streams finish where they are; a stopping ingress or decode replica is given this plus
+    :data:`DRAIN_MOVE_S` (at least Serve's 20 s) before Serve may kill it — a stream that cannot move (``n`` > 1,
+    migrations spent) and runs longer is cut then. With no live replica to move to yet, the stream stays until one
+    answers (or its replica exits: then it migrates as a lost one would)."""
 
     @property
     def json_structure_limit(self) -> int:
