@@ -25,7 +25,6 @@ one still running off it (:meth:`Call.move`) and :meth:`CallStream.tokens` migra
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -40,14 +39,16 @@ from common.obs.request_trace import RequestTrace
 from common.protocol.handoff import RequestContext, StreamAbort, StreamToken, TokenLogprob
 from common.protocol.openai import ChatCompletionRequest
 from common.protocol.sampling import SamplingParams
-from services.ingress.chain import Issue, Started
+from services.ingress.chain import Issue
 from services.ingress.failures import CANCELLED, REPLICA_LOST, ReplicaLeft
 from services.ingress.leaving import LeavingWatch
 from services.ingress.plan import AdmittedRequest
 from services.ingress.responses import cancel_chain, next_event
+from services.ingress.retry import with_retries
 
 REISSUE_WAIT_S = 1.0
-"""The longest a migration waits before asking again a stage that refused its chain for a full queue."""
+"""The longest a migration waits (jittered exponential backoff from 0.1 s) before asking again a stage that refused its
+chain for a full queue."""
 
 
 @dataclass(kw_only=True)
@@ -211,7 +212,15 @@ class CallStream:
         cancel_chain(call.chain)  # whatever of the lost attempt still runs (a replica merely unreachable frees its KV)
         moving = _Migration(time.time(), len(sent), type(lost).__name__)
         try:
-            started = await _reissue(call, sent)
+            # (a stage that refuses the chain for a full queue is asked again until the deadline: the client's stream
+            # has started, and a pause is better than an error)
+            started = await with_retries(
+                lambda: call.reissue(sent),  # type: ignore[misc]
+                call.ctx.deadline,
+                (Overloaded, BackPressureError),
+                max_attempts=None,
+                max_delay_s=REISSUE_WAIT_S,
+            )
             if list(started.first.prompt_token_ids) != call.prompt_ids:
                 cancel_chain(started.responses)
                 raise HandoffError("a migrated stream's prompt differs from the original attempt's")
@@ -232,21 +241,6 @@ class CallStream:
         time covers the chain, the replay and the lease wait), ``failed`` if it ended before that."""
         call.trace.migrated(moving.after_tokens, time.time() - moving.started, moving.cause, outcome)
         self._count(outcome)
-
-
-async def _reissue(call: Call, sent: tuple[int, ...]) -> Started:
-    """The call's chain again, replaying ``sent``; a stage that refuses it for a full queue (429) is asked again after
-    its ``Retry-After`` (at most :data:`REISSUE_WAIT_S`) until the deadline: the client's stream has started, and a
-    pause is better than an error."""
-    while True:
-        try:
-            return await call.reissue(sent)  # type: ignore[misc]
-        except (Overloaded, BackPressureError) as exc:
-            asked = getattr(exc, "retry_after_s", None) or REISSUE_WAIT_S
-            wait = min(asked, REISSUE_WAIT_S) * (0.5 + random.random())
-            if time.time() + wait >= call.ctx.deadline:
-                raise
-            await asyncio.sleep(wait)
 
 
 def _left(call: Call, exc: BaseException) -> ReplicaLeft | None:

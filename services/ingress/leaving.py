@@ -75,9 +75,8 @@ class LeavingWatch:
         self._calls[id(call)] = call
         call.watch = self
         deployment, replica = self.deployment, call.decode_replica
-        if deployment is not None and replica is not None and replica_sets.known(deployment):
-            if replica not in replica_sets.present(deployment):  # (its stream started after the replica left)
-                self._start(deployment, frozenset({replica}), count=False)
+        if deployment is not None and replica is not None and replica_sets.gone(deployment, replica):
+            self._start(deployment, frozenset({replica}), count=False)  # (its stream started after the replica left)
 
     def forget(self, call: Call) -> None:
         self._calls.pop(id(call), None)

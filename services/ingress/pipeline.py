@@ -34,7 +34,7 @@ from services.ingress.call_stream import Call, CallStream
 from services.ingress.chain import Chain, Started
 from services.ingress.plan import RequestHeaders, admit, plan
 from services.ingress.responses import cancel_chain
-from services.routers import route_log
+from services.routers import replica_sets, route_log
 from services.stages.threads import compile_guide
 
 
@@ -54,7 +54,8 @@ class PipelineClient:
         self.recorder = recorder or AdmissionRecorder(metrics, "ingress")
         self.metrics = metrics
         server, decode = cfg.server, chain.of["decode"]
-        deployment = f"{decode.app_name}/{decode.deployment_name}" if hasattr(decode, "deployment_name") else None
+        named = hasattr(decode, "deployment_name")  # (not the in-process harness's handles)
+        deployment = replica_sets.key(decode.app_name, decode.deployment_name) if named else None
         self.streams = CallStream(
             server.max_migrations, self._count_migration, server.drain_grace_s, deployment, self._count_left
         )

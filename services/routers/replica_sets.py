@@ -61,10 +61,10 @@ def forget(router: int, deployment: str) -> None:
         _sets.get(deployment, {}).pop(router, None)
 
 
-def known(deployment: str) -> bool:
-    """Whether some router of ``deployment`` in this process reported a set."""
+def gone(deployment: str, replica: str) -> bool:
+    """Whether ``replica`` left ``deployment``: some router of it in this process reported a set, and none has it."""
     with _lock:
-        return bool(_sets.get(deployment))
+        return bool(_sets.get(deployment)) and replica not in _present(deployment)
 
 
 def present(deployment: str) -> frozenset[str]:
@@ -80,10 +80,15 @@ def listen(method: Listener) -> None:
         _listeners.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
 
 
+def key(app: str, deployment: str) -> str:
+    """The name a deployment is reported under (``app/deployment``)."""
+    return f"{app}/{deployment}"
+
+
 def deployment_key(router: Any) -> str:
-    """The name a router's deployment is reported under (``app/deployment``)."""
+    """The name a router's deployment is reported under (:func:`key`)."""
     dep = getattr(router, "_deployment_id", None)
-    return f"{getattr(dep, 'app_name', '')}/{getattr(dep, 'name', '')}"
+    return key(getattr(dep, "app_name", ""), getattr(dep, "name", ""))
 
 
 class ReportsReplicas:

@@ -12,6 +12,7 @@ import pytest
 
 from common.kv.transport.fake import FakeTransport
 from loadtest.servers.monolith import build
+from services.ingress.failures import ReplicaLeft
 from services.routers import replica_sets
 from tests.unit.services.ingress.test_inprocess_pipeline import BODY, _ask, _Counted, _nothing_held, _stream_tokens
 
@@ -186,26 +187,42 @@ def test_a_stream_that_starts_on_a_replica_already_gone_is_moved_too(leaving):
     _nothing_held(decode)
 
 
-def test_a_move_refused_for_a_full_queue_waits_and_asks_again(monkeypatch):
-    """A stage at capacity answers a moved stream's chain with 429: the migration waits its Retry-After and asks
-    again until the deadline, rather than ending a started stream with an error."""
+def test_a_move_refused_for_a_full_queue_waits_and_asks_again():
+    """A stage at capacity answers a moved stream's chain with 429 (more times than a chain's own retries allow): the
+    migration waits and asks again until the deadline, rather than ending a started stream with an error; with no time
+    left to wait, the refusal stands."""
     import time
     from types import SimpleNamespace
 
     from common.errors import Overloaded
-    from services.ingress import call_stream
+    from services.ingress.call_stream import CallStream
 
-    answers = [Overloaded("full", retry_after_s=0.01), Overloaded("full", retry_after_s=0.01), "started"]
+    full = [Overloaded("full", retry_after_s=0.01) for _ in range(4)]
+    answers: list = [*full, "started"]
+    first = SimpleNamespace(prompt_token_ids=(1, 2), replica="r2")
+    started = SimpleNamespace(
+        responses=["stream"], stream="stream", ctx=SimpleNamespace(decode_replica=None), first=first
+    )
 
     async def reissue(sent):
         answer = answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
-        return answer
+        return started
 
-    call = SimpleNamespace(reissue=reissue, ctx=SimpleNamespace(deadline=time.time() + 5))
-    assert asyncio.run(call_stream._reissue(call, (1, 2))) == "started" and not answers
-    call.ctx.deadline = time.time() + 0.001
+    class _Call(SimpleNamespace):  # (the watch holds calls weakly)
+        pass
+
+    def call(deadline: float) -> SimpleNamespace:
+        return _Call(
+            reissue=reissue, ctx=SimpleNamespace(deadline=deadline), migrations=0, sampling=SimpleNamespace(n=1),
+            chain=[], prompt_ids=[1, 2], trace=SimpleNamespace(migrated=lambda *a: None), leaving="r1",
+        )  # fmt: skip
+
+    streams = CallStream(2, lambda outcome: None)
+    moved = call(time.time() + 30)
+    asyncio.run(streams._migrate(moved, (5,), ReplicaLeft("r1 left")))
+    assert not answers and moved.stream == "stream" and (moved.decode_replica, moved.leaving) == ("r2", None)
     answers[:] = [Overloaded("full", retry_after_s=0.5)]
-    with pytest.raises(Overloaded):  # (no time left to wait: the refusal stands)
-        asyncio.run(call_stream._reissue(call, ()))
+    with pytest.raises(Overloaded):  # (no time left to wait)
+        asyncio.run(streams._migrate(call(time.time() + 0.001), (), ReplicaLeft("r1 left")))

@@ -69,3 +69,27 @@ def test_no_retry_that_would_end_past_the_deadline():
     with pytest.raises(Lost):
         _run(with_retries(lost, time.time() + 0.01, (Lost,), max_attempts=5, base_delay_s=0.5))
     assert len(calls) == 1
+
+
+def test_without_an_attempt_bound_it_retries_until_the_deadline():
+    """``max_attempts=None`` (a migration refused for a full queue): more than the default three attempts, and it
+    stops only where the next backoff would end past the deadline."""
+    failures = iter(range(6))
+    slept: list[float] = []
+
+    async def attempt():
+        if next(failures, None) is not None:
+            raise Lost()
+        return "done"
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+
+    got = with_retries(attempt, time.time() + 60, (Lost,), max_attempts=None, rng=random.Random(1), sleep=fake_sleep)
+    assert _run(got) == "done" and len(slept) == 6 and max(slept) <= 1.5
+
+    async def never():
+        raise Lost()
+
+    with pytest.raises(Lost):
+        _run(with_retries(never, time.time() + 0.3, (Lost,), max_attempts=None))

@@ -69,10 +69,13 @@ def test_a_router_gone_takes_its_set_with_it():
     replica = type("R", (), {"replica_id": type("Id", (), {"unique_id": "r9"})()})()
     router = _Router()
     router.update_replicas([replica])
-    assert replica_sets.known("app-t4/Decode") and replica_sets.present("app-t4/Decode") == {"r9"}
+    assert replica_sets.present("app-t4/Decode") == {"r9"} and not replica_sets.gone("app-t4/Decode", "r9")
+    assert replica_sets.gone("app-t4/Decode", "r8") and not replica_sets.gone("app-t5/Decode", "r9"), (
+        "unknown: not gone"
+    )
     del router
     gc.collect()
-    assert replica_sets.present("app-t4/Decode") == frozenset()
+    assert replica_sets.present("app-t4/Decode") == frozenset() and not replica_sets.gone("app-t4/Decode", "r9")
 
 
 def test_prism_routers_report_their_sets():
