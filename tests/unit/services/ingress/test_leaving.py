@@ -187,7 +187,7 @@ def test_a_stream_that_starts_on_a_replica_already_gone_is_moved_too(leaving):
     _nothing_held(decode)
 
 
-def test_a_move_refused_for_a_full_queue_waits_and_asks_again():
+def test_a_move_refused_for_a_full_queue_waits_and_asks_again(monkeypatch):
     """A stage at capacity answers a moved stream's chain with 429 (more times than a chain's own retries allow): the
     migration waits and asks again until the deadline, rather than ending a started stream with an error; with no time
     left to wait, the refusal stands."""
@@ -195,6 +195,7 @@ def test_a_move_refused_for_a_full_queue_waits_and_asks_again():
     from types import SimpleNamespace
 
     from common.errors import Overloaded
+    from services.ingress import call_stream
     from services.ingress.call_stream import CallStream
 
     full = [Overloaded("full", retry_after_s=0.01) for _ in range(4)]
@@ -223,6 +224,11 @@ def test_a_move_refused_for_a_full_queue_waits_and_asks_again():
     moved = call(time.time() + 30)
     asyncio.run(streams._migrate(moved, (5,), ReplicaLeft("r1 left")))
     assert not answers and moved.stream == "stream" and (moved.decode_replica, moved.leaving) == ("r2", None)
-    answers[:] = [Overloaded("full", retry_after_s=0.5)]
-    with pytest.raises(Overloaded):  # (no time left to wait)
-        asyncio.run(streams._migrate(call(time.time() + 0.001), (), ReplicaLeft("r1 left")))
+    # 20 ms left: the migration starts (its own clock held at that instant, however loaded the machine), the stage
+    # refuses, and no backoff (≥ 50 ms) ends before the deadline
+    now = time.time()
+    monkeypatch.setattr(call_stream, "time", SimpleNamespace(time=lambda: now))
+    answers[:] = [Overloaded("full", retry_after_s=0.5), "started"]
+    with pytest.raises(Overloaded):  # (no time left to wait: the refusal stands)
+        asyncio.run(streams._migrate(call(now + 0.02), (), ReplicaLeft("r1 left")))
+    assert answers == ["started"], "not asked again"
