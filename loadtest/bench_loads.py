@@ -9,7 +9,7 @@ from typing import Any
 from loadtest.bench_servers import KEY
 from loadtest.runner import RunSpec, plan, run
 from loadtest.stats import SLO, RequestRecord, outcome_counts, summarize
-from loadtest.sweep import MIN_REQUESTS, RAMP, keeps_up, run_seconds
+from loadtest.sweep import MIN_REQUESTS, RATES, past_peak, run_seconds
 from loadtest.workload import OutputLengths, Workload
 
 SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
@@ -21,10 +21,9 @@ SEEDS = {
     "tenant_flood": 31,
     "cache_cold": 41,
     "cache_hot": 51,
-    "ramp": 5_000,
     "sweep": 10_000,
 }
-"""Base seed of each load; a flood takes its base and the next two, the ramp and the sweep one per rate. A workload's
+"""Base seed of each load; a flood takes its base and the next two, the sweep one per rate. A workload's
 seed decides its images (:class:`loadtest.workload.Workload`), so loads that must start cold must never share one."""
 SEED_STRIDE = 1_000
 """Run ``i`` of a repeated figure uses its base + ``i`` × this: every run gets images of its own."""
@@ -114,24 +113,16 @@ def mixed(url: str, model: str, rate: float, duration: float, seed: int = 21) ->
 
 
 def sweep(
-    url: str, model: str, rates: list[float], duration: float, min_requests: int = MIN_REQUESTS
+    url: str, model: str, duration: float, min_requests: int = MIN_REQUESTS, rates: tuple[float, ...] = RATES
 ) -> dict[float, Run]:
-    """The mixed load at each rate (ascending), fresh images per run (the seeds are the same for every server)."""
-    return {
-        rate: mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=seed_of("sweep") + i)
-        for i, rate in enumerate(rates)
-    }
-
-
-def ramp(url: str, model: str, duration: float, min_requests: int = MIN_REQUESTS) -> list[tuple[float, float | None]]:
-    """(rate, SLO attainment) up the :data:`loadtest.sweep.RAMP` until the server stops keeping up."""
-    points = []
-    for i, rate in enumerate(RAMP):
-        summary, _ = mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=seed_of("ramp") + i)
-        points.append((rate, summary["slo_attainment"]))
-        if not keeps_up(summary["slo_attainment"]):
+    """The mixed load at each of ``rates`` (ascending) until the server is past its peak
+    (:func:`loadtest.sweep.past_peak`); fresh images per run, the same seed at a rate for every server."""
+    out: dict[float, Run] = {}
+    for i, rate in enumerate(rates):
+        out[rate] = mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=seed_of("sweep") + i)
+        if past_peak([(r, s["slo_attainment"], s["goodput_rps"]) for r, (s, _) in out.items()]):
             break
-    return points
+    return out
 
 
 def sweep_row(rate: float, run_: Run) -> dict[str, Any]:

@@ -2,12 +2,13 @@
 cores), and every load behind the serving figures run against it — returned raw, turned into figures by
 :mod:`loadtest.bench_results`.
 
-Order: the naive server (its capacity, found with a ramp of the mixed load, sets the goodput sweep's rates), Prism,
-Prism's cache-reach application (:mod:`loadtest.bench_cache`), the monolith. Within a session the runs of different
+Order: the naive server, Prism, Prism's cache-reach application (:mod:`loadtest.bench_cache`), the monolith. Within a session the runs of different
 figures are interleaved — run i of each, then run i + 1 — each with seeds, and so images, of its own
 (:data:`loadtest.bench_loads.SEEDS`): a slow spell of the machine lands on one run of several figures rather than on
 every run of one, and a cold cache stays cold. A ratio's run i pairs the two servers' i-th runs (not two runs at the
-same moment). Every server first answers a few warm-up requests, so first-request costs stay out of the figures.
+same moment). Every server — the naive one too — first answers a few warm-up requests, so first-request costs stay
+out of the figures. Each server's goodput sweep runs the same rates (:data:`loadtest.sweep.RATES`) until it is past its
+peak.
 """
 
 from __future__ import annotations
@@ -22,18 +23,8 @@ from loadtest import bench_servers as servers
 from loadtest.bench_loads import Flood, seed_of
 from loadtest.bench_settings import Settings
 from loadtest.stats import RequestRecord
-from loadtest.sweep import RAMP, capacity, sweep_rates
 
 Say = Callable[[str], None]
-
-
-@dataclass
-class NaiveRuns:
-    ramp: list[tuple[float, float | None]]
-    """The capacity ramp: (rate, SLO attainment)."""
-    rates: list[float]
-    """The goodput sweep's rates, around the naive server's capacity."""
-    sweep: dict[float, Any]
 
 
 @dataclass
@@ -47,6 +38,7 @@ class ServerRuns:
     tenants: list[Flood] = field(default_factory=list)
     """Tenant beta's text probes idle / under tenant alpha's flood."""
     sweep: dict[float, Any] = field(default_factory=dict)
+    """The goodput sweep: rate → (summary, records), the rates it ran (:func:`loadtest.bench_loads.sweep`)."""
     hops: dict[str, Any] = field(default_factory=dict)
     """The per-hop fixed costs from the server's traces (:mod:`loadtest.bench_hops`), measured first."""
 
@@ -55,12 +47,12 @@ def warm_up(url: str, model: str) -> None:
     loads.load(url, model, loads.medium("cold", seed_of("warm_up")), 1.0, 4.0, seed=seed_of("warm_up"))
 
 
-def naive_session(model: str, st: Settings, say: Say) -> NaiveRuns:
+def naive_session(model: str, st: Settings, say: Say) -> ServerRuns:
+    """The naive server runs the goodput sweep only (it has no traces, tenants or caches to measure)."""
     with servers.subprocess_server("loadtest.servers.naive", ["--model", model]) as url:
-        say("naive: its capacity (a ramp of mixed loads), then the sweep around it")
-        ramp = loads.ramp(url, model, st.duration, st.min_requests)
-        rates = sweep_rates(capacity(ramp) or RAMP[0])
-        return NaiveRuns(ramp, rates, loads.sweep(url, model, rates, st.duration, st.min_requests))
+        warm_up(url, model)
+        say("naive: the goodput sweep")
+        return ServerRuns(sweep=loads.sweep(url, model, st.duration, st.min_requests))
 
 
 def light(url: str, model: str, st: Settings, i: int) -> list[RequestRecord]:
@@ -68,7 +60,7 @@ def light(url: str, model: str, st: Settings, i: int) -> list[RequestRecord]:
     return loads.load(url, model, loads.medium("cold", s), 0.5, st.duration, seed=s)
 
 
-def prism_session(config: dict[str, Any], model: str, st: Settings, rates: list[float], say: Say) -> ServerRuns:
+def prism_session(config: dict[str, Any], model: str, st: Settings, say: Say) -> ServerRuns:
     out = ServerRuns()
     n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
     n_tenant = st.runs("tenant_ttft_p95_flood_vs_idle")
@@ -86,8 +78,8 @@ def prism_session(config: dict[str, Any], model: str, st: Settings, rates: list[
                 say(f"Prism, run {i + 1}: tenant beta's text probes idle / under tenant alpha's large-image flood")
                 keys = {"flood_key": servers.ALPHA, "probe_key": servers.BETA}
                 out.tenants.append(loads.flood(url, model, st.duration, seed_of("tenant_flood", i), **keys))
-        say(f"Prism: the goodput sweep at {rates} rps")
-        out.sweep = loads.sweep(url, model, rates, st.duration, st.min_requests)
+        say("Prism: the goodput sweep")
+        out.sweep = loads.sweep(url, model, st.duration, st.min_requests)
     return out
 
 
@@ -98,7 +90,7 @@ def cache_session(config: dict[str, Any], model: str, st: Settings, say: Say) ->
         return bench_cache.measure(url, model, st.runs("encoder_cache_hot_cold_ttft_ratio"), st.duration, say)
 
 
-def monolith_session(config: dict[str, Any], model: str, st: Settings, rates: list[float], say: Say) -> ServerRuns:
+def monolith_session(config: dict[str, Any], model: str, st: Settings, say: Say) -> ServerRuns:
     out = ServerRuns()
     n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
     with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
@@ -111,6 +103,6 @@ def monolith_session(config: dict[str, Any], model: str, st: Settings, rates: li
                 out.cold.append(light(url, model, st, i))
             if i < n_flood:
                 out.floods.append(loads.flood(url, model, st.duration, seed_of("flood", i)))
-        say(f"monolith: the goodput sweep at {rates} rps")
-        out.sweep = loads.sweep(url, model, rates, st.duration, st.min_requests)
+        say("monolith: the goodput sweep")
+        out.sweep = loads.sweep(url, model, st.duration, st.min_requests)
     return out

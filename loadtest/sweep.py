@@ -1,12 +1,14 @@
-"""Goodput against offered load: where a server falls over, and the rates to sweep around it.
+"""Goodput against offered load: where each server falls over, and how much it carries at most.
 
 A server *keeps up* at an offered rate while at least :data:`KEEP_UP` of the requests it was sent meet the SLOs
 (its SLO attainment — judged on the requests actually sent, since a Poisson run of a nominal rate sends more or fewer
-than rate × duration). Its **knee** is the first rate of an ascending sweep at which it no longer keeps up, and its
-**capacity** the last rate before the knee. ``make bench`` finds the naive server's capacity with a ramp
-(:data:`RAMP`), sweeps every server at multiples of it (:data:`MULTIPLIERS`), and compares goodputs at the naive
-server's knee — the first load it cannot carry — where a better server should still deliver. Each run lasts long
-enough to send about :data:`MIN_REQUESTS` requests (:func:`run_seconds`).
+than rate × duration). Its **knee** is the first rate of an ascending sweep at which it no longer keeps up, its
+**capacity** the last rate before the knee, and its **peak goodput** the most goodput it delivered at any swept rate
+(:func:`peak`). ``make bench`` sweeps every server over the same ascending :data:`RATES` — one step apart, fine enough
+to place both the capacity and the peak of servers of this size on these machines — and stops a server's sweep once it
+is past its peak (:func:`past_peak`: no longer keeping up, and delivering less than at an earlier rate; overload only
+loses more from there). Each run lasts long enough to send about :data:`MIN_REQUESTS` requests
+(:func:`run_seconds`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 KEEP_UP = 0.9
-RAMP = (0.25, 0.5, 1.0, 2.0, 4.0)
-"""Offered rates (requests/s) tried in order to find the naive server's capacity; the ramp stops at its knee."""
-MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
+RATES = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+"""The offered rates (requests/s) every server is swept at, ascending, until it is past its peak."""
 MIN_REQUESTS = 20
 
 
@@ -41,9 +42,19 @@ def capacity(points: Sequence[tuple[float, float | None]], fraction: float = KEE
     return kept[-1] if kept else None
 
 
-def sweep_rates(base: float, multipliers: Sequence[float] = MULTIPLIERS) -> list[float]:
-    """The rates to sweep every server at: multiples of the naive server's capacity (rounded to 0.01 rps)."""
-    return sorted({round(base * m, 2) for m in multipliers if base * m > 0})
+def peak(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """(rate, goodput) of the most goodput over ``points`` (rate, goodput) — the lowest such rate on a tie; ``None``
+    for no points."""
+    return max(sorted(points), key=lambda p: p[1]) if points else None
+
+
+def past_peak(points: Sequence[tuple[float, float | None, float]]) -> bool:
+    """Whether the last of ``points`` (rate, attainment, goodput; ascending) is past the server's peak: it no longer
+    keeps up and delivers less than an earlier rate did — higher rates would only show the collapse again."""
+    if len(points) < 2:
+        return False
+    *earlier, (_, attainment, goodput) = points
+    return not keeps_up(attainment) and goodput < max(g for _, _, g in earlier)
 
 
 def run_seconds(rate: float, duration: float, min_requests: int = MIN_REQUESTS) -> float:

@@ -4,8 +4,8 @@ once, from a process of its own — 100 idle chunked uploads without a key, 100 
 for images on a tarpit origin that accepts and never answers (each waits for the server's own fetch timeouts: ~40 s
 for all of them on the media stage's download threads), another tenant's (``tenant-b``) short text requests keep
 answering — their TTFT p95, measured at the client over the whole attack, within 3× its idle p95 (the first second's
-burst of ~400 connections shows in the reported maximum). Every hostile request gets its typed answer: a 4xx, but the
-tarpit's 504 ``media_fetch_timeout`` (the origin's failure, typed, retryable — kept to its own tenant so that the
+burst of ~400 connections shows in the reported maximum). Every hostile request gets its typed answer: a 4xx (the
+tarpit's flood may see 429s when the media stage's queue is full), but the tarpit's 504 ``media_fetch_timeout`` (the origin's failure, typed, retryable — kept to its own tenant so that the
 request log can be held to no other 5xx); no process restarts.
 
 ``PRISM_FRONT_DOOR_REPORT=<file>`` writes the measured figures (TTFTs, outcomes, RSS growth per process) as JSON.
@@ -282,7 +282,9 @@ def test_the_front_door_holds_under_a_mixed_hostile_load(served):
     assert figures["slowest_s"]["idle chunked, no key"] < 5
     assert {s for s, _, _ in results["slow uploads, key"]} == {408}, figures["outcomes"]
     assert {(s, c) for s, c, _ in results["width bombs"]} <= {(400, "json_too_wide"), (429, "server_overloaded")}
-    assert {(s, c) for s, c, _ in results["tarpit URLs"]} <= UPSTREAM_TIMEOUTS
+    # 100 tarpit requests at once may fill the media stage's queue: the rest are pushed back, typed (a 429 with
+    # Retry-After), which a flood should get.
+    assert {(s, c) for s, c, _ in results["tarpit URLs"]} <= UPSTREAM_TIMEOUTS | {(429, "server_overloaded")}
     assert {(s, c) for s, c, _ in results["lone surrogates"]} == {
         ("400", "invalid_json"),
         ("INVALID_ARGUMENT", "invalid_json"),
