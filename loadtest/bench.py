@@ -139,26 +139,27 @@ def _measure(
     metrics.update(bench_engine.transfer_figures(*runs, st.ucx_transports))
     config = app_config(model)
     naive = sessions.naive_session(model, st, say)
-    prism = sessions.prism_session(config, model, st, naive.rates, say)
+    prism = sessions.prism_session(config, model, st, say)
     cache = sessions.cache_session(config, cache_model, st, say)
-    grouped = bench_topology.session(config, model, st, naive.rates, say)
-    mono = sessions.monolith_session(config, model, st, naive.rates, say)
+    grouped = bench_topology.session(config, model, st, say)
+    mono = sessions.monolith_session(config, model, st, say)
     metrics["ttft_ratio_epd_vs_monolith"] = bench_results.ttft_ratio(prism, mono)
     metrics.update(bench_cache.figures(cache_model, *cache))
     metrics["text_ttft_p95_flood_vs_idle"] = bench_results.text_flood(prism, mono)
     metrics["tenant_ttft_p95_flood_vs_idle"] = bench_results.tenant_flood(prism)
-    metrics["goodput_ratio_vs_naive"] = bench_results.goodput(naive, prism, mono)
+    metrics.update(bench_results.goodput(naive, prism, mono))
     at = bench_results.knee_rate(naive)
     curves = bench_results.sweeps(naive, prism, mono)
     panels = bench_results.panels(naive, prism, mono, cache, cache_model)
-    topology, topology_plot = bench_topology.figures(prism, mono, grouped, naive.rates, plots_dir)
+    topology, topology_plot = bench_topology.figures(prism, mono, grouped, plots_dir)
     metrics.update(topology)
     plots = [
         bench_plots.goodput_vs_rate(plots_dir / bench_plots.GOODPUT_PNG, curves, at),
         topology_plot,
         bench_plots.ttft_cdfs(plots_dir / bench_plots.TTFT_PNG, panels),
     ]
-    return metrics, plots, prism.sweep[at][0]["slo"], {"prism": prism.hops, "monolith": mono.hops}
+    slo = prism.sweep[min(prism.sweep)][0]["slo"]
+    return metrics, plots, slo, {"prism": prism.hops, "monolith": mono.hops}
 
 
 def table(summary: dict[str, Any], doc_dir: Path = DOC.parent) -> str:

@@ -15,20 +15,24 @@ The headline's two sides (batch 32, sequential) run ``--repeats`` times, interle
 medians, every run's value beside them (``…_runs``), and the other numbers are those of the median run.
 
 Roofline: a decode step must read the language model's weights once (embedding table excluded: one row per token)
-and every running sequence's KV. ``achieved_bytes_per_s`` = those bytes / step time; ``memcpy_bytes_per_s`` is a
-large numpy copy's read bandwidth measured in the same run (bytes copied / time); the fraction is their ratio.
-Beside it, ``b32_weight_gemm_ms``: the model's own weight GEMMs alone on 32 rows, same run. On a CPU they are
-compute-bound at batch 32, which caps the fraction a step can reach (``b32_best_possible_floor_fraction``: those
-GEMMs, then the KV read at the memory floor, nothing else). ``gemm_flops_per_s``: the same GEMMs on 512 rows.
+and every running sequence's KV, and compute its GEMMs (weights × rows, plus attention over the KV). Per step its
+**memory floor** is those bytes at ``read_bytes_per_s`` — a read probe on the engine's own torch threads (a sum over
+256 MB), measured in the same run — and its **compute floor** those FLOPs at ``gemm_flops_per_s``, the same weight
+GEMMs on 512 rows (the peak the machine's GEMMs reach here); the step's floor is the larger
+(``decode_roofline_fraction_b32``: that floor over the mean b32 step). Until 2026-12-03 the floor was the bytes at a
+one-thread copy's bandwidth (``copy_floor_fraction``, kept beside it): a copy also writes, and the engine reads on all
+its threads, so that floor was about twice too low. Beside it, ``b32_weight_gemm_ms`` and the rate the weight GEMMs
+reach on 32 rows. The speedup against Prism's own engine at batch 1 (``decode_speedup_32_vs_engine_b1``: the same
+requests one after another through the engine, end to end) runs interleaved with the headline's two sides.
 
-Per dtype (``--dtypes``, default fp32 then bf16; the headline figures are the first's): step time, bytes read per
-step, fraction of the memory floor and speedup over sequential at batch 1/8/32; in fp32 the batch-32 step again on
-PyTorch's per-sequence attention (``native_attention`` off: what :mod:`common.kv.native` buys; one run of its own,
-after the headline's, beside the median headline run's step); the greedy tokens' agreement of the engine at batch 32
-with ``generate()`` and with the engine at batch 1 (fp32: must be 1.0 — the tests hold it; bf16: GEMM blocking
-changes with batch size, so it is reported, not promised); and prefill: the reference ``prefill()`` of each whole
-prompt (288 tokens: one forward pass, as one engine chunk of ≤ 512 tokens computes it; its KV export included) timed
-against its FLOPs (weights + causal attention) and the GEMM rate ``gemm_flops_per_s``.
+Per dtype (``--dtypes``, default fp32 then bf16; the headline figures are the first's): step time, bytes read per step,
+its memory and compute floors and fraction of the roofline, and speedup over sequential at batch 1/8/32; in fp32 the
+batch-32 step again on PyTorch's per-sequence attention (``native_attention`` off: what :mod:`common.kv.native` buys;
+one run of its own, after the headline's, beside the median headline run's step); the greedy tokens' agreement of the
+engine at batch 32 with ``generate()`` and with the engine at batch 1 (fp32: must be 1.0 — the tests hold it; bf16: GEMM
+blocking changes with batch size, so it is reported, not promised); and prefill: the reference ``prefill()`` of each
+whole prompt (288 tokens: one forward pass, as one engine chunk of ≤ 512 tokens computes it; its KV export included)
+timed against its FLOPs (weights + causal attention) and the GEMM rate ``gemm_flops_per_s``.
 
 Usage: ``python -m loadtest.bench_decode [--model prism-small-llava] [--tokens 32] [--repeats 3] [--dtypes
 float32,bfloat16] [--out PATH]``.
@@ -69,6 +73,14 @@ def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     dst = np.empty_like(src)
     best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
     return nbytes / best
+
+
+def read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """What the engine's threads can read: a sum over ``nbytes`` of fp32 on torch's threads (the engine's own), best
+    of ``repeats`` — a read probe; a copy (:func:`memcpy_bytes_per_s`) also writes, and on one thread."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()  # (first touch)
+    return nbytes / min(_timed(lambda: x.sum()) for _ in range(repeats))
 
 
 def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5) -> float:
@@ -133,10 +145,11 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
     e2e_produced = sum(e.token_id is not None for e in first) - batch  # the first tokens are prefill's
     for e in first:
         tokens[e.request_id].append(e.token_id)
-    step_times, produced, kv_read = [], 0, 0
+    step_times, produced, kv_read, rows = [], 0, 0, 0
     lengths = {rid: pre.kv.num_tokens + 1 for rid, pre, *_ in requests[:batch]}
     while engine.has_work():
         kv_read += sum(lengths[rid] for rid, _ in list(engine._running))
+        rows += len(engine._running)
         start = time.perf_counter()
         events = engine.step()
         step_times.append(time.perf_counter() - start)
@@ -150,6 +163,8 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
     total = sum(step_times)
     weights = _lm_weight_bytes(lm) * len(step_times)
     moved = weights + kv_read * _kv_bytes_per_token(lm)
+    layers, _, dim = lm.kv_shape
+    flops = rows * _lm_gemm_flops_per_token(lm) + layers * 4 * lm.text_config.num_attention_heads * dim * kv_read
     return {
         "batch": batch,
         "native_attention": engine.kernel is not None,
@@ -159,6 +174,8 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
         "median_step_ms": 1000 * statistics.median(step_times),
         "bytes_per_step": moved / len(step_times),
         "bytes_per_s": moved / total,
+        "steps": len(step_times),
+        "flops_per_step": flops / len(step_times),
         "e2e_tokens": e2e_produced + produced,
         "e2e_seconds": e2e,
         "e2e_tokens_per_s": (e2e_produced + produced) / e2e,
@@ -185,6 +202,16 @@ def bench_sequential(lm: LoadedModel, requests) -> dict:
         "e2e_seconds": e2e,
         "e2e_tokens_per_s": produced / e2e,
     }
+
+
+def bench_engine_one_by_one(lm: LoadedModel, requests) -> dict:
+    """Prism's engine at batch 1: the requests one after another, each timed end to end as :func:`bench_engine`
+    times its batch (KV import included); their tokens, for the agreement figures."""
+    runs = [bench_engine(lm, [request], 1) for request in requests]
+    tokens = sum(r["e2e_tokens"] for r in runs)
+    seconds = sum(r["e2e_seconds"] for r in runs)
+    said = {rid: ids for r in runs for rid, ids in r["_tokens"].items()}
+    return {"requests": len(runs), "e2e_tokens_per_s": tokens / seconds, "_tokens": said}
 
 
 def bench_generate(lm: LoadedModel, requests, tokens: int) -> dict:
@@ -259,30 +286,97 @@ def bench_prefill(lm: LoadedModel, requests, peak: float) -> dict:
     }
 
 
+def roofline(run: dict, read: float, peak: float) -> dict:
+    """One engine run against the roofline: per step, the memory floor (its bytes at the ``read`` bandwidth of the
+    engine's threads) and the compute floor (its FLOPs at the ``peak`` GEMM rate), the step's floor the larger."""
+    memory_ms = 1000 * run["bytes_per_step"] / read
+    compute_ms = 1000 * run["flops_per_step"] / peak
+    return {
+        "memory_floor_ms": memory_ms,
+        "compute_floor_ms": compute_ms,
+        "bound": "memory" if memory_ms >= compute_ms else "compute",
+        # the floor over the mean step (the run's steps over its time)
+        "floor_fraction": max(memory_ms, compute_ms) * run["steps"] / (1000 * run["seconds"]),
+    }
+
+
 def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeats: int) -> dict:
     """Every decode and prefill figure of one dtype, measured side by side in this process."""
     print(f"prefilling 32 requests on {lm.served_name} ({lm.dtype}) …", flush=True)
     requests = _requests(lm, 32, tokens)
-    memcpy = memcpy_bytes_per_s()
+    memcpy, read = memcpy_bytes_per_s(), read_bytes_per_s()
     gemm_ms = 1000 * weight_gemm_seconds(lm, 32)
     peak = 512 * _lm_gemm_flops_per_token(lm) / weight_gemm_seconds(lm, 512, 3)
     gen = bench_generate(lm, requests[:sequential_requests], tokens)
     engine = {b: bench_engine(lm, requests, b) for b in (1, 8)}
-    alone = {}  # the engine's batch-1 path over the requests generate() ran, for the agreement figures
-    for request in requests[:sequential_requests]:
-        alone.update(bench_engine(lm, [request], 1)["_tokens"])
-    # The headline's two sides, run ``repeats`` times, interleaved (a slow spell of the machine hits both sides).
+    # The headline's sides, run ``repeats`` times, interleaved (a slow spell of the machine hits every side): the
+    # reference decode one request at a time, Prism's engine at batch 1 over the same requests, the engine at 32.
     runs = [
-        (bench_sequential(lm, requests[:sequential_requests]), bench_engine(lm, requests, 32)) for _ in range(repeats)
+        (
+            bench_sequential(lm, requests[:sequential_requests]),
+            bench_engine_one_by_one(lm, requests[:sequential_requests]),
+            bench_engine(lm, requests, 32),
+        )
+        for _ in range(repeats)
     ]
-    speedups = [e["e2e_tokens_per_s"] / q["e2e_tokens_per_s"] for q, e in runs]
-    rooflines = [e["bytes_per_s"] / memcpy for _, e in runs]
-    seq, engine[32] = runs[median_index(speedups)]
+    speedups = [e["e2e_tokens_per_s"] / q["e2e_tokens_per_s"] for q, _, e in runs]
+    vs_b1 = [e["e2e_tokens_per_s"] / one["e2e_tokens_per_s"] for _, one, e in runs]
+    rooflines = [roofline(e, read, peak)["floor_fraction"] for _, _, e in runs]
+    seq, alone, engine[32] = runs[median_index(speedups)]
     torch_path = bench_engine(lm, requests, 32, native=False) if engine[32]["native_attention"] else None
+    _say(engine, seq, gen, torch_path, read, peak)
+    return {
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "decode_speedup_32_vs_sequential": speedups[median_index(speedups)],
+        "decode_speedup_32_vs_sequential_runs": speedups,
+        "decode_speedup_32_vs_sequential_steps": engine[32]["tokens_per_s"] / seq["tokens_per_s"],
+        "decode_speedup_32_vs_engine_b1": vs_b1[median_index(vs_b1)],
+        "decode_speedup_32_vs_engine_b1_runs": vs_b1,
+        "decode_speedup_32_vs_generate": engine[32]["tokens_per_s"] / gen["tokens_per_s"],
+        "decode_roofline_fraction_b32": rooflines[median_index(rooflines)],
+        "decode_roofline_fraction_b32_runs": rooflines,
+        "engine_b32_bytes_per_s_runs": [e["bytes_per_s"] for _, _, e in runs],
+        "read_bytes_per_s": read,
+        "memcpy_bytes_per_s": memcpy,
+        "gemm_flops_per_s": peak,
+        "torch_threads": torch.get_num_threads(),
+        "lm_weight_bytes": _lm_weight_bytes(lm),
+        "per_batch": {
+            str(b): {
+                "median_step_ms": r["median_step_ms"],
+                "bytes_per_step": r["bytes_per_step"],
+                "flops_per_step": r["flops_per_step"],
+                **roofline(r, read, peak),
+                "copy_floor_fraction": r["bytes_per_s"] / memcpy,  # (the figure's definition before 2026-12-03)
+                "speedup_vs_sequential": r["e2e_tokens_per_s"] / seq["e2e_tokens_per_s"],
+            }
+            for b, r in engine.items()
+        },
+        # the b32 step's weight GEMMs alone, and the rate they run at on 32 rows (the peak is on 512)
+        "b32_weight_gemm_ms": gemm_ms,
+        "b32_weight_gemm_flops_per_s": 32 * _lm_gemm_flops_per_token(lm) / (gemm_ms / 1000),
+        "attention_paths_b32_step_ms": {
+            "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,
+            "pytorch": (torch_path or engine[32])["median_step_ms"],
+        },
+        "agreement_greedy": {
+            "b32_vs_generate": agreement(engine[32]["_tokens"], gen["_tokens"]),
+            "b32_vs_b1": agreement(engine[32]["_tokens"], alone["_tokens"]),
+            "b1_vs_generate": agreement(alone["_tokens"], gen["_tokens"]),
+        },
+        "prefill": bench_prefill(lm, requests[:sequential_requests], peak),
+        "sequential": seq,
+        "generate": {k: v for k, v in gen.items() if not k.startswith("_")},
+        "engine": {str(b): {k: v for k, v in r.items() if not k.startswith("_")} for b, r in engine.items()},
+    }
+
+
+def _say(engine: dict, seq: dict, gen: dict, torch_path: dict | None, read: float, peak: float) -> None:
     for b, r in engine.items():
+        line = roofline(r, read, peak)
         print(
             f"engine@{b:<2}  {r['tokens_per_s']:8.1f} tok/s after import, {r['e2e_tokens_per_s']:8.1f} end to end  "
-            f"step {r['median_step_ms']:.1f} ms  {r['bytes_per_s'] / memcpy:.2f} of the memory floor",
+            f"step {r['median_step_ms']:.1f} ms  {line['floor_fraction']:.2f} of the roofline ({line['bound']})",
             flush=True,
         )
     if torch_path:
@@ -292,48 +386,6 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         f"generate() {gen['tokens_per_s']:8.1f} tok/s",
         flush=True,
     )
-    weight_ms = 1000 * _lm_weight_bytes(lm) / memcpy
-    floor_ms = 1000 * engine[32]["bytes_per_step"] / memcpy
-    return {
-        "dtype": str(lm.dtype).removeprefix("torch."),
-        "decode_speedup_32_vs_sequential": speedups[median_index(speedups)],
-        "decode_speedup_32_vs_sequential_runs": speedups,
-        "decode_speedup_32_vs_sequential_steps": engine[32]["tokens_per_s"] / seq["tokens_per_s"],
-        "decode_speedup_32_vs_generate": engine[32]["tokens_per_s"] / gen["tokens_per_s"],
-        "decode_roofline_fraction_b32": rooflines[median_index(rooflines)],
-        "decode_roofline_fraction_b32_runs": rooflines,
-        "engine_b32_bytes_per_s_runs": [e["bytes_per_s"] for _, e in runs],
-        "memcpy_bytes_per_s": memcpy,
-        "gemm_flops_per_s": peak,
-        "lm_weight_bytes": _lm_weight_bytes(lm),
-        "per_batch": {
-            str(b): {
-                "median_step_ms": r["median_step_ms"],
-                "bytes_per_step": r["bytes_per_step"],
-                "memory_floor_ms": 1000 * r["bytes_per_step"] / memcpy,
-                "floor_fraction": r["bytes_per_s"] / memcpy,
-                "speedup_vs_sequential": r["e2e_tokens_per_s"] / seq["e2e_tokens_per_s"],
-            }
-            for b, r in engine.items()
-        },
-        "b32_weight_gemm_ms": gemm_ms,
-        # the most a b32 step can reach here: its weight GEMMs alone as measured (or their bytes' floor, if longer),
-        # then its KV at the memory floor, nothing else — the memory floor over that
-        "b32_best_possible_floor_fraction": floor_ms / (max(gemm_ms, weight_ms) + floor_ms - weight_ms),
-        "attention_paths_b32_step_ms": {
-            "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,
-            "pytorch": (torch_path or engine[32])["median_step_ms"],
-        },
-        "agreement_greedy": {
-            "b32_vs_generate": agreement(engine[32]["_tokens"], gen["_tokens"]),
-            "b32_vs_b1": agreement(engine[32]["_tokens"], alone),
-            "b1_vs_generate": agreement(alone, gen["_tokens"]),
-        },
-        "prefill": bench_prefill(lm, requests[:sequential_requests], peak),
-        "sequential": seq,
-        "generate": {k: v for k, v in gen.items() if not k.startswith("_")},
-        "engine": {str(b): {k: v for k, v in r.items() if not k.startswith("_")} for b, r in engine.items()},
-    }
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,8 +1,10 @@
 """``make bench``'s in-process figures: the decode engine (:mod:`loadtest.bench_decode`) and the KV hand-offs
 (:mod:`loadtest.bench_transfer`, :mod:`loadtest.bench_ucx`), each turned into its figures' records.
 
-* ``decode_speedup_32_vs_sequential``, ``decode_roofline_fraction_b32`` — fp32; beside them, per dtype (fp32 and
-  bf16) step time, bytes per step, floor fraction and speedup at batch 1/8/32, the native vs PyTorch attention step,
+* ``decode_speedup_32_vs_sequential`` (over the reference decode, one request at a time),
+  ``decode_speedup_32_vs_engine_b1`` (over Prism's engine at batch 1), ``decode_roofline_fraction_b32`` (against
+  max(memory floor, compute floor)) — fp32; beside them, per dtype (fp32 and bf16) step time, bytes per step, floors,
+  roofline fraction and speedup at batch 1/8/32, the native vs PyTorch attention step,
   greedy agreement, and prefill against its FLOPs.
 * ``handoff_bw_fraction_of_memcpy`` — a KV payload through the object store between two processes, from publish to
   the decode pool's blocks with the seal checked, / one warm memcpy; the lower of 64 MB and 256 MB (two copies: at
@@ -36,22 +38,30 @@ def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, A
         "of_the_run": "the median one",
     }
     roofline = {
+        "floor": "per step max(bytes / read bandwidth of the engine's threads, FLOPs / the GEMM peak on 512 rows)",
         "runs": [
-            {"achieved_bytes_per_s": achieved, "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"]}
+            {"achieved_bytes_per_s": achieved, "read_bytes_per_s": dec["read_bytes_per_s"]}
             for achieved in dec["engine_b32_bytes_per_s_runs"]
         ],
-        # what caps it on this machine: the b32 step's weight GEMMs alone, and the fraction a step could reach if
-        # nothing but those GEMMs and the KV read at the memory floor took time
+        "read_bytes_per_s": dec["read_bytes_per_s"],
+        "memcpy_bytes_per_s": dec["memcpy_bytes_per_s"],
+        "gemm_flops_per_s": dec["gemm_flops_per_s"],
+        "torch_threads": dec["torch_threads"],
+        "b32": dec["per_batch"]["32"],
         "b32_weight_gemm_ms": dec["b32_weight_gemm_ms"],
-        "b32_best_possible_floor_fraction": dec["b32_best_possible_floor_fraction"],
+        "b32_weight_gemm_flops_per_s": dec["b32_weight_gemm_flops_per_s"],
     }
     kept = ("per_batch", "attention_paths_b32_step_ms", "agreement_greedy", "prefill", "b32_weight_gemm_ms")
-    kept += ("b32_best_possible_floor_fraction",)
+    kept += ("b32_weight_gemm_flops_per_s", "read_bytes_per_s", "gemm_flops_per_s", "decode_speedup_32_vs_engine_b1")
     per_dtype = {dtype: {k: f[k] for k in kept} for dtype, f in dec["dtypes"].items()}
-    median_run["per_dtype"] = per_dtype  # step time, bytes, floor fraction and speedup at 1/8/32; prefill vs FLOPs
+    median_run["per_dtype"] = per_dtype  # step time, floors, roofline fraction and speedup at 1/8/32; prefill vs FLOPs
     speedups, fractions = dec["decode_speedup_32_vs_sequential_runs"], dec["decode_roofline_fraction_b32_runs"]
+    vs_b1 = dec["decode_speedup_32_vs_engine_b1_runs"]
     return {
         "decode_speedup_32_vs_sequential": record("decode_speedup_32_vs_sequential", speedups, median_run),
+        "decode_speedup_32_vs_engine_b1": record(
+            "decode_speedup_32_vs_engine_b1", vs_b1, {"b1": "the engine at batch 1, the requests one after another"}
+        ),
         "decode_roofline_fraction_b32": record("decode_roofline_fraction_b32", fractions, roofline),
     }
 

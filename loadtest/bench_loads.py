@@ -9,7 +9,7 @@ from typing import Any
 from loadtest.bench_servers import KEY
 from loadtest.runner import RunSpec, plan, run
 from loadtest.stats import SLO, RequestRecord, outcome_counts, summarize
-from loadtest.sweep import MIN_REQUESTS, RATES, past_peak, run_seconds
+from loadtest.sweep import MIN_REQUESTS, RATES, capacity, knee, past_peak, peak, run_seconds
 from loadtest.workload import OutputLengths, Workload
 
 SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
@@ -133,6 +133,21 @@ def sweep_row(rate: float, run_: Run) -> dict[str, Any]:
         "slo_attainment": summary["slo_attainment"],
         "ttft_p95_s": summary["ttft_s"]["p95"],
         **outcome_counts(records),
+    }
+
+
+def curve(sweep: dict[float, Run]) -> dict[str, Any]:
+    """One server's goodput curve: its rows at the rates it ran, its capacity, knee and peak goodput
+    (:mod:`loadtest.sweep`)."""
+    rows = [sweep_row(rate, sweep[rate]) for rate in sorted(sweep)]
+    top = peak([(r["rate_rps"], r["goodput_rps"]) for r in rows])
+    attainment = [(r["rate_rps"], r["slo_attainment"]) for r in rows]
+    return {
+        "capacity_rps": capacity(attainment),
+        "knee_rps": knee(attainment),
+        "peak_goodput_rps": top[1] if top else None,
+        "peak_at_rps": top[0] if top else None,
+        "sweep": rows,
     }
 
 

@@ -6,9 +6,10 @@
   lane must.
 * ``tenant_ttft_p95_flood_vs_idle`` — the same with two tenants and no quota set (what a new user gets): ``alpha``
   floods, ``beta`` probes; Prism only.
-* ``goodput_ratio_vs_naive`` — goodput (requests meeting the TTFT and ITL SLOs per second) under the same mixed
-  open-loop load, Prism / naive, at the naive server's knee (:mod:`loadtest.sweep`); every rate's goodput is in the
-  raw.
+* ``goodput_ratio_vs_naive`` and ``goodput_ratio_vs_monolith`` — peak goodput (the most requests meeting the TTFT
+  and ITL SLOs per second at any swept rate of the same mixed open-loop load, :mod:`loadtest.sweep`), Prism / naive
+  and Prism / monolith. The raw holds every server's curve, capacity and peak, and each server's goodput at the naive
+  server's knee (where the figure was once read: a ratio there rewards the baseline's collapse).
 
 and :func:`panels`, every load behind a figure for the TTFT CDF plot.
 """
@@ -18,10 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from loadtest import bench_loads as loads
-from loadtest.bench_sessions import NaiveRuns, ServerRuns
+from loadtest.bench_sessions import ServerRuns
 from loadtest.figures import record
 from loadtest.stats import RequestRecord, outcome_counts
-from loadtest.sweep import KEEP_UP, capacity, knee
+from loadtest.sweep import KEEP_UP
 
 
 def _flatten(runs: list[list[RequestRecord]]) -> list[RequestRecord]:
@@ -83,47 +84,67 @@ def tenant_flood(prism: ServerRuns) -> dict[str, Any]:
     return record("tenant_ttft_p95_flood_vs_idle", [b.ratio for b in prism.tenants], raw, sides=sides)
 
 
-def knee_rate(naive: NaiveRuns) -> float:
-    """The naive server's knee — the first swept rate it cannot carry; the top rate if it carries them all — where
-    the goodputs are compared."""
-    return knee([(r, naive.sweep[r][0]["slo_attainment"]) for r in naive.rates]) or naive.rates[-1]
+def knee_rate(naive: ServerRuns) -> float | None:
+    """The naive server's knee — the first swept rate it cannot carry; ``None`` if it carries them all."""
+    return loads.curve(naive.sweep)["knee_rps"]
 
 
-def sweeps(naive: NaiveRuns, prism: ServerRuns, mono: ServerRuns) -> dict[str, list[dict[str, Any]]]:
-    """Every server's row at every swept rate (the goodput plot's curves)."""
-    runs = (("prism", prism.sweep), ("monolith", mono.sweep), ("naive", naive.sweep))
-    return {name: [loads.sweep_row(r, sweep[r]) for r in naive.rates] for name, sweep in runs}
+def sweeps(naive: ServerRuns, prism: ServerRuns, mono: ServerRuns) -> dict[str, list[dict[str, Any]]]:
+    """Every server's row at every rate it ran (the goodput plot's curves)."""
+    return {name: loads.curve(runs.sweep)["sweep"] for name, runs in _servers(naive, prism, mono).items()}
 
 
-def goodput(naive: NaiveRuns, prism: ServerRuns, mono: ServerRuns) -> dict[str, Any]:
-    """Both sides must be healthy at the lowest rate (errors there mean a broken server, not an overloaded one: the
-    figure is invalid); at the knee, errors and timeouts are part of the result."""
-    at, low = knee_rate(naive), naive.rates[0]
-    prism_good, naive_good = prism.sweep[at][0]["goodput_rps"], naive.sweep[at][0]["goodput_rps"]
-    points = [(r, naive.sweep[r][0]["slo_attainment"]) for r in naive.rates]
+def _servers(naive: ServerRuns, prism: ServerRuns, mono: ServerRuns) -> dict[str, ServerRuns]:
+    return {"prism": prism, "monolith": mono, "naive": naive}
+
+
+def goodput(naive: ServerRuns, prism: ServerRuns, mono: ServerRuns) -> dict[str, dict[str, Any]]:
+    """Both peak-goodput ratios. Each compared side must be healthy at the lowest rate (errors there mean a broken
+    server, not an overloaded one: the figure is invalid); past its capacity, errors and timeouts are the result."""
+    curves = {name: loads.curve(runs.sweep) for name, runs in _servers(naive, prism, mono).items()}
+    at = curves["naive"]["knee_rps"]
     raw = {
-        "compared_at_rps": at,
-        "naive_capacity_rps": capacity(points),
-        "naive_ramp": [{"rate_rps": r, "slo_attainment": a} for r, a in naive.ramp],
-        "slo": prism.sweep[at][0]["slo"],
+        "slo": prism.sweep[min(prism.sweep)][0]["slo"],
         "keep_up_slo_attainment": KEEP_UP,
-        "sweep": sweeps(naive, prism, mono),
+        "servers": {name: {k: v for k, v in c.items() if k != "sweep"} for name, c in curves.items()},
+        "at_naive_knee": {
+            "rate_rps": at,
+            **{name: _goodput_at(c["sweep"], at) for name, c in curves.items()},
+        },
+        "sweep": {name: c["sweep"] for name, c in curves.items()},
     }
+    mono_raw = {"servers": raw["servers"], "curves": "in goodput_ratio_vs_naive's raw"}
+    return {
+        "goodput_ratio_vs_naive": _peak_ratio("naive", prism, naive, curves, raw),
+        "goodput_ratio_vs_monolith": _peak_ratio("monolith", prism, mono, curves, mono_raw),
+    }
+
+
+def _peak_ratio(
+    other: str, prism: ServerRuns, runs: ServerRuns, curves: dict[str, dict[str, Any]], raw: dict[str, Any]
+) -> dict[str, Any]:
+    mine, theirs = curves["prism"]["peak_goodput_rps"], curves[other]["peak_goodput_rps"]
     return record(
-        "goodput_ratio_vs_naive",
-        [loads.ratio(prism_good, naive_good)],
+        f"goodput_ratio_vs_{other}",
+        [loads.ratio(mine, theirs)],
         raw,
-        sides={"prism at the lowest rate": prism.sweep[low][1], "naive at the lowest rate": naive.sweep[low][1]},
-        goodput={"prism at the knee": prism_good, "naive at the knee": naive_good},
+        sides={
+            "prism at the lowest rate": prism.sweep[min(prism.sweep)][1],
+            f"{other} at the lowest rate": runs.sweep[min(runs.sweep)][1],
+        },
+        goodput={"prism at its peak": mine, f"{other} at its peak": theirs},
     )
 
 
+def _goodput_at(rows: list[dict[str, Any]], rate: float | None) -> float | None:
+    return next((r["goodput_rps"] for r in rows if r["rate_rps"] == rate), None)
+
+
 def panels(
-    naive: NaiveRuns, prism: ServerRuns, mono: ServerRuns, cache: tuple[list, list], cache_model: str
+    naive: ServerRuns, prism: ServerRuns, mono: ServerRuns, cache: tuple[list, list], cache_model: str
 ) -> dict[str, dict[str, list[RequestRecord]]]:
     """Every load behind a figure, by panel of the TTFT CDF plot."""
     cache_cold, cache_hot = cache
-    sweep_runs = (("prism", prism.sweep), ("monolith", mono.sweep), ("naive", naive.sweep))
     return {
         "light load, medium images (p50 figures)": {
             **{f"prism cold #{i + 1}": r for i, r in enumerate(prism.cold)},
@@ -142,5 +163,8 @@ def panels(
             **{f"idle #{i + 1}": b.idle for i, b in enumerate(prism.tenants)},
             **{f"alpha flooding #{i + 1}": b.probes for i, b in enumerate(prism.tenants)},
         },
-        **{f"goodput sweep: {name}": {f"{r:g} rps": sweep[r][1] for r in naive.rates} for name, sweep in sweep_runs},
+        **{
+            f"goodput sweep: {name}": {f"{r:g} rps": runs.sweep[r][1] for r in sorted(runs.sweep)}
+            for name, runs in _servers(naive, prism, mono).items()
+        },
     }

@@ -2,11 +2,11 @@
 cores), and every load behind the serving figures run against it — returned raw, turned into figures by
 :mod:`loadtest.bench_results`.
 
-Order: the naive server, Prism, Prism's cache-reach application (:mod:`loadtest.bench_cache`), the monolith. Within a session the runs of different
-figures are interleaved — run i of each, then run i + 1 — each with seeds, and so images, of its own
-(:data:`loadtest.bench_loads.SEEDS`): a slow spell of the machine lands on one run of several figures rather than on
-every run of one, and a cold cache stays cold. A ratio's run i pairs the two servers' i-th runs (not two runs at the
-same moment). Every server — the naive one too — first answers a few warm-up requests, so first-request costs stay
+Order: the naive server, Prism, Prism's cache-reach application (:mod:`loadtest.bench_cache`), the monolith. Within a
+session the runs of different figures are interleaved — run i of each, then run i + 1 — each with seeds, and so images,
+of its own (:data:`loadtest.bench_loads.SEEDS`): a slow spell of the machine lands on one run of several figures rather
+than on every run of one, and a cold cache stays cold. A ratio's run i pairs the two servers' i-th runs (not two runs at
+the same moment). Every server — the naive one too — first answers a few warm-up requests, so first-request costs stay
 out of the figures. Each server's goodput sweep runs the same rates (:data:`loadtest.sweep.RATES`) until it is past its
 peak.
 """

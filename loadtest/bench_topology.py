@@ -3,7 +3,8 @@
 
 Per topology, one application of its own on this machine (one at a time, as every server of the bench): warm-up, the
 per-hop report (:mod:`loadtest.bench_hops`), the light load of medium images behind the TTFT figure (the same runs,
-seeds and count as ``ttft_ratio_epd_vs_monolith``), then the goodput sweep at the naive server's rates. Two figures
+seeds and count as ``ttft_ratio_epd_vs_monolith``), then the goodput sweep (:data:`loadtest.sweep.RATES`, until
+past its peak). Two figures
 come from it:
 
 * ``ttft_ratio_topology_epd_vs_monolith`` — the ``EPD`` topology's TTFT p50 over the monolith's, run i against run i
@@ -38,7 +39,7 @@ def with_topology(config: dict[str, Any], topology: str) -> dict[str, Any]:
     return {**config, "deployments": deployments}
 
 
-def session(config: dict[str, Any], model: str, st: Settings, rates: list[float], say: Say) -> dict[str, ServerRuns]:
+def session(config: dict[str, Any], model: str, st: Settings, say: Say) -> dict[str, ServerRuns]:
     """Each grouped topology's runs (see the module docstring)."""
     out = {}
     for topology in GROUPED:
@@ -49,17 +50,13 @@ def session(config: dict[str, Any], model: str, st: Settings, rates: list[float]
             runs.hops = bench_hops.hop_costs(url, model, st.hop_requests, api_key=servers.KEY)
             for i in range(st.runs("ttft_ratio_topology_epd_vs_monolith")):
                 runs.cold.append(light(url, model, st, i))
-            say(f"topology {topology}: the goodput sweep at {rates} rps")
-            runs.sweep = loads.sweep(url, model, rates, st.duration, st.min_requests)
+            say(f"topology {topology}: the goodput sweep")
+            runs.sweep = loads.sweep(url, model, st.duration, st.min_requests)
     return out
 
 
-def _peak(sweep: dict[float, Any]) -> float:
-    return max(run[0]["goodput_rps"] for run in sweep.values())
-
-
 def figures(
-    prism: ServerRuns, mono: ServerRuns, grouped: dict[str, ServerRuns], rates: list[float], plots_dir: Path
+    prism: ServerRuns, mono: ServerRuns, grouped: dict[str, ServerRuns], plots_dir: Path
 ) -> tuple[dict[str, Any], Path]:
     """The two figures, and the plot of every topology's sweep."""
     everyone = {"E/P/D": prism, **grouped}
@@ -74,33 +71,31 @@ def figures(
         raw_ttft,
         sides={"EPD": [r for run in epd.cold for r in run], "monolith": [r for run in mono.cold for r in run]},
     )
-    peaks = {name: _peak(runs.sweep) for name, runs in everyone.items()}
+    curves = {name: loads.curve(runs.sweep) for name, runs in {**everyone, "monolith": mono}.items()}
+    peaks = {name: curves[name]["peak_goodput_rps"] for name in everyone}
     best = max(peaks, key=peaks.__getitem__)
-    mono_peak = _peak(mono.sweep)
+    mono_peak = curves["monolith"]["peak_goodput_rps"]
     per_topology = {
         name: {
             "ttft_p50_s": [loads.ttft(run) for run in runs.cold],
             "ttft_ratio_vs_monolith": [
                 loads.ratio(loads.ttft(a), loads.ttft(b)) for a, b in zip(runs.cold, mono.cold, strict=False)
             ],
-            "peak_goodput_rps": peaks[name],
-            "sweep": [loads.sweep_row(r, runs.sweep[r]) for r in rates],
+            **curves[name],
             "per_hop_fixed_cost": runs.hops,
         }
         for name, runs in everyone.items()
     }
-    low = rates[0]
     goodput = record(
         "peak_goodput_best_topology_vs_monolith",
         [loads.ratio(peaks[best], mono_peak)],
         {"best": best, "monolith_peak_goodput_rps": mono_peak, "topologies": per_topology},
         sides={
-            f"{best} at the lowest rate": everyone[best].sweep[low][1],
-            "monolith at the lowest rate": mono.sweep[low][1],
+            f"{best} at the lowest rate": everyone[best].sweep[min(everyone[best].sweep)][1],
+            "monolith at the lowest rate": mono.sweep[min(mono.sweep)][1],
         },
         goodput={f"{best} at its peak": peaks[best], "monolith at its peak": mono_peak},
     )
-    curves = {name: [loads.sweep_row(r, runs.sweep[r]) for r in rates] for name, runs in everyone.items()}
-    curves["monolith"] = [loads.sweep_row(r, mono.sweep[r]) for r in rates]
-    plot = goodput_vs_rate(plots_dir / PNG, curves, None, "Goodput vs offered load, per topology (mixed workload)")
+    rows = {name: c["sweep"] for name, c in curves.items()}
+    plot = goodput_vs_rate(plots_dir / PNG, rows, None, "Goodput vs offered load, per topology (mixed workload)")
     return {"ttft_ratio_topology_epd_vs_monolith": ttft, "peak_goodput_best_topology_vs_monolith": goodput}, plot

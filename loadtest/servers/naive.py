@@ -1,10 +1,13 @@
 """The naive baseline: FastAPI + ``model.generate()`` per request, as a user would first write it.
 
 transformers' own processor and model classes, greedy ``generate`` in a thread per request (so several requests do
-run at once, each with its own full prefill and no batching across them), one SSE chunk per generated token as
+run at once, each with its own full prefill and no batching across them; the request's images are decoded and
+processed in that thread too, never on the event loop), torch at one thread as Prism's engines and the monolith run
+(``--torch-threads``), one SSE chunk per generated token as
 ``generate`` produces it (:class:`TokenStreamer`; transformers' ``TextIteratorStreamer`` would hold text back to word
 boundaries and make the baseline's inter-token latency look burstier than its model is), the usage chunk counting
-tokens, not chunks. Images come as data URLs. No caches, no admission control.
+tokens, not chunks; the tokens reach the event loop from the generating thread directly (no thread pool reads them).
+Images come as data URLs. No caches, no admission control. ``make bench`` warms it up like the other servers.
 ``python -m loadtest.servers.naive --model prism-small-llava --port 8102``.
 """
 
@@ -15,7 +18,6 @@ import asyncio
 import base64
 import io
 import json
-import queue
 import threading
 import time
 import uuid
@@ -46,7 +48,10 @@ def load(model: str, cache_dir: str) -> tuple[Any, Any]:
     return processor, lm
 
 
-def build(model: str, cache_dir: str) -> FastAPI:
+def build(model: str, cache_dir: str, torch_threads: int = 1) -> FastAPI:
+    # The same torch threads per model as Prism's engines and the monolith (``model.torch_threads``: 1); a request's
+    # generate() runs in its own thread, so concurrent requests share the cores as their threads do.
+    torch.set_num_threads(torch_threads)
     processor, lm = load(model, cache_dir)
     app = FastAPI(docs_url=None, redoc_url=None)
 
@@ -57,40 +62,48 @@ def build(model: str, cache_dir: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await request.json()
-        messages, images = [], []
-        for msg in body["messages"]:
-            content = msg["content"]
-            if isinstance(content, str):
-                messages.append({"role": msg["role"], "content": [{"type": "text", "text": content}]})
-                continue
-            parts = []
-            for part in content:
-                if part["type"] == "image_url":
-                    data = part["image_url"]["url"].split(",", 1)[1]
-                    images.append(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
-                    parts.append({"type": "image"})
-                elif part["type"] == "text":
-                    parts.append({"type": "text", "text": part["text"]})
-                else:
-                    return JSONResponse({"error": {"message": "unsupported part", "code": "unsupported"}}, 400)
-            messages.append({"role": msg["role"], "content": parts})
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = processor(images=images or None, text=text, return_tensors="pt")
-        streamer = TokenStreamer()
-        kwargs = dict(**inputs, max_new_tokens=int(body.get("max_tokens", 16)), do_sample=False, streamer=streamer)
-        threading.Thread(target=_generate, args=(lm, kwargs), daemon=True).start()
-        sse = _sse(streamer, processor.tokenizer, model, int(inputs["input_ids"].shape[1]))
-        return StreamingResponse(sse, media_type="text/event-stream")
+        parts = [p for m in body["messages"] if not isinstance(m["content"], str) for p in m["content"]]
+        if any(p["type"] not in ("image_url", "text") for p in parts):
+            return JSONResponse({"error": {"message": "unsupported part", "code": "unsupported"}}, 400)
+        streamer = TokenStreamer(asyncio.get_running_loop())
+        # Images decoded, processed and generated from in the request's own thread: nothing but I/O on the loop.
+        args = (processor, lm, body, streamer)
+        threading.Thread(target=_generate, args=args, daemon=True).start()
+        return StreamingResponse(_sse(streamer, processor.tokenizer, model), media_type="text/event-stream")
 
     return app
 
 
-class TokenStreamer(BaseStreamer):
-    """Each token id ``generate`` produces, as it produces it (the prompt, which ``generate`` puts first, skipped);
-    ``None`` once generation ended (or failed)."""
+def _inputs(processor: Any, body: dict[str, Any]) -> Any:
+    """The processor's inputs for ``body``'s messages (images as data URLs)."""
+    messages, images = [], []
+    for msg in body["messages"]:
+        content = msg["content"]
+        if isinstance(content, str):
+            messages.append({"role": msg["role"], "content": [{"type": "text", "text": content}]})
+            continue
+        parts = []
+        for part in content:
+            if part["type"] == "image_url":
+                data = part["image_url"]["url"].split(",", 1)[1]
+                images.append(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part["text"]})
+        messages.append({"role": msg["role"], "content": parts})
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return processor(images=images or None, text=text, return_tensors="pt")
 
-    def __init__(self) -> None:
-        self.ids: queue.Queue[int | None] = queue.Queue()
+
+class TokenStreamer(BaseStreamer):
+    """Each token id ``generate`` produces, as it produces it (the prompt, which ``generate`` puts first, skipped),
+    handed to the event loop's queue from the generating thread (no thread of the loop's pool waits on it); ``None``
+    once generation ended (or failed). ``prompt_tokens`` is set before the first token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.ids: asyncio.Queue[int | None] = asyncio.Queue()
+        self.prompt_tokens = 0
+        self._loop = loop
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -98,26 +111,28 @@ class TokenStreamer(BaseStreamer):
             self._prompt_seen = True
             return
         for token in value.reshape(-1).tolist():
-            self.ids.put(int(token))
+            self._loop.call_soon_threadsafe(self.ids.put_nowait, int(token))
 
     def end(self) -> None:
-        self.ids.put(None)
+        self._loop.call_soon_threadsafe(self.ids.put_nowait, None)
 
 
-def _generate(lm: Any, kwargs: dict[str, Any]) -> None:
+def _generate(processor: Any, lm: Any, body: dict[str, Any], streamer: TokenStreamer) -> None:
     try:
+        inputs = _inputs(processor, body)
+        streamer.prompt_tokens = int(inputs["input_ids"].shape[1])
         with torch.inference_mode():
-            lm.generate(**kwargs)
+            lm.generate(**inputs, max_new_tokens=int(body.get("max_tokens", 16)), do_sample=False, streamer=streamer)
     finally:
-        kwargs["streamer"].end()  # (generate ends it too; a second None is never read)
+        streamer.end()  # (generate ends it too; a second None is never read)
 
 
-async def _sse(streamer: TokenStreamer, tokenizer: Any, model: str, prompt_tokens: int) -> AsyncIterator[str]:
+async def _sse(streamer: TokenStreamer, tokenizer: Any, model: str) -> AsyncIterator[str]:
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     ids: list[int] = []
     text = ""
     while True:
-        token = await asyncio.to_thread(streamer.ids.get)
+        token = await streamer.ids.get()
         if token is None:
             break
         ids.append(token)
@@ -126,7 +141,7 @@ async def _sse(streamer: TokenStreamer, tokenizer: Any, model: str, prompt_token
         full = tokenizer.decode(ids, skip_special_tokens=True)
         delta, text = (full[len(text) :], full) if not full.endswith("\ufffd") else ("", text)
         yield _event(rid, created, model, [{"index": 0, "delta": {"content": delta}, "finish_reason": None}])
-    n = len(ids)
+    n, prompt_tokens = len(ids), streamer.prompt_tokens
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
     yield _event(rid, created, model, [], usage=usage)
     yield "data: [DONE]\n\n"
@@ -142,8 +157,10 @@ def main() -> None:
     parser.add_argument("--model", default="prism-small-llava")
     parser.add_argument("--cache-dir", default="~/.cache/prism/models")
     parser.add_argument("--port", type=int, default=8102)
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch's threads (Prism's engines: 1)")
     args = parser.parse_args()
-    uvicorn.run(build(args.model, args.cache_dir), host="127.0.0.1", port=args.port, log_level="warning")
+    app = build(args.model, args.cache_dir, args.torch_threads)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """The front door under a mixed hostile load, against ``make serve``: while one tenant (``tenant-a``) sends — all at
-once, from a process of its own — 100 idle chunked uploads without a key, 100 uploads that trickle one byte a second,
-20 width-bomb bodies at the body limit and lone surrogates over HTTP and gRPC, and a third (``tenant-c``) 100 requests
-for images on a tarpit origin that accepts and never answers (each waits for the server's own fetch timeouts: ~40 s
-for all of them on the media stage's download threads), another tenant's (``tenant-b``) short text requests keep
-answering — their TTFT p95, measured at the client over the whole attack, within 3× its idle p95 (the first second's
-burst of ~400 connections shows in the reported maximum). Every hostile request gets its typed answer: a 4xx (the
-tarpit's flood may see 429s when the media stage's queue is full), but the tarpit's 504 ``media_fetch_timeout`` (the origin's failure, typed, retryable — kept to its own tenant so that the
-request log can be held to no other 5xx); no process restarts.
+once, from a process of its own — 100 idle chunked uploads without a key, 100 uploads that trickle one byte a second, 20
+width-bomb bodies at the body limit and lone surrogates over HTTP and gRPC, and a third (``tenant-c``) 100 requests for
+images on a tarpit origin that accepts and never answers (each waits for the server's own fetch timeouts: ~40 s for all
+of them on the media stage's download threads), another tenant's (``tenant-b``) short text requests keep answering —
+their TTFT p95, measured at the client over the whole attack, within 3× its idle p95 (the first second's burst of ~400
+connections shows in the reported maximum). Every hostile request gets its typed answer: a 4xx (the tarpit's flood may
+see 429s when the media stage's queue is full), but the tarpit's 504 ``media_fetch_timeout`` (the origin's failure,
+typed, retryable — kept to its own tenant so that the request log can be held to no other 5xx); no process restarts.
 
 ``PRISM_FRONT_DOOR_REPORT=<file>`` writes the measured figures (TTFTs, outcomes, RSS growth per process) as JSON.
 """

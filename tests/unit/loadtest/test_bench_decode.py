@@ -25,9 +25,11 @@ def test_bench_decode_reports_each_dtype_and_fp32_is_token_exact(model_cache, tm
         assert set(figures["per_batch"]) == {"1", "8", "32"}
         for row in figures["per_batch"].values():
             assert row["median_step_ms"] > 0 and row["bytes_per_step"] > 0 and 0 < row["floor_fraction"]
-            assert row["memory_floor_ms"] > 0 and row["speedup_vs_sequential"] > 0
+            assert row["memory_floor_ms"] > 0 and row["compute_floor_ms"] > 0 and row["speedup_vs_sequential"] > 0
+            floor = max(row["memory_floor_ms"], row["compute_floor_ms"])
+            assert row["bound"] == ("memory" if floor == row["memory_floor_ms"] else "compute")
         assert figures["prefill"]["flops_per_s"] > 0 and figures["b32_weight_gemm_ms"] > 0
-        assert figures["b32_best_possible_floor_fraction"] > 0
+        assert figures["read_bytes_per_s"] > 0 and figures["decode_speedup_32_vs_engine_b1"] > 0
     fp32 = result["dtypes"]["float32"]
     assert fp32["attention_paths_b32_step_ms"]["native"] > 0 and fp32["attention_paths_b32_step_ms"]["pytorch"] > 0
     for pair in ("b32_vs_generate", "b32_vs_b1", "b1_vs_generate"):

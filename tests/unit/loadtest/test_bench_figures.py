@@ -40,11 +40,12 @@ SHORT = (
 
 def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     names = [f.name for f in figures.FIGURES]
-    assert len(names) == len(set(names)) == 15
+    assert len(names) == len(set(names)) == 17
     assert all(f.op in ("<=", ">=") and f.target > 0 for f in figures.FIGURES)
     assert all(figures.runs(n) >= 3 for n in SHORT)
     # the two decode figures come from the same runs of bench_decode, the NIXL two from the same repeats
     assert figures.runs("decode_speedup_32_vs_sequential") == figures.runs("decode_roofline_fraction_b32")
+    assert figures.runs("decode_speedup_32_vs_sequential") == figures.runs("decode_speedup_32_vs_engine_b1")
     assert figures.runs("nixl_bw_fraction_of_memcpy") == figures.runs("nixl_vs_ucx_read")
     # the topologies' TTFT runs pair with the monolith's runs of the split path's figure, one for one
     assert figures.runs("ttft_ratio_topology_epd_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
@@ -62,16 +63,16 @@ def test_run_counts_are_odd_so_the_median_is_one_of_the_runs():
 def test_no_two_loads_of_a_full_bench_share_a_seed():
     """A workload's seed decides its images: a shared seed would serve one load's images warm to another."""
     from loadtest.bench_loads import SEEDS, seed_of
-    from loadtest.sweep import MULTIPLIERS, RAMP
+    from loadtest.sweep import RATES
 
     runs = max(f.runs for f in figures.FIGURES)
     used: list[int] = [seed_of("warm_up")]
     for i in range(runs):
         used += [seed_of("cold", i), seed_of("cache_cold", i), seed_of("cache_hot", i)]
         used += [seed_of(flood, i) + k for flood in ("flood", "tenant_flood") for k in range(3)]
-    used += [seed_of("ramp") + i for i in range(len(RAMP))] + [seed_of("sweep") + i for i in range(len(MULTIPLIERS))]
+    used += [seed_of("sweep") + i for i in range(len(RATES))]
     assert len(used) == len(set(used)), sorted(used)
-    assert set(SEEDS) == {"warm_up", "cold", "flood", "tenant_flood", "cache_cold", "cache_hot", "ramp", "sweep"}
+    assert set(SEEDS) == {"warm_up", "cold", "flood", "tenant_flood", "cache_cold", "cache_hot", "sweep"}
 
 
 def test_the_value_is_the_median_of_the_runs_with_the_spread_beside_it():
@@ -109,7 +110,7 @@ def test_raw_numbers_are_one_dict_or_one_per_run():
 
 def test_the_table_shows_runs_and_spread_marks_our_yardsticks_and_links_the_plots():
     metrics = {
-        "decode_roofline_fraction_b32": figures.record("decode_roofline_fraction_b32", [0.3, 0.25, 0.28], {}),
+        "prefix_reuse_fraction": figures.record("prefix_reuse_fraction", [0.3, 0.25, 0.28], {}),
         "goodput_ratio_vs_naive": figures.record("goodput_ratio_vs_naive", [4.0], {}),
     }
     summary = {
@@ -121,7 +122,7 @@ def test_the_table_shows_runs_and_spread_marks_our_yardsticks_and_links_the_plot
         "metrics": metrics,
     }
     text = table(summary, ROOT)  # (a page at the repository's root links the plots from there)
-    assert "| `decode_roofline_fraction_b32` | 0.28 | 3 (0.25–0.3) | >= 0.7 (ours) | no |" in text
+    assert "| `prefix_reuse_fraction` | 0.28 | 3 (0.25–0.3) | >= 0.8 (ours) | no |" in text
     assert "| `goodput_ratio_vs_naive` | 4 | 1 | >= 3 | yes |" in text
     assert text.endswith("Plots: [goodput vs rate](loadtest/results/bench_goodput_vs_rate.png).")
     assert "Measured 2026-12-01 on 2 CPUs (p), model `m`" in text  # (a summary without the CPU's facts)
@@ -139,7 +140,7 @@ def test_quick_runs_every_figure_once_on_shorter_loads():
     assert Settings(quick=True, duration=3.0).duration == 3.0
 
 
-def _runs(ttft_s: float, goodputs: dict[float, float]):
+def _runs(ttft_s: float, goodputs: dict[float, float], attainment: dict[float, float] | None = None):
     from loadtest.bench_sessions import ServerRuns
     from loadtest.stats import SLO, summarize
 
@@ -149,7 +150,8 @@ def _runs(ttft_s: float, goodputs: dict[float, float]):
     sweep = {}
     for rate, good in goodputs.items():
         summary = summarize(records(10), 10.0, SLO())
-        sweep[rate] = ({**summary, "goodput_rps": good}, records(10))
+        kept = (attainment or {}).get(rate, summary["slo_attainment"])
+        sweep[rate] = ({**summary, "goodput_rps": good, "slo_attainment": kept}, records(10))
     return ServerRuns(cold=[records(10) for _ in range(3)], sweep=sweep)
 
 
@@ -158,7 +160,6 @@ def test_topology_figures_compare_epd_with_the_monolith_and_the_best_peak_goodpu
     topology's raw runs and the plot of their sweeps."""
     from loadtest import bench_topology
 
-    rates = [1.0, 2.0]
     mono = _runs(0.100, {1.0: 1.0, 2.0: 1.5})
     prism = _runs(0.140, {1.0: 1.0, 2.0: 1.2})
     grouped = {
@@ -166,12 +167,33 @@ def test_topology_figures_compare_epd_with_the_monolith_and_the_best_peak_goodpu
         "EP/D": _runs(0.130, {1.0: 1.0, 2.0: 1.3}),
         "EPD": _runs(0.103, {1.0: 1.0, 2.0: 1.6}),
     }
-    got, plot = bench_topology.figures(prism, mono, grouped, rates, tmp_path)
+    got, plot = bench_topology.figures(prism, mono, grouped, tmp_path)
     ttft = got["ttft_ratio_topology_epd_vs_monolith"]
     assert ttft["value"] == pytest.approx(1.03) and ttft["met"] and ttft["runs"] == 3
     peak = got["peak_goodput_best_topology_vs_monolith"]
     assert peak["raw"]["best"] == "EPD" and peak["value"] == pytest.approx(1.6 / 1.5) and peak["met"]
     per = peak["raw"]["topologies"]
     assert set(per) == {"E/P/D", "E/PD", "EP/D", "EPD"} and per["E/P/D"]["peak_goodput_rps"] == 1.2
-    assert [row["rate_rps"] for row in per["E/PD"]["sweep"]] == rates
+    assert [row["rate_rps"] for row in per["E/PD"]["sweep"]] == [1.0, 2.0] and per["E/PD"]["peak_at_rps"] == 2.0
     assert plot.name == bench_topology.PNG and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_goodput_figures_are_ratios_of_peak_goodput_with_each_servers_capacity_in_the_raw():
+    """Prism's peak over the naive server's and over the monolith's, wherever on the sweep each peak lies; the
+    at-knee goodputs (the naive server's first rate under 90 %) stay in the raw."""
+    from loadtest import bench_results
+
+    naive = _runs(0.2, {1.0: 0.9, 2.0: 1.6, 3.0: 0.4}, {1.0: 1.0, 2.0: 0.8, 3.0: 0.1})
+    prism = _runs(0.1, {1.0: 0.9, 2.0: 1.9, 3.0: 2.4, 4.0: 1.0}, {1.0: 1.0, 2.0: 1.0, 3.0: 0.85, 4.0: 0.3})
+    mono = _runs(0.1, {1.0: 0.9, 2.0: 1.9, 3.0: 2.8, 4.0: 3.0}, {1.0: 1.0, 2.0: 1.0, 3.0: 0.95, 4.0: 0.8})
+    got = bench_results.goodput(naive, prism, mono)
+    assert got["goodput_ratio_vs_naive"]["value"] == pytest.approx(2.4 / 1.6)
+    assert got["goodput_ratio_vs_monolith"]["value"] == pytest.approx(2.4 / 3.0)
+    assert got["goodput_ratio_vs_monolith"]["status"] == "missed"
+    servers = got["goodput_ratio_vs_naive"]["raw"]["servers"]
+    assert servers["naive"] == {"capacity_rps": 1.0, "knee_rps": 2.0, "peak_goodput_rps": 1.6, "peak_at_rps": 2.0}
+    assert servers["prism"]["capacity_rps"] == 2.0 and servers["prism"]["peak_at_rps"] == 3.0
+    assert servers["monolith"]["capacity_rps"] == 3.0 and servers["monolith"]["peak_at_rps"] == 4.0
+    at_knee = got["goodput_ratio_vs_naive"]["raw"]["at_naive_knee"]
+    assert at_knee == {"rate_rps": 2.0, "prism": 1.9, "monolith": 1.9, "naive": 1.6}
+    assert [r["rate_rps"] for r in got["goodput_ratio_vs_naive"]["raw"]["sweep"]["naive"]] == [1.0, 2.0, 3.0]

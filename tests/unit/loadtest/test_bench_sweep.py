@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from loadtest.sweep import capacity, keeps_up, knee, run_seconds, sweep_rates
+import itertools
+
+from loadtest.sweep import RATES, capacity, keeps_up, knee, past_peak, peak, run_seconds
 
 
 def test_the_knee_is_the_first_rate_the_server_cannot_carry():
@@ -22,7 +24,20 @@ def test_a_server_that_fails_the_lowest_rate_has_no_capacity():
     assert knee([]) is None and capacity([]) is None
 
 
-def test_the_sweep_brackets_the_naive_capacity_and_each_run_sends_enough_requests():
-    assert sweep_rates(0.75) == [0.38, 0.75, 1.5, 3.0]
-    assert sweep_rates(0.0) == []
+def test_each_run_sends_enough_requests_and_the_rates_ascend_one_step_apart():
     assert run_seconds(0.25, 20.0) == 80.0 and run_seconds(2.0, 20.0) == 20.0
+    assert list(RATES) == sorted(RATES) and {b - a for a, b in itertools.pairwise(RATES)} == {1.0}
+
+
+def test_the_peak_is_the_most_goodput_at_the_lowest_rate_that_gave_it():
+    assert peak([(3.0, 2.5), (1.0, 0.9), (2.0, 1.8), (4.0, 2.5), (5.0, 1.1)]) == (3.0, 2.5)
+    assert peak([]) is None
+
+
+def test_a_sweep_is_past_the_peak_only_once_the_server_falls_behind_and_delivers_less():
+    # (rate, SLO attainment, goodput)
+    assert not past_peak([(1.0, 1.0, 0.9)])
+    assert not past_peak([(1.0, 1.0, 0.9), (2.0, 1.0, 1.9)])  # keeps up
+    assert not past_peak([(1.0, 1.0, 0.9), (2.0, 0.85, 1.7)])  # behind, but still more goodput than before
+    assert past_peak([(1.0, 1.0, 0.9), (2.0, 0.95, 1.9), (3.0, 0.5, 1.5)])
+    assert not past_peak([(1.0, 1.0, 0.9), (2.0, 0.95, 1.9), (3.0, 0.91, 1.5)])  # less, yet keeping up: a noisy run
