@@ -112,6 +112,7 @@ def test_the_table_shows_runs_and_spread_marks_our_yardsticks_and_links_the_plot
     metrics = {
         "prefix_reuse_fraction": figures.record("prefix_reuse_fraction", [0.3, 0.25, 0.28], {}),
         "goodput_ratio_vs_naive": figures.record("goodput_ratio_vs_naive", [4.0], {}),
+        "goodput_ratio_vs_monolith": figures.record("goodput_ratio_vs_monolith", [0.9], {}),
     }
     summary = {
         "date": "2026-12-01T00:00:00+00:00",
@@ -122,7 +123,8 @@ def test_the_table_shows_runs_and_spread_marks_our_yardsticks_and_links_the_plot
         "metrics": metrics,
     }
     text = table(summary, ROOT)  # (a page at the repository's root links the plots from there)
-    assert "| `prefix_reuse_fraction` | 0.28 | 3 (0.25–0.3) | >= 0.8 (ours) | no |" in text
+    assert "| `prefix_reuse_fraction` | 0.28 | 3 (0.25–0.3) | >= 0.8 | no |" in text
+    assert "| `goodput_ratio_vs_monolith` | 0.9 | 1 | >= 1 (ours) | no |" in text
     assert "| `goodput_ratio_vs_naive` | 4 | 1 | >= 3 | yes |" in text
     assert text.endswith("Plots: [goodput vs rate](loadtest/results/bench_goodput_vs_rate.png).")
     assert "Measured 2026-12-01 on 2 CPUs (p), model `m`" in text  # (a summary without the CPU's facts)
