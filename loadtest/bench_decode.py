@@ -14,16 +14,17 @@ are the decoded ones (the prefill's first token is not decode's work) in the sam
 The headline's two sides (batch 32, sequential) run ``--repeats`` times, interleaved; the headline figures are the
 medians, every run's value beside them (``…_runs``), and the other numbers are those of the median run.
 
-Roofline: a decode step must read the language model's weights once (embedding table excluded: one row per token)
-and every running sequence's KV, and compute its GEMMs (weights × rows, plus attention over the KV). Per step its
-**memory floor** is those bytes at ``read_bytes_per_s`` — a read probe on the engine's own torch threads (a sum over
-256 MB), measured in the same run — and its **compute floor** those FLOPs at ``gemm_flops_per_s``, the same weight
-GEMMs on 512 rows (the peak the machine's GEMMs reach here); the step's floor is the larger
-(``decode_roofline_fraction_b32``: that floor over the mean b32 step). Until 2026-12-03 the floor was the bytes at a
-one-thread copy's bandwidth (``copy_floor_fraction``, kept beside it): a copy also writes, and the engine reads on all
-its threads, so that floor was about twice too low. Beside it, ``b32_weight_gemm_ms`` and the rate the weight GEMMs
-reach on 32 rows. The speedup against Prism's own engine at batch 1 (``decode_speedup_32_vs_engine_b1``: the same
-requests one after another through the engine, end to end) runs interleaved with the headline's two sides.
+Roofline: a decode step must read the language model's weights once (embedding table excluded: one row per token) and
+every running sequence's KV, and compute its GEMMs (weights × rows, plus attention over the KV). Per step its **memory
+floor** is those bytes at ``read_bytes_per_s`` — a read probe on the engine's own torch threads (a sum over 256 MB),
+measured in the same run — and its **compute floor** those FLOPs at ``gemm_flops_per_s``, the same weight GEMMs on 512
+rows (the peak the machine's GEMMs reach here); the step's floor is the larger (``decode_roofline_fraction_b32``: that
+floor over the mean b32 step). Until 2026-12-03 the floor was the bytes at a one-thread copy's bandwidth
+(``copy_floor_fraction``, kept beside it): a copy also writes, and the engine reads on all its threads, so that
+bandwidth was well below what the engine can read (12.2 vs 21.4 GB/s in the committed run) and the floor too high.
+Beside it, ``b32_weight_gemm_ms`` and the rate the weight GEMMs reach on 32 rows. The speedup against Prism's own engine
+at batch 1 (``decode_speedup_32_vs_engine_b1``: the same requests one after another through the engine, end to end) runs
+interleaved with the headline's two sides.
 
 Per dtype (``--dtypes``, default fp32 then bf16; the headline figures are the first's): step time, bytes read per step,
 its memory and compute floors and fraction of the roofline, and speedup over sequential at batch 1/8/32; in fp32 the
