@@ -91,6 +91,8 @@ def test_ray_job_submit_runs_the_offline_batch_on_the_head(served, tmp_path, mod
 
 
 LLAVA_GROUP = "EncodePrefillDecode-prism-tiny-llava"
+STALL_S = 10.0
+"""The longest a streaming client may wait for a chunk while replicas are replaced (see the rolling test)."""
 """The deployment that holds the tiny LLaVA's decode (``topology: EPD`` in ``make serve``'s config)."""
 
 
@@ -128,7 +130,7 @@ class _Load:
 
     def __init__(self, served, clients: int = 3) -> None:
         self.oai = openai.OpenAI(base_url=f"{served['base']}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-        self.stop, self.results = threading.Event(), []
+        self.stop, self.results, self.t0 = threading.Event(), [], time.monotonic()
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
         for t in self.threads:
             t.start()
@@ -138,18 +140,24 @@ class _Load:
         while not self.stop.is_set():
             n += 1
             messages = [{"role": "user", "content": f"Tell me story number {i}-{n}, a long one."}]
-            last, gap, finish, error = time.monotonic(), 0.0, None, None
+            start = last = time.monotonic()
+            ttft, gap, at, finish, error = None, 0.0, 0.0, None, None
             try:
                 for chunk in self.oai.chat.completions.create(
                     model="prism-tiny-llava", messages=messages, max_tokens=256, temperature=0, stream=True
                 ):
                     now = time.monotonic()
-                    gap, last = max(gap, now - last), now
+                    if ttft is None:
+                        ttft = now - start
+                    elif now - last > gap:
+                        gap, at = now - last, now - self.t0
+                    last = now
                     for choice in chunk.choices:
                         finish = choice.finish_reason or finish
             except Exception as exc:  # (recorded: the test says which)
                 error = f"{type(exc).__name__}: {exc}"
-            self.results.append({"finish": finish, "gap": gap, "error": error})
+            row = {"finish": finish, "ttft": ttft or 0.0, "gap": gap, "error": error}
+            self.results.append(row | {"started": start - self.t0, "gap_at": at})
 
     def finish(self) -> list[dict]:
         self.stop.set()
@@ -186,8 +194,8 @@ def test_a_rolling_update_and_a_scale_down_under_streaming_load_lose_no_request(
     brings the decode deployment to two replicas; a second one scales it back to one (in place). Replacements start
     before the replicas they replace stop (``max_surge_percent``); Serve stops routing to a leaving replica, and the
     ingress lets its streams run ``server.drain_grace_s`` and then moves the rest. Every request ends with a finish
-    reason, no client waits 5 s for a chunk, and no KV is held afterwards. Last of the module's ``serve deploy``
-    tests: it leaves the group at one replica."""
+    reason, no client waits ``STALL_S`` for a chunk (its first included), and no KV is held afterwards. Last of the
+    module's ``serve deploy`` tests: it leaves the group at one replica."""
     group = _applications(served)["prism"]["deployments"][LLAVA_GROUP]
     before = {r["replica_id"] for r in group["replicas"]}
     policy = group["deployment_config"]["autoscaling_config"]["policy"]
@@ -204,11 +212,16 @@ def test_a_rolling_update_and_a_scale_down_under_streaming_load_lose_no_request(
     finally:
         results = load.finish()
     errors = [r["error"] for r in results if r["error"] or not r["finish"]]
-    gaps = sorted(r["gap"] for r in results)
+    gaps = sorted(max(r["ttft"], r["gap"]) for r in results)
     median = gaps[len(gaps) // 2]
     print(f"[rolling] {len(results)} requests, longest wait for a chunk {gaps[-1]:.2f} s (median {median:.2f} s)")
+    for r in sorted(results, key=lambda r: -max(r["ttft"], r["gap"]))[:5]:
+        print("[rolling] worst", {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})
     assert len(results) >= 6 and not errors, errors
-    assert gaps[-1] < 5.0, gaps[-3:]
+    # A request that waited for a replica to start would wait ≥ 20 s here (this rollout settles in ≈ 50 s); the new
+    # replicas building their models on the same 2 cores stretch first chunks and chunk waits to 2.9–3.6 s, and to
+    # 5.04 s in one CI run: the bound tells the two apart.
+    assert gaps[-1] < STALL_S, gaps[-3:]
     stats = _decode_stats(served)
     print(f"[rolling] replica {kept}: {stats}")
     assert stats["kv_blocks_used"] == 0 and stats["running"] == 0 and stats["reserved"] == 0, stats
