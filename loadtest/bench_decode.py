@@ -14,16 +14,11 @@ are the decoded ones (the prefill's first token is not decode's work) in the sam
 The headline's two sides (batch 32, sequential) run ``--repeats`` times, interleaved; the headline figures are the
 medians, every run's value beside them (``…_runs``), and the other numbers are those of the median run.
 
-Roofline: a decode step must read the language model's weights once (embedding table excluded: one row per token) and
-every running sequence's KV, and compute its GEMMs (weights × rows, plus attention over the KV). Per step its **memory
-floor** is those bytes at ``read_bytes_per_s`` — a read probe on the engine's own torch threads (a sum over 256 MB),
-measured in the same run — and its **compute floor** those FLOPs at ``gemm_flops_per_s``, the same weight GEMMs on 512
-rows (the peak the machine's GEMMs reach here); the step's floor is the larger (``decode_roofline_fraction_b32``: that
-floor over the mean b32 step). Until 2026-12-03 the floor was the bytes at a one-thread copy's bandwidth
-(``copy_floor_fraction``, kept beside it): a copy also writes, and the engine reads on all its threads, so that
-bandwidth was well below what the engine can read (12.2 vs 21.4 GB/s in the committed run) and the floor too high.
-Beside it, ``b32_weight_gemm_ms`` and the rate the weight GEMMs reach on 32 rows. The speedup against Prism's own engine
-at batch 1 (``decode_speedup_32_vs_engine_b1``: the same requests one after another through the engine, end to end) runs
+Roofline (:mod:`loadtest.roofline`): each step's floor is the larger of its memory floor (weights and KV at the
+engine's measured read bandwidth) and its compute floor (its FLOPs at the machine's GEMM peak), both measured in the
+same run; ``decode_roofline_fraction_b32`` is that floor over the mean b32 step. Beside it, ``b32_weight_gemm_ms`` and
+the rate the weight GEMMs reach on 32 rows. The speedup against Prism's own engine at batch 1
+(``decode_speedup_32_vs_engine_b1``: the same requests one after another through the engine, end to end) runs
 interleaved with the headline's two sides.
 
 Per dtype (``--dtypes``, default fp32 then bf16; the headline figures are the first's): step time, bytes read per step,
@@ -65,45 +60,18 @@ from common.stages.process import process_images
 from common.stages.prompt import build_prompt
 from loadtest import machine
 from loadtest.figures import median_index
+from loadtest.roofline import (
+    gemm_flops_per_token,
+    kv_bytes_per_token,
+    lm_weight_bytes,
+    memcpy_bytes_per_s,
+    read_bytes_per_s,
+    roofline,
+    timed,
+    weight_gemm_seconds,
+)
 
 DEFAULT_OUT = Path("loadtest/results/decode.json")
-
-
-def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
-    return nbytes / best
-
-
-def read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """What the engine's threads can read: a sum over ``nbytes`` of fp32 on torch's threads (the engine's own), best
-    of ``repeats`` — a read probe; a copy (:func:`memcpy_bytes_per_s`) also writes, and on one thread."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()  # (first touch)
-    return nbytes / min(_timed(lambda: x.sum()) for _ in range(repeats))
-
-
-def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5) -> float:
-    """The language model's own weight GEMMs (every linear layer and lm_head, as the model calls them) on ``rows``
-    input rows, alone: a b32 step's compute floor, and (with many rows) the GEMM peak its prefill can reach."""
-    layers = [m for m in lm.adapter.language_model(lm.model).modules() if isinstance(m, torch.nn.Linear)]
-    layers.append(lm.model.lm_head)
-    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=lm.dtype) for m in layers}
-
-    def run() -> None:
-        with torch.inference_mode():
-            for m in layers:
-                m(inputs[m.in_features])
-
-    run()
-    return min(_timed(run) for _ in range(repeats))
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _requests(lm: LoadedModel, n: int, tokens: int):
@@ -117,22 +85,6 @@ def _requests(lm: LoadedModel, n: int, tokens: int):
         merged = merge(lm, prompt, encode_media(lm, media))
         out.append((f"r{i}", prefill(lm, merged, sampling, 16), sampling, media, merged))
     return out
-
-
-def _lm_weight_bytes(lm: LoadedModel) -> int:
-    lang = lm.adapter.language_model(lm.model)
-    embed = lang.get_input_embeddings().weight
-    params = [p for p in lang.parameters() if p is not embed] + list(lm.model.lm_head.parameters())
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def _kv_bytes_per_token(lm: LoadedModel) -> int:
-    layers, heads, dim = lm.kv_shape
-    return 2 * layers * heads * dim * lm.dtype.itemsize
-
-
-def _lm_gemm_flops_per_token(lm: LoadedModel) -> int:
-    return 2 * _lm_weight_bytes(lm) // lm.dtype.itemsize
 
 
 def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> dict:
@@ -162,10 +114,10 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
     e2e = time.perf_counter() - e2e_start
     pool.check_no_leaks()
     total = sum(step_times)
-    weights = _lm_weight_bytes(lm) * len(step_times)
-    moved = weights + kv_read * _kv_bytes_per_token(lm)
+    weights = lm_weight_bytes(lm) * len(step_times)
+    moved = weights + kv_read * kv_bytes_per_token(lm)
     layers, _, dim = lm.kv_shape
-    flops = rows * _lm_gemm_flops_per_token(lm) + layers * 4 * lm.text_config.num_attention_heads * dim * kv_read
+    flops = rows * gemm_flops_per_token(lm) + layers * 4 * lm.text_config.num_attention_heads * dim * kv_read
     return {
         "batch": batch,
         "native_attention": engine.kernel is not None,
@@ -272,10 +224,10 @@ def bench_prefill(lm: LoadedModel, requests, peak: float) -> dict:
     seconds, flops, tokens = 0.0, 0, 0
     for _, pre, sampling, _, merged in requests:
         n = pre.kv.num_tokens
-        seconds += _timed(lambda merged=merged, sampling=sampling: prefill(lm, merged, sampling, 16))
+        seconds += timed(lambda merged=merged, sampling=sampling: prefill(lm, merged, sampling, 16))
         # weight GEMMs for every token (lm_head only for the last) + causal attention: QK^T and PV over n(n+1)/2 pairs
         head = 2 * lm.model.lm_head.weight.numel()
-        flops += (_lm_gemm_flops_per_token(lm) - head) * n + head + layers * 4 * q_heads * dim * n * (n + 1) // 2
+        flops += (gemm_flops_per_token(lm) - head) * n + head + layers * 4 * q_heads * dim * n * (n + 1) // 2
         tokens += n
     return {
         "requests": len(requests),
@@ -287,27 +239,13 @@ def bench_prefill(lm: LoadedModel, requests, peak: float) -> dict:
     }
 
 
-def roofline(run: dict, read: float, peak: float) -> dict:
-    """One engine run against the roofline: per step, the memory floor (its bytes at the ``read`` bandwidth of the
-    engine's threads) and the compute floor (its FLOPs at the ``peak`` GEMM rate), the step's floor the larger."""
-    memory_ms = 1000 * run["bytes_per_step"] / read
-    compute_ms = 1000 * run["flops_per_step"] / peak
-    return {
-        "memory_floor_ms": memory_ms,
-        "compute_floor_ms": compute_ms,
-        "bound": "memory" if memory_ms >= compute_ms else "compute",
-        # the floor over the mean step (the run's steps over its time)
-        "floor_fraction": max(memory_ms, compute_ms) * run["steps"] / (1000 * run["seconds"]),
-    }
-
-
 def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeats: int) -> dict:
     """Every decode and prefill figure of one dtype, measured side by side in this process."""
     print(f"prefilling 32 requests on {lm.served_name} ({lm.dtype}) …", flush=True)
     requests = _requests(lm, 32, tokens)
     memcpy, read = memcpy_bytes_per_s(), read_bytes_per_s()
     gemm_ms = 1000 * weight_gemm_seconds(lm, 32)
-    peak = 512 * _lm_gemm_flops_per_token(lm) / weight_gemm_seconds(lm, 512, 3)
+    peak = 512 * gemm_flops_per_token(lm) / weight_gemm_seconds(lm, 512, 3)
     gen = bench_generate(lm, requests[:sequential_requests], tokens)
     engine = {b: bench_engine(lm, requests, b) for b in (1, 8)}
     # The headline's sides, run ``repeats`` times, interleaved (a slow spell of the machine hits every side): the
@@ -341,7 +279,7 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         "memcpy_bytes_per_s": memcpy,
         "gemm_flops_per_s": peak,
         "torch_threads": torch.get_num_threads(),
-        "lm_weight_bytes": _lm_weight_bytes(lm),
+        "lm_weight_bytes": lm_weight_bytes(lm),
         "per_batch": {
             str(b): {
                 "median_step_ms": r["median_step_ms"],
@@ -355,7 +293,7 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         },
         # the b32 step's weight GEMMs alone, and the rate they run at on 32 rows (the peak is on 512)
         "b32_weight_gemm_ms": gemm_ms,
-        "b32_weight_gemm_flops_per_s": 32 * _lm_gemm_flops_per_token(lm) / (gemm_ms / 1000),
+        "b32_weight_gemm_flops_per_s": 32 * gemm_flops_per_token(lm) / (gemm_ms / 1000),
         "attention_paths_b32_step_ms": {
             "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,
             "pytorch": (torch_path or engine[32])["median_step_ms"],

@@ -41,8 +41,8 @@ from common.kv.landing import Landing
 from common.kv.pool import KVPool
 from common.kv.transport.base import KVTransport
 from common.protocol.handoff import PrefillOutput
-from loadtest.bench_decode import memcpy_bytes_per_s
 from loadtest.figures import bandwidth, median_index
+from loadtest.roofline import memcpy_bytes_per_s
 
 SIZES = (64 << 20, 256 << 20)
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16

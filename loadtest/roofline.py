@@ -1,0 +1,91 @@
+"""The decode step's roofline: the machine's measured read bandwidth and GEMM peak, and a step against them.
+
+A decode step must read the language model's weights once (embedding table excluded: one row per token) and every
+running sequence's KV, and compute its GEMMs (weights × rows, plus attention over the KV). Per step its **memory floor**
+is those bytes at ``read_bytes_per_s`` — a read probe on the engine's own torch threads (a sum over 256 MB), measured in
+the same run — and its **compute floor** those FLOPs at ``gemm_flops_per_s``, the same weight GEMMs on 512 rows (the
+peak the machine's GEMMs reach here); the step's floor is the larger (``decode_roofline_fraction_b32``: that floor over
+the mean b32 step). Until 2026-12-03 the floor was the bytes at a one-thread copy's bandwidth (``copy_floor_fraction``,
+kept beside it): a copy also writes, and the engine reads on all its threads, so that bandwidth was well below what the
+engine can read (12.2 vs 21.4 GB/s in the committed run) and the floor too high.
+
+Lifecycle: :mod:`loadtest.bench_decode` measures the probes once per dtype (``read_bytes_per_s``, the weight GEMMs
+on 32 and 512 rows), then places each engine run with :func:`roofline`. The copy probe
+(:func:`memcpy_bytes_per_s`) is also the hand-off benchmark's yardstick (:mod:`loadtest.bench_transfer`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from common.model.loader import LoadedModel
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = min(timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return nbytes / best
+
+
+def read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """What the engine's threads can read: a sum over ``nbytes`` of fp32 on torch's threads (the engine's own), best
+    of ``repeats`` — a read probe; a copy (:func:`memcpy_bytes_per_s`) also writes, and on one thread."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()  # (first touch)
+    return nbytes / min(timed(lambda: x.sum()) for _ in range(repeats))
+
+
+def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5) -> float:
+    """The language model's own weight GEMMs (every linear layer and lm_head, as the model calls them) on ``rows``
+    input rows, alone: a b32 step's compute floor, and (with many rows) the GEMM peak its prefill can reach."""
+    layers = [m for m in lm.adapter.language_model(lm.model).modules() if isinstance(m, torch.nn.Linear)]
+    layers.append(lm.model.lm_head)
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=lm.dtype) for m in layers}
+
+    def run() -> None:
+        with torch.inference_mode():
+            for m in layers:
+                m(inputs[m.in_features])
+
+    run()
+    return min(timed(run) for _ in range(repeats))
+
+
+def lm_weight_bytes(lm: LoadedModel) -> int:
+    lang = lm.adapter.language_model(lm.model)
+    embed = lang.get_input_embeddings().weight
+    params = [p for p in lang.parameters() if p is not embed] + list(lm.model.lm_head.parameters())
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def kv_bytes_per_token(lm: LoadedModel) -> int:
+    layers, heads, dim = lm.kv_shape
+    return 2 * layers * heads * dim * lm.dtype.itemsize
+
+
+def gemm_flops_per_token(lm: LoadedModel) -> int:
+    return 2 * lm_weight_bytes(lm) // lm.dtype.itemsize
+
+
+def roofline(run: dict, read: float, peak: float) -> dict:
+    """One engine run against the roofline: per step, the memory floor (its bytes at the ``read`` bandwidth of the
+    engine's threads) and the compute floor (its FLOPs at the ``peak`` GEMM rate), the step's floor the larger."""
+    memory_ms = 1000 * run["bytes_per_step"] / read
+    compute_ms = 1000 * run["flops_per_step"] / peak
+    return {
+        "memory_floor_ms": memory_ms,
+        "compute_floor_ms": compute_ms,
+        "bound": "memory" if memory_ms >= compute_ms else "compute",
+        # the floor over the mean step (the run's steps over its time)
+        "floor_fraction": max(memory_ms, compute_ms) * run["steps"] / (1000 * run["seconds"]),
+    }
