@@ -158,5 +158,8 @@ def assert_hops(trace: dict, topology: str, media: bool) -> None:
         return "in_process" if b in group_of(topology, a) else "object_store"
 
     assert spans["decode.transfer"]["backend"] == backend("prefill", "decode")
+    # the KV was reserved before prefill (by the ingress, or in a group's own replica) where the stream then ran
+    route = trace["cache"]["routing"]["decode"]
+    assert route["outcome"] in ("reserved", "waited") and route["replica"] == spans["decode.transfer"]["replica"], route
     if media:
         assert spans["prefill.transfer"]["backend"] == backend("encode", "prefill")

@@ -351,6 +351,9 @@ class StreamStart:
     replica: str | None = None
     """The Serve id of the decode replica streaming (where the ingress watches for it to leave); ``None`` outside
     Serve."""
+    reservation: str = "none"
+    """How its KV reservation went (:attr:`RequestContext.reservation` as the decode stage got it): a group that
+    reserves in its own replica tells the ingress here, as the ingress's reserver tells it in the context."""
 
 
 @dataclass(frozen=True)

@@ -232,8 +232,8 @@ class CallStream:
         call.chain, call.stream, call.ctx = started.responses, started.stream, started.ctx
         call.decode_replica, call.leaving = started.first.replica, None
         self.leaving.watch(call)  # (its new replica may be leaving too)
-        if started.ctx.decode_replica is not None:
-            call.trace.route("decode", started.ctx.reservation, started.ctx.decode_replica)
+        if started.decode_route is not None:
+            call.trace.route("decode", *started.decode_route)
         return moving
 
     def _migration_done(self, call: Call, moving: _Migration, outcome: str) -> None:

@@ -60,6 +60,14 @@ class Started:
     def stream(self) -> Any:
         return self.responses[-1]
 
+    @property
+    def decode_route(self) -> tuple[str, str] | None:
+        """``(outcome, replica)`` of the attempt's KV reservation — taken by the ingress, or by a group in its own
+        replica (the stream's start says so) — for the trace's ``routing.decode``; ``None``: none taken."""
+        outcome = self.first.reservation if self.first.reservation != "none" else self.ctx.reservation
+        replica = self.ctx.decode_replica or self.first.replica
+        return (outcome, replica) if outcome != "none" and replica is not None else None
+
 
 Issue = Callable[[tuple[int, ...]], Awaitable[Started]]
 """Issues a request's chain as its next attempt, replaying the given tokens (``()``: not a migration)."""

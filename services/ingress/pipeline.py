@@ -143,6 +143,6 @@ def _absorb(trace: RequestTrace, started: Started) -> None:
         decision = route_log.take(stage, ctx.key)
         if decision is not None:
             trace.route(stage, **decision)
-    if ctx.decode_replica is not None:
-        trace.route("decode", ctx.reservation, ctx.decode_replica)
+    if started.decode_route is not None:
+        trace.route("decode", *started.decode_route)
     trace.prompt_tokens = len(started.first.prompt_token_ids)

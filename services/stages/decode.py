@@ -203,7 +203,7 @@ class DecodeDeployment:
         try:  # (from the fetch on: a hand-off refused before submit still frees this attempt's reservation)
             prefilled, transfer_s = await self._import(unwrap(pre), sampling, stream)
             prompt = tuple(prefilled.prompt_token_ids.tolist())
-            yield StreamStart(prompt, tuple(stream.timeline.spans), self.replica_id)
+            yield StreamStart(prompt, tuple(stream.timeline.spans), self.replica_id, ctx.reservation)
             async for event in self._tokens(stream, prefilled.layout.num_tokens, transfer_s, sampling.n):
                 yield event
         finally:

@@ -200,10 +200,10 @@ def test_a_move_refused_for_a_full_queue_waits_and_asks_again(monkeypatch):
 
     full = [Overloaded("full", retry_after_s=0.01) for _ in range(4)]
     answers: list = [*full, "started"]
-    first = SimpleNamespace(prompt_token_ids=(1, 2), replica="r2")
-    started = SimpleNamespace(
-        responses=["stream"], stream="stream", ctx=SimpleNamespace(decode_replica=None), first=first
-    )
+    from common.protocol.handoff import RequestContext, StreamStart
+    from services.ingress.chain import Started
+
+    started = Started(["stream"], RequestContext("r", "t", deadline=1e12, sent_at=0.0), StreamStart((1, 2), (), "r2"))
 
     async def reissue(sent):
         answer = answers.pop(0)

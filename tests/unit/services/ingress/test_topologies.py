@@ -319,3 +319,20 @@ def test_hops_that_leave_a_group_go_over_nixl_with_the_reference_tokens(model_ca
             assert spans["prefill.transfer"]["backend"] == "nixl"
             assert spans["decode.transfer"]["backend"] == "in_process"
     _nothing_held(served)
+
+
+def test_the_trace_names_the_kv_reservation_wherever_it_was_taken():
+    """``routing.decode``: a group reserves in its own replica and its stream's start says how it went; the ingress's
+    reserver says so in the attempt's context (the served tests check both through Serve: ``tests.served``)."""
+    from dataclasses import replace
+
+    from common.protocol.handoff import StreamStart
+    from services.ingress.chain import Started
+
+    ctx = RequestContext("r", "t", time.time() + 60, time.time())
+    by_group = Started([], ctx, StreamStart((1, 2), replica="group-1", reservation="waited"))
+    assert by_group.decode_route == ("waited", "group-1")
+    reserved = replace(ctx, decode_replica="decode-2", reservation="reserved")
+    by_ingress = Started([], reserved, StreamStart((1, 2), replica="decode-2", reservation="reserved"))
+    assert by_ingress.decode_route == ("reserved", "decode-2")
+    assert Started([], ctx, StreamStart((1, 2), replica="decode-3")).decode_route is None  # (none taken)
