@@ -3,15 +3,18 @@
 Each deployment reports ``queue_depth`` in its own unit through ``record_autoscaling_stats`` (media: items in
 flight; encode: pending vision patches; prefill: prompt tokens still to compute; decode: running + waiting sequences).
 :class:`QueueDepthPolicy` wants ``ceil(total_depth / target_per_replica)`` replicas, clamped to the stage's range;
-it scales up at once and down only after the lower target has held for ``downscale_delay_s`` (no flapping).
+it scales up at once and down only after the lower target has held for ``downscale_delay_s`` (no flapping) — lower
+than its last decision, so a replica still starting is not stopped by the next tick's wish.
 Decode also reports ``kv_used_fraction``: above ``kv_high_watermark`` on average it asks for one more replica even if
 the sequence count alone would not. Each decision is exported as ``prism_autoscale_desired_replicas`` (recorded in
-the Serve controller, where the policy runs) so dashboards can show wanted vs running replicas next to the queue.
+the Serve controller, where the policy runs) so dashboards can show wanted vs running replicas next to the queue: one
+series per stage the deployment holds (a grouped topology's deployment holds several: :func:`stages_of`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -47,14 +50,24 @@ class QueueDepthPolicy:
         want = max(low, min(high, want))
         state = dict(ctx.policy_state or {})
         now = ctx.current_time or 0.0
-        if want >= ctx.current_num_replicas:
+        # Downscaling is measured against the last decision, not the replicas running: a replica still starting
+        # counts (against the running ones, the next tick's lower wish stopped it while it loaded its model — Serve
+        # added and removed one four times in 5 s under a steady 3-stream load, each start costing the cores)
+        held = _last_decision(ctx)
+        if want >= held:
             state.pop("below_since", None)
             return want, state
         since = state.setdefault("below_since", now)
         if now - since >= self.downscale_delay_s:
             state.pop("below_since", None)
             return want, state
-        return ctx.current_num_replicas, state
+        return held, state
+
+
+def _last_decision(ctx: Any) -> int:
+    """The replicas Serve is bringing the deployment to (its target: the last decision), else those running."""
+    target = getattr(ctx, "target_num_replicas", None)
+    return ctx.current_num_replicas if target is None else int(target)
 
 
 _gauge: Any = None
@@ -70,5 +83,13 @@ def _report_gauge(ctx: Any, replicas: int) -> None:
         spec = BY_NAME["prism_autoscale_desired_replicas"]
         _gauge = Gauge(spec.name, description=spec.description, tag_keys=spec.tags)
     name = str(ctx.deployment_name)
-    tags = {"application": str(ctx.app_name or ""), "deployment": name, "stage": name.lower()}
-    _gauge.set(replicas, tags=tags)
+    for stage in stages_of(name):
+        _gauge.set(replicas, tags={"application": str(ctx.app_name or ""), "deployment": name, "stage": stage})
+
+
+def stages_of(deployment: str) -> list[str]:
+    """The stages a deployment holds, from its name (:mod:`services.app`: the group's stages capitalised and joined,
+    then ``-<model>`` in a multi-model app): ``Decode-prism-small-llava`` → ``["decode"]``, ``EncodePrefillDecode`` →
+    ``["encode", "prefill", "decode"]``. A group's decision is each of its stages' (the dashboards' rows are per
+    stage, and each stage of the group counts the group's replicas)."""
+    return [part.lower() for part in re.findall(r"[A-Z][a-z]*", deployment.split("-", 1)[0])] or [deployment.lower()]

@@ -7,13 +7,14 @@ from types import SimpleNamespace
 from services.platform.autoscaling import QueueDepthPolicy
 
 
-def ctx(depth, current, now, state=None, kv=None, low=1, high=4):
+def ctx(depth, current, now, state=None, kv=None, low=1, high=4, target=None):
     metrics = {"queue_depth": {f"r{i}": depth / max(1, current) for i in range(max(1, current))}}
     if kv is not None:
         metrics["kv_used_fraction"] = {"r0": kv}
     return SimpleNamespace(
         aggregated_metrics=metrics,
         current_num_replicas=current,
+        target_num_replicas=current if target is None else target,
         capacity_adjusted_min_replicas=low,
         capacity_adjusted_max_replicas=high,
         policy_state=state or {},
@@ -54,3 +55,27 @@ def test_every_decision_is_reported_for_the_dashboards():
     policy = QueueDepthPolicy(target_per_replica=4, downscale_delay_s=10, report=lambda c, n: seen.append(n))
     decisions = [policy(ctx(d, 1, 0.0))[0] for d in (9, 100, 0)]
     assert seen == decisions == [3, 4, 1]
+
+
+def test_each_decision_is_labelled_with_the_stages_its_deployment_holds():
+    """The dashboards' rows select ``stage="decode"`` (and so on): a model-suffixed name, or a group's, must still
+    land in them — a group's decision in the row of each stage it holds."""
+    from services.platform.autoscaling import stages_of
+
+    assert stages_of("Decode") == ["decode"]
+    assert stages_of("Decode-prism-small-llava") == ["decode"]
+    assert stages_of("Media-prism-tiny-qwen2vl") == ["media"]
+    assert stages_of("EncodePrefillDecode-prism-tiny-llava") == ["encode", "prefill", "decode"]
+    assert stages_of("PrefillDecode") == ["prefill", "decode"]
+
+
+def test_a_replica_still_starting_is_not_stopped_by_the_next_ticks_wish():
+    """One running, a second starting (Serve's target 2): a tick whose depth wants one holds two until the delay."""
+    policy = QueueDepthPolicy(target_per_replica=4, downscale_delay_s=10)
+    want, state = policy(ctx(4, 1, 100.0, target=2))
+    assert want == 2 and state["below_since"] == 100.0
+    want, state = policy(ctx(4, 2, 105.0, state))
+    assert want == 2
+    want, state = policy(ctx(4, 2, 110.5, state))
+    assert want == 1
+    assert policy(ctx(9, 1, 0.0, target=2))[0] == 3  # (up at once, as ever)
