@@ -233,3 +233,8 @@ def test_a_rolling_update_and_a_scale_down_under_streaming_load_lose_no_request(
     gone = total(samples, left, from_deployment=LLAVA_GROUP)
     print(f"[rolling] replicas left: {gone:.0f}, streams moved: {moved:.0f}")
     assert gone >= 1
+    # the policy's decision for the group reaches the dashboards' row of each stage it holds
+    wanted = "ray_prism_autoscale_desired_replicas"
+    for stage in ("encode", "prefill", "decode"):
+        samples = wait_for(url, lambda s, stage=stage: total(s, wanted, deployment=LLAVA_GROUP, stage=stage) == 1)
+        assert total(samples, wanted, deployment=LLAVA_GROUP, stage=stage) == 1, stage
