@@ -8,6 +8,7 @@ only where the ingress runs.
 from __future__ import annotations
 
 import json
+import re
 
 import helm_python
 import kubernetes_validate
@@ -190,3 +191,34 @@ def test_an_empty_peer_list_admits_nobody_rather_than_everybody():
     rules = one(render({"networkPolicy": {"serveFrom": ingress_ns}}), "NetworkPolicy")["spec"]["ingress"]
     assert [r["from"] for r in rules if r.get("ports", [{}])[0].get("port") == 8000] == [ingress_ns]
     assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+
+
+def _cpus(topology: str, **per_stage: float) -> dict:
+    return {"topology": topology, "stages": {stage: {"serve": {"num_cpus": n}} for stage, n in per_stage.items()}}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            _cpus("EPD", encode=4, prefill=4),
+            "a replica of the encode-prefill-decode deployment asks 10 CPUs (encode 4 + prefill 4 + decode 2",
+        ),
+        (
+            {"stages": {"decode": {"workers": {"resources": {"limits": {"cpu": "1500m"}}}}}},
+            "a replica of the decode deployment asks 2 CPUs (decode 2: serve.num_cpus) but a pod of its worker group "
+            "has 1.5",
+        ),
+        ({"stages": {"ingress": {"serve": {"num_cpus": 20}}}}, "a replica of the ingress deployment asks 20 CPUs"),
+        (
+            {"topology": "E/PD", "stages": {"prefill": {"serve": {"num_gpus": 2}}}},
+            "a replica of the prefill-decode deployment asks 2 GPUs (serve.num_gpus) but a pod of its worker group "
+            "has 1",
+        ),
+    ],
+    ids=["group-cpus", "millicpus", "ingress-on-media", "group-gpus"],
+)
+def test_a_deployment_that_cannot_fit_a_pod_of_its_group_fails_to_render(values, message):
+    """Serve would wait for such a replica forever without an error: the chart says which and why instead."""
+    with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
+        render(values)

@@ -55,6 +55,49 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if and .Values.rdma.enabled (ne .Values.transport "nixl") -}}
 {{- fail "rdma.enabled needs transport: nixl (the RDMA devices and IPC_LOCK serve only NIXL's transfers)." -}}
 {{- end -}}
+{{- include "prism.checkGroupsFit" . -}}
+{{- end -}}
+
+{{/*
+A replica that asks more CPUs or GPUs than a pod of its worker group has is never scheduled, and Serve waits for it
+without an error: refuse to render instead. A grouped deployment asks the CPUs of every stage it holds, summed, and the
+most GPUs one of them asks (PrismConfig's group sizing; an unset num_cpus is PrismConfig's default); the ingress and
+media are apart on the media group. A pod has its container's limits (else requests): what KubeRay tells Ray.
+*/}}
+{{- define "prism.checkGroupsFit" -}}
+{{- range $group := include "prism.groups" . | fromJsonArray -}}
+{{- $last := last (splitList "-" $group) -}}
+{{- $w := (index $.Values.stages $last).workers -}}
+{{- if $w.enabled -}}
+{{- $res := default dict $w.resources -}}
+{{- $pod := merge (deepCopy (default dict $res.limits)) (default dict $res.requests) -}}
+{{- $podCpus := include "prism.cpus" (index $pod "cpu" | default "0") | float64 -}}
+{{- $podGpus := index $pod "nvidia.com/gpu" | default 0 | float64 -}}
+{{- $replicas := ternary (list (list "ingress") (list "media")) (list (splitList "-" $group)) (eq $group "media") -}}
+{{- range $stages := $replicas -}}
+{{- $cpus := 0.0 -}}{{- $gpus := 0.0 -}}{{- $parts := list -}}
+{{- range $stage := $stages -}}
+{{- $serve := default dict (index $.Values.stages $stage).serve -}}
+{{- $c := ternary $serve.num_cpus (ternary 0.1 0.25 (eq $stage "ingress")) (hasKey $serve "num_cpus") | float64 -}}
+{{- $cpus = addf $cpus $c -}}
+{{- $gpus = max $gpus ($serve.num_gpus | default 0 | float64) | float64 -}}
+{{- $parts = append $parts (printf "%s %v" $stage $c) -}}
+{{- end -}}
+{{- if gt $cpus $podCpus -}}
+{{- fail (printf "stages.%s.workers: a replica of the %s deployment asks %v CPUs (%s: serve.num_cpus) but a pod of its worker group has %v (resources): Serve would wait for it forever. Give the pod more CPUs or the stages fewer." $last (join "-" $stages) $cpus (join " + " $parts) $podCpus) -}}
+{{- end -}}
+{{- if gt $gpus $podGpus -}}
+{{- fail (printf "stages.%s.workers: a replica of the %s deployment asks %v GPUs (serve.num_gpus) but a pod of its worker group has %v (resources nvidia.com/gpu): Serve would wait for it forever." $last (join "-" $stages) $gpus $podGpus) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A Kubernetes CPU quantity ("8", 8, "500m") in CPUs. */}}
+{{- define "prism.cpus" -}}
+{{- $q := toString . -}}
+{{- if hasSuffix "m" $q -}}{{- divf (trimSuffix "m" $q | float64) 1000 -}}{{- else -}}{{- $q | float64 -}}{{- end -}}
 {{- end -}}
 
 {{/* Writable directories under the read-only root filesystem. */}}
