@@ -64,7 +64,9 @@ def app_config(model: str) -> dict[str, Any]:
     return {
         "model": {"model": model, "torch_threads": 1},
         "deployments": {s: {"num_cpus": 0.25} for s in ("media", "encode", "prefill", "decode")},
-        "server": {"api_keys": {servers.KEY: "bench", servers.ALPHA: "alpha", servers.BETA: "beta"}},
+        "server": {
+            "api_keys": {servers.KEY: "bench", servers.ALPHA: "alpha", servers.BETA: "beta", servers.GAMMA: "gamma"}
+        },
         "observability": {"trace_cache_hits": True},
     }
 
@@ -147,6 +149,7 @@ def _measure(
     metrics.update(bench_cache.figures(cache_model, *cache))
     metrics["text_ttft_p95_flood_vs_idle"] = bench_results.text_flood(prism, mono)
     metrics["tenant_ttft_p95_flood_vs_idle"] = bench_results.tenant_flood(prism)
+    metrics["tenants3_ttft_p95_flood_vs_idle"] = bench_results.tenants3_flood(prism)
     metrics.update(bench_results.goodput(naive, prism, mono))
     at = bench_results.knee_rate(naive)
     curves = bench_results.sweeps(naive, prism, mono)

@@ -19,6 +19,7 @@ SEEDS = {
     "cold": 1,
     "flood": 11,
     "tenant_flood": 31,
+    "tenants3_flood": 61,
     "cache_cold": 41,
     "cache_hot": 51,
     "sweep": 10_000,
@@ -65,32 +66,52 @@ class Flood:
         return ratio(ttft(self.probes, "p95"), ttft(self.idle, "p95"))
 
 
-def flood(url: str, model: str, duration: float, base: int, flood_key: str = KEY, probe_key: str = KEY) -> Flood:
+def flood(
+    url: str,
+    model: str,
+    duration: float,
+    base: int,
+    flood_key: str = KEY,
+    probe_key: str = KEY,
+    also_flooding: tuple[str, ...] = (),
+    idle: list[RequestRecord] | None = None,
+) -> Flood:
     """Text-only probes idle, then under a flood of large images at a steady rate (both loads planned first).
-    Seeds ``base``, ``base + 1``, ``base + 2``: the idle probes, the probes under the flood, the flood (its images)."""
+    Seeds ``base``, ``base + 1``, ``base + 2``: the idle probes, the probes under the flood, the flood (its images).
+    ``also_flooding``: more tenants' keys, each sending a flood as large of its own (seeds ``base + 3``, …) at the same
+    time; ``idle``: probes already measured idle in this run (then none are sent again)."""
     probe = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=base)
-    idle = load(url, model, probe, 1.0, duration, seed=base, key=probe_key)
+    if idle is None:
+        idle = load(url, model, probe, 1.0, duration, seed=base, key=probe_key)
 
     probe_spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.0, seed=base + 1, api_key=probe_key)
-    flood_spec = RunSpec(
-        url=url, model=model, duration_s=duration, rate=1.5, seed=base + 2, trace=False, api_key=flood_key
-    )
-    images = Workload(
-        mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"), seed=base + 2
-    )
     probes = Workload(mix={"text": 1}, outputs=OutputLengths("fixed:8"), seed=base + 1)
-    # Both plans are built before either load starts: encoding the flood's large JPEGs (~1 s of CPU per request)
+    floods = [
+        _flood_load(url, model, duration, seed, key) for seed, key in enumerate((flood_key, *also_flooding), base + 2)
+    ]
+    # Every plan is built before any load starts: encoding the flood's large JPEGs (~1 s of CPU per request)
     # inside the running loop stalled the probes' own sends and timings and took the cores from the server.
-    probe_plan, flood_plan = plan(probe_spec, probes), plan(flood_spec, images)
+    probe_plan = plan(probe_spec, probes)
+    flood_plans = [plan(spec, images) for spec, images in floods]
 
-    async def both():
-        (records, _), (flooding, _) = await asyncio.gather(
-            run(probe_spec, probes, None, probe_plan), run(flood_spec, images, None, flood_plan)
+    async def together():
+        (records, _), *flooding = await asyncio.gather(
+            run(probe_spec, probes, None, probe_plan),
+            *(run(spec, images, None, p) for (spec, images), p in zip(floods, flood_plans, strict=True)),
         )
-        return records, flooding
+        return records, [r for got, _ in flooding for r in got]
 
-    flooded, flooding = asyncio.run(both())
+    flooded, flooding = asyncio.run(together())
     return Flood(idle, flooded, flooding)
+
+
+def _flood_load(url: str, model: str, duration: float, seed: int, key: str) -> tuple[RunSpec, Workload]:
+    """One tenant's flood: large images (one or several a request) at 1.5 requests a second."""
+    spec = RunSpec(url=url, model=model, duration_s=duration, rate=1.5, seed=seed, trace=False, api_key=key)
+    images = Workload(
+        mix={"image": 0.5, "multi_image": 0.5}, sizes={"large": 1}, outputs=OutputLengths("fixed:8"), seed=seed
+    )
+    return spec, images
 
 
 Run = tuple[dict[str, Any], list[RequestRecord]]

@@ -6,6 +6,8 @@
   lane must.
 * ``tenant_ttft_p95_flood_vs_idle`` — the same with two tenants and no quota set (what a new user gets): ``alpha``
   floods, ``beta`` probes; Prism only.
+* ``tenants3_ttft_p95_flood_vs_idle`` — three tenants: ``alpha`` and ``gamma`` flood at once, each as hard as
+  ``alpha`` alone above; ``beta`` probes (idle: the same run's probes of the two-tenant figure).
 * ``goodput_ratio_vs_naive`` and ``goodput_ratio_vs_monolith`` — peak goodput (the most requests meeting the TTFT
   and ITL SLOs per second at any swept rate of the same mixed open-loop load, :mod:`loadtest.sweep`), Prism / naive
   and Prism / monolith. The raw holds every server's curve, capacity and peak, and each server's goodput at the naive
@@ -82,6 +84,24 @@ def tenant_flood(prism: ServerRuns) -> dict[str, Any]:
         "beta flood probes": _flatten([b.probes for b in prism.tenants]),
     }
     return record("tenant_ttft_p95_flood_vs_idle", [b.ratio for b in prism.tenants], raw, sides=sides)
+
+
+def tenants3_flood(prism: ServerRuns) -> dict[str, Any]:
+    """Beta's text under two tenants' floods at once (alpha's and gamma's, each as large as the two-tenant figure's),
+    against the same run's idle probes; no quota."""
+    raw = [
+        {
+            "beta_idle_p95_s": loads.ttft(b.idle, "p95"),
+            "beta_flood_p95_s": loads.ttft(b.probes, "p95"),
+            "alpha_and_gamma_flood_load": outcome_counts(b.flood),
+        }
+        for b in prism.tenants3
+    ]
+    sides = {
+        "beta idle probes": _flatten([b.idle for b in prism.tenants3]),
+        "beta probes under two floods": _flatten([b.probes for b in prism.tenants3]),
+    }
+    return record("tenants3_ttft_p95_flood_vs_idle", [b.ratio for b in prism.tenants3], raw, sides=sides)
 
 
 def knee_rate(naive: ServerRuns) -> float | None:

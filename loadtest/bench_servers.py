@@ -17,9 +17,9 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-KEY, ALPHA, BETA = "bench-key", "bench-alpha", "bench-beta"
+KEY, ALPHA, BETA, GAMMA = "bench-key", "bench-alpha", "bench-beta", "bench-gamma"
 """API keys of the Prism runs: tenant ``bench`` for the single-tenant figures, ``alpha`` / ``beta`` for the
-tenant figure (the monolith and the naive server ignore keys)."""
+tenant figure, ``gamma`` too for the three-tenant one (the monolith and the naive server ignore keys)."""
 
 
 def free_port() -> int:

@@ -37,6 +37,8 @@ class ServerRuns:
     """Text probes idle / under one tenant's large-image flood."""
     tenants: list[Flood] = field(default_factory=list)
     """Tenant beta's text probes idle / under tenant alpha's flood."""
+    tenants3: list[Flood] = field(default_factory=list)
+    """Tenant beta's text probes under alpha's and gamma's floods at once (idle: the same run's ``tenants``)."""
     sweep: dict[float, Any] = field(default_factory=dict)
     """The goodput sweep: rate → (summary, records), the rates it ran (:func:`loadtest.bench_loads.sweep`)."""
     hops: dict[str, Any] = field(default_factory=dict)
@@ -78,6 +80,11 @@ def prism_session(config: dict[str, Any], model: str, st: Settings, say: Say) ->
                 say(f"Prism, run {i + 1}: tenant beta's text probes idle / under tenant alpha's large-image flood")
                 keys = {"flood_key": servers.ALPHA, "probe_key": servers.BETA}
                 out.tenants.append(loads.flood(url, model, st.duration, seed_of("tenant_flood", i), **keys))
+                say(f"Prism, run {i + 1}: tenant beta's text probes under alpha's and gamma's floods at once")
+                base, idle = seed_of("tenants3_flood", i), out.tenants[-1].idle
+                out.tenants3.append(
+                    loads.flood(url, model, st.duration, base, **keys, also_flooding=(servers.GAMMA,), idle=idle)
+                )
         say("Prism: the goodput sweep")
         out.sweep = loads.sweep(url, model, st.duration, st.min_requests)
     return out

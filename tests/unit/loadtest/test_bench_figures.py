@@ -29,6 +29,7 @@ SHORT = (
     "prefix_reuse_fraction",
     "text_ttft_p95_flood_vs_idle",
     "tenant_ttft_p95_flood_vs_idle",
+    "tenants3_ttft_p95_flood_vs_idle",
     "decode_speedup_32_vs_sequential",
     "decode_roofline_fraction_b32",
     "grammar_mask_fraction_of_b32_step",
@@ -40,7 +41,7 @@ SHORT = (
 
 def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     names = [f.name for f in figures.FIGURES]
-    assert len(names) == len(set(names)) == 17
+    assert len(names) == len(set(names)) == 18
     assert all(f.op in ("<=", ">=") and f.target > 0 for f in figures.FIGURES)
     assert all(figures.runs(n) >= 3 for n in SHORT)
     # the two decode figures come from the same runs of bench_decode, the NIXL two from the same repeats
@@ -49,6 +50,8 @@ def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     assert figures.runs("nixl_bw_fraction_of_memcpy") == figures.runs("nixl_vs_ucx_read")
     # the topologies' TTFT runs pair with the monolith's runs of the split path's figure, one for one
     assert figures.runs("ttft_ratio_topology_epd_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
+    # the three-tenant runs take their idle probes from the two-tenant figure's, run for run
+    assert figures.runs("tenants3_ttft_p95_flood_vs_idle") == figures.runs("tenant_ttft_p95_flood_vs_idle")
     # the three cache-reach figures come from the same hot runs
     assert len({figures.runs(n) for n in bench_cache.FIGURES}) == 1
 
@@ -70,9 +73,19 @@ def test_no_two_loads_of_a_full_bench_share_a_seed():
     for i in range(runs):
         used += [seed_of("cold", i), seed_of("cache_cold", i), seed_of("cache_hot", i)]
         used += [seed_of(flood, i) + k for flood in ("flood", "tenant_flood") for k in range(3)]
+        used += [seed_of("tenants3_flood", i) + k for k in range(1, 4)]  # (its idle probes are tenant_flood's)
     used += [seed_of("sweep") + i for i in range(len(RATES))]
     assert len(used) == len(set(used)), sorted(used)
-    assert set(SEEDS) == {"warm_up", "cold", "flood", "tenant_flood", "cache_cold", "cache_hot", "sweep"}
+    assert set(SEEDS) == {
+        "warm_up",
+        "cold",
+        "flood",
+        "tenant_flood",
+        "tenants3_flood",
+        "cache_cold",
+        "cache_hot",
+        "sweep",
+    }
 
 
 def test_the_value_is_the_median_of_the_runs_with_the_spread_beside_it():
