@@ -53,7 +53,7 @@ class QueueDepthPolicy:
         # Downscaling is measured against the last decision, not the replicas running: a replica still starting
         # counts (against the running ones, the next tick's lower wish stopped it while it loaded its model — Serve
         # added and removed one four times in 5 s under a steady 3-stream load, each start costing the cores)
-        held = _last_decision(ctx)
+        held = max(low, min(high, _last_decision(ctx)))  # (within the range as it is now)
         if want >= held:
             state.pop("below_since", None)
             return want, state

@@ -91,9 +91,9 @@ def test_ray_job_submit_runs_the_offline_batch_on_the_head(served, tmp_path, mod
 
 
 LLAVA_GROUP = "EncodePrefillDecode-prism-tiny-llava"
+"""The deployment that holds the tiny LLaVA's decode (``topology: EPD`` in ``make serve``'s config)."""
 STALL_S = 10.0
 """The longest a streaming client may wait for a chunk while replicas are replaced (see the rolling test)."""
-"""The deployment that holds the tiny LLaVA's decode (``topology: EPD`` in ``make serve``'s config)."""
 
 
 def _deploy(served, overrides: list[dict], tag: str) -> None:

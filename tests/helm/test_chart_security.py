@@ -204,10 +204,21 @@ def _cpus(topology: str, **per_stage: float) -> dict:
             _cpus("EPD", encode=4, prefill=4),
             "a replica of the encode-prefill-decode deployment asks 10 CPUs (encode 4 + prefill 4 + decode 2",
         ),
+        (  # (KubeRay gives such a pod 2 CPUs: a 2-CPU replica fits, a 2.5-CPU one does not)
+            {
+                "stages": {
+                    "decode": {"serve": {"num_cpus": 2.5}, "workers": {"resources": {"limits": {"cpu": "1500m"}}}}
+                }
+            },
+            "a replica of the decode deployment asks 2.5 CPUs (decode 2.5: serve.num_cpus) but a pod of its worker "
+            "group has 2",
+        ),
         (
-            {"stages": {"decode": {"workers": {"resources": {"limits": {"cpu": "1500m"}}}}}},
-            "a replica of the decode deployment asks 2 CPUs (decode 2: serve.num_cpus) but a pod of its worker group "
-            "has 1.5",
+            {
+                "topology": "E/PD",
+                "stages": {"prefill": {"serve": {"num_gpus": 0.5}}, "decode": {"serve": {"num_gpus": 1.5}}},
+            },
+            "a replica of the prefill-decode deployment asks 1.5 GPUs",
         ),
         ({"stages": {"ingress": {"serve": {"num_cpus": 20}}}}, "a replica of the ingress deployment asks 20 CPUs"),
         (
@@ -216,9 +227,14 @@ def _cpus(topology: str, **per_stage: float) -> dict:
             "has 1",
         ),
     ],
-    ids=["group-cpus", "millicpus", "ingress-on-media", "group-gpus"],
+    ids=["group-cpus", "millicpus", "fractional-gpus", "ingress-on-media", "group-gpus"],
 )
 def test_a_deployment_that_cannot_fit_a_pod_of_its_group_fails_to_render(values, message):
     """Serve would wait for such a replica forever without an error: the chart says which and why instead."""
     with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
         render(values)
+
+
+def test_a_replica_that_fits_a_pod_as_kuberay_counts_it_renders():
+    """A '1500m' pod is 2 CPUs to Ray (KubeRay rounds up): the default 2-CPU decode replica fits it."""
+    render({"stages": {"decode": {"workers": {"resources": {"limits": {"cpu": "1500m"}, "requests": {"cpu": "1"}}}}}})

@@ -62,7 +62,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 A replica that asks more CPUs or GPUs than a pod of its worker group has is never scheduled, and Serve waits for it
 without an error: refuse to render instead. A grouped deployment asks the CPUs of every stage it holds, summed, and the
 most GPUs one of them asks (PrismConfig's group sizing; an unset num_cpus is PrismConfig's default); the ingress and
-media are apart on the media group. A pod has its container's limits (else requests): what KubeRay tells Ray.
+media are apart on the media group. A pod has its container's limits (else requests), CPUs rounded up: what KubeRay
+tells Ray.
 */}}
 {{- define "prism.checkGroupsFit" -}}
 {{- range $group := include "prism.groups" . | fromJsonArray -}}
@@ -71,7 +72,7 @@ media are apart on the media group. A pod has its container's limits (else reque
 {{- if $w.enabled -}}
 {{- $res := default dict $w.resources -}}
 {{- $pod := merge (deepCopy (default dict $res.limits)) (default dict $res.requests) -}}
-{{- $podCpus := include "prism.cpus" (index $pod "cpu" | default "0") | float64 -}}
+{{- $podCpus := include "prism.cpus" (index $pod "cpu" | default "0") | float64 | ceil -}}{{/* KubeRay: num-cpus rounded up */}}
 {{- $podGpus := index $pod "nvidia.com/gpu" | default 0 | float64 -}}
 {{- $replicas := ternary (list (list "ingress") (list "media")) (list (splitList "-" $group)) (eq $group "media") -}}
 {{- range $stages := $replicas -}}
@@ -80,10 +81,10 @@ media are apart on the media group. A pod has its container's limits (else reque
 {{- $serve := default dict (index $.Values.stages $stage).serve -}}
 {{- $c := ternary $serve.num_cpus (ternary 0.1 0.25 (eq $stage "ingress")) (hasKey $serve "num_cpus") | float64 -}}
 {{- $cpus = addf $cpus $c -}}
-{{- $gpus = max $gpus ($serve.num_gpus | default 0 | float64) | float64 -}}
+{{- $gpus = maxf $gpus ($serve.num_gpus | default 0 | float64) -}}
 {{- $parts = append $parts (printf "%s %v" $stage $c) -}}
 {{- end -}}
-{{- if gt $cpus $podCpus -}}
+{{- if and (hasKey $pod "cpu") (gt $cpus $podCpus) -}}{{/* (no cpu given: Ray counts the node's own) */}}
 {{- fail (printf "stages.%s.workers: a replica of the %s deployment asks %v CPUs (%s: serve.num_cpus) but a pod of its worker group has %v (resources): Serve would wait for it forever. Give the pod more CPUs or the stages fewer." $last (join "-" $stages) $cpus (join " + " $parts) $podCpus) -}}
 {{- end -}}
 {{- if gt $gpus $podGpus -}}
