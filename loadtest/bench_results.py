@@ -70,38 +70,32 @@ def text_flood(prism: ServerRuns, mono: ServerRuns) -> dict[str, Any]:
 
 
 def tenant_flood(prism: ServerRuns) -> dict[str, Any]:
-    raw = [
-        {
-            "beta_idle_p95_s": loads.ttft(b.idle, "p95"),
-            "beta_flood_p95_s": loads.ttft(b.probes, "p95"),
-            "alpha_flood_load": outcome_counts(b.flood),
-            "alpha_quota": None,  # (none: fair sharing by default is what the figure measures)
-        }
-        for b in prism.tenants
-    ]
-    sides = {
-        "beta idle probes": _flatten([b.idle for b in prism.tenants]),
-        "beta flood probes": _flatten([b.probes for b in prism.tenants]),
-    }
-    return record("tenant_ttft_p95_flood_vs_idle", [b.ratio for b in prism.tenants], raw, sides=sides)
+    name, flood, probes = "tenant_ttft_p95_flood_vs_idle", "alpha_flood_load", "beta flood probes"
+    # (alpha_quota: none — fair sharing by default is what the figure measures)
+    return _beta_figure(name, prism.tenants, flood, probes, alpha_quota=None)
 
 
 def tenants3_flood(prism: ServerRuns) -> dict[str, Any]:
     """Beta's text under two tenants' floods at once (alpha's and gamma's, each as large as the two-tenant figure's),
     against the same run's idle probes; no quota."""
+    flood, probes = "alpha_and_gamma_flood_load", "beta probes under two floods"
+    return _beta_figure("tenants3_ttft_p95_flood_vs_idle", prism.tenants3, flood, probes)
+
+
+def _beta_figure(name: str, runs: list, flood: str, probes: str, **more: Any) -> dict[str, Any]:
+    """A tenant figure: tenant beta's probe p95 under the flood over idle, per run; ``flood`` / ``probes`` name the
+    flood's outcomes in the raw and the flooded probes' side."""
     raw = [
         {
             "beta_idle_p95_s": loads.ttft(b.idle, "p95"),
             "beta_flood_p95_s": loads.ttft(b.probes, "p95"),
-            "alpha_and_gamma_flood_load": outcome_counts(b.flood),
+            flood: outcome_counts(b.flood),
+            **more,
         }
-        for b in prism.tenants3
+        for b in runs
     ]
-    sides = {
-        "beta idle probes": _flatten([b.idle for b in prism.tenants3]),
-        "beta probes under two floods": _flatten([b.probes for b in prism.tenants3]),
-    }
-    return record("tenants3_ttft_p95_flood_vs_idle", [b.ratio for b in prism.tenants3], raw, sides=sides)
+    sides = {"beta idle probes": _flatten([b.idle for b in runs]), probes: _flatten([b.probes for b in runs])}
+    return record(name, [b.ratio for b in runs], raw, sides=sides)
 
 
 def knee_rate(naive: ServerRuns) -> float | None:

@@ -62,10 +62,10 @@ class Started:
 
     @property
     def decode_route(self) -> tuple[str, str] | None:
-        """``(outcome, replica)`` of the attempt's KV reservation — taken by the ingress, or by a group in its own
-        replica (the stream's start says so) — for the trace's ``routing.decode``; ``None``: none taken."""
-        outcome = self.first.reservation if self.first.reservation != "none" else self.ctx.reservation
-        replica = self.ctx.decode_replica or self.first.replica
+        """``(outcome, replica)`` of the attempt's KV reservation, for the trace's ``routing.decode``, as the stream's
+        start tells it — whoever took it (the ingress's reserver, in the context the decode stage got; a group, in its
+        own replica), the reservation is where the stream runs; ``None``: none taken (or outside Serve)."""
+        outcome, replica = self.first.reservation, self.first.replica
         return (outcome, replica) if outcome != "none" and replica is not None else None
 
 

@@ -322,8 +322,8 @@ def test_hops_that_leave_a_group_go_over_nixl_with_the_reference_tokens(model_ca
 
 
 def test_the_trace_names_the_kv_reservation_wherever_it_was_taken():
-    """``routing.decode``: a group reserves in its own replica and its stream's start says how it went; the ingress's
-    reserver says so in the attempt's context (the served tests check both through Serve: ``tests.served``)."""
+    """``routing.decode`` comes from the stream's start: a group reserves in its own replica, the ingress's reserver
+    in the context the decode stage gets (the served tests check both through Serve: ``tests.served``)."""
     from dataclasses import replace
 
     from common.protocol.handoff import StreamStart
