@@ -42,10 +42,14 @@ class Waiter:
     batch: bool = field(compare=False, default=False)
     future: Any = field(compare=False, default=None)
     """Its grant: an ``asyncio.Future`` (done: granted, or given up — skipped either way)."""
+    key: str = field(compare=False, default="")
+    """Its owner's name for it (the KV pool's: the request id)."""
+    gone: bool = field(compare=False, default=False)
+    """Taken out by its owner without a future (the KV pool's queue: a lease released while it waited)."""
 
     @property
     def live(self) -> bool:
-        return self.future is None or not self.future.done()
+        return not self.gone and (self.future is None or not self.future.done())
 
 
 class FairQueue:

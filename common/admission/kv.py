@@ -6,8 +6,12 @@ the engine's reservations (:meth:`common.engine.decode.DecodeEngine.reserve`). A
 once; one that does not waits in the pool's lease queue — unless :meth:`KVAdmission.check` refuses it first with 429
 ``server_overloaded``:
 
-* the queue already holds ``max_waiting`` leases (reservations, prefilled sequences waiting for their lease);
-* the wait it can expect — the blocks queued ahead of its rank plus its own, beyond what is available now, at the
+* the queue already holds ``max_waiting`` leases (reservations, prefilled sequences waiting for their lease) and its
+  tenant already holds its weighted share of those places (so a flooder that filled the queue cannot lock the others
+  out);
+* the wait it can expect — the blocks the pool's fair order grants ahead of it (its own tenant's leases ranked before
+  it, and about as much from each other tenant as the order serves them meanwhile) plus its own, beyond what is
+  available now, at the
   rate capacity has come back over the last ``DRAIN_WINDOW_S`` seconds — ends past its deadline (a 429 now rather
   than a 504 later).
 
@@ -57,28 +61,36 @@ class KVAdmission:
             return None
         return (f1 - f0) / max(t1 - t0, 1.0)
 
-    def expected_wait_s(self, blocks: int, rank: float | None = None) -> float:
+    def expected_wait_s(
+        self, blocks: int, rank: float | None = None, tenant: str | None = None, weight: float = 1.0
+    ) -> float:
         """Seconds until ``blocks`` more would be granted behind what is queued ahead of ``rank`` (all of the queue
-        when ``None``); 0 if they fit now."""
-        excess = self.pool.blocks_ahead(math.inf if rank is None else rank) + blocks - self.pool.available_blocks
-        return drain_wait_s(excess, self.drain_rate(), self.default_retry_after)
+        when ``None``) — for a ``tenant``'s reservation, what the fair order grants ahead of it; 0 if they fit now."""
+        ahead = self.pool.blocks_ahead(math.inf if rank is None else rank, tenant, weight, blocks)
+        return drain_wait_s(ahead + blocks - self.pool.available_blocks, self.drain_rate(), self.default_retry_after)
 
     def retry_after_s(self, blocks: int) -> float:
         return retry_after(self.expected_wait_s(blocks))
 
-    def check(self, blocks: int, left_s: float, rank: float | None = None) -> None:
-        """Raise :class:`Overloaded` if a reservation of ``blocks`` ranked ``rank`` must not wait (see the module
-        docstring)."""
+    def check(
+        self, blocks: int, left_s: float, rank: float | None = None, tenant: str | None = None, weight: float = 1.0
+    ) -> None:
+        """Raise :class:`Overloaded` if a reservation of ``blocks`` ranked ``rank`` (of ``tenant``) must not wait
+        (see the module docstring)."""
         pool = self.pool
-        expected = self.expected_wait_s(blocks, rank)
-        if pool.num_waiting >= self.max_waiting and expected > 0:
+        expected = self.expected_wait_s(blocks, rank, tenant, weight)
+        if (
+            pool.num_waiting >= self.max_waiting
+            and expected > 0
+            and pool.holds_wait_share(tenant, weight, self.max_waiting)
+        ):
             raise Overloaded(
                 f"the decode stage's KV pool is full ({pool.used_blocks} of {pool.num_blocks} blocks in use, "
                 f"{pool.num_waiting} requests waiting for KV); retry later",
                 retry_after_s=retry_after(expected),
             )
         if expected >= left_s:
-            ahead = pool.blocks_ahead(math.inf if rank is None else rank)
+            ahead = pool.blocks_ahead(math.inf if rank is None else rank, tenant, weight, blocks)
             raise Overloaded(
                 f"the decode stage would take about {expected:.1f}s to free {blocks} KV blocks for this request "
                 f"({pool.available_blocks} of {pool.num_blocks} available, {ahead} queued ahead); its "
@@ -91,8 +103,17 @@ class LeaseBook(Protocol):
     """The reservations a :class:`KVGate` admits into (:class:`common.engine.decode.DecodeEngine` keeps them: a
     reservation is a lease in its pool, filed under the attempt's key, claimed later by that attempt's sequence)."""
 
-    def reserve(self, request_id: str, blocks: int, deadline: float | None = None, rank: float | None = None) -> bool:
-        """Lease (or queue by ``rank``) ``blocks`` under ``request_id``; True if granted now."""
+    def reserve(
+        self,
+        request_id: str,
+        blocks: int,
+        deadline: float | None = None,
+        rank: float | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
+        batch: bool = False,
+    ) -> bool:
+        """Lease (or queue as ``tenant``'s, by ``rank``) ``blocks`` under ``request_id``; True if granted now."""
         ...
 
     def reservation_granted(self, request_id: str) -> bool: ...
@@ -171,8 +192,8 @@ class KVGate:
             if self.precheck is not None:
                 self.precheck()
             if refuse:
-                self.admission.check(amount, left, rank)
-            granted = self.book.reserve(key, amount, deadline, rank)
+                self.admission.check(amount, left, rank, tenant, weight)
+            granted = self.book.reserve(key, amount, deadline, rank, tenant, weight, batch)
             waiter = None if granted else asyncio.get_running_loop().create_future()
             if waiter is not None:
                 self._waiters[key] = waiter

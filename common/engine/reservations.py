@@ -34,13 +34,22 @@ class Reservations:
     def expire_waiting(self) -> None:  # (the engine's)
         raise NotImplementedError
 
-    def reserve(self, request_id: str, blocks: int, deadline: float | None = None, rank: float | None = None) -> bool:
-        """Take (or queue, by ``rank``: :meth:`KVPool.request_lease`) a lease of ``blocks`` for a sequence not
-        prefilled yet; True if granted now. Raises :class:`LeaseTooLarge` past the per-request limit."""
+    def reserve(
+        self,
+        request_id: str,
+        blocks: int,
+        deadline: float | None = None,
+        rank: float | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
+        batch: bool = False,
+    ) -> bool:
+        """Take (or queue as ``tenant``'s, by ``rank``: :meth:`KVPool.request_lease`) a lease of ``blocks`` for a
+        sequence not prefilled yet; True if granted now. Raises :class:`LeaseTooLarge` past the per-request limit."""
         if request_id in self._reserved:
             raise ValueError(f"request {request_id} is already known to this engine")
         self._check_new(request_id)
-        granted = self.pool.request_lease(request_id, blocks, rank) is not None
+        granted = self.pool.request_lease(request_id, blocks, rank, tenant, weight, batch) is not None
         self._reserved[request_id] = deadline
         return granted
 

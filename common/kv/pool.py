@@ -18,11 +18,14 @@ Accounting, as queues:
 * Inside its lease a request **allocates** blocks (reference count 1) — as one contiguous run when it can, so
   attention reads its KV through a view with no copy — or **shares** an existing block (a prefix-cache hit, or the
   prompt's full blocks that a request's ``n`` choices read alike: reference count +1, no new capacity used).
-* The queue is in *rank* order — arrival order unless a lease carries a rank (the decode stage's reservations:
-  arrival, plus ``admission.batch_delay_s`` for batch-class traffic, as every stage budget ranks classes); one without
-  a rank ranks by the time it asked. So interactive requests go ahead of batch ones that arrived less than the delay
-  before them, and a batch request is never held longer than that by them. Nothing ranked later overtakes the head
-  (a lease already held may still grow into blocks that are available: it is older than everything waiting).
+* The queue is shared between tenants as every stage budget's is (:class:`common.admission.fair.FairQueue`, in
+  blocks — prompt *and* output, so a tenant of many long generations is charged for them): each tenant's leases wait
+  in *rank* order — arrival order unless a lease carries a rank (the decode stage's reservations: arrival, plus
+  ``admission.batch_delay_s`` for batch-class traffic); one without a rank ranks by the time it asked — and the head
+  of the tenant with the least service so far (blocks ÷ its weight) goes next, interactive before batch. A lone tenant
+  is served in rank order, as fast as blocks free. Nothing overtakes that head while it does not fit (a lease already
+  held may still grow into blocks that are available: it is older than everything waiting), and every grant raises
+  its tenant's tag, so no lease starves.
 * A lease may be taken before its request's KV exists (the decode stage reserves it before prefill computes, on an
   estimate) and resized when the KV arrives (:meth:`resize_lease`): a smaller need gives the difference back at once;
   a larger one takes the difference if it is available, or gives the lease back and waits for the whole at the head
@@ -37,15 +40,16 @@ Accounting, as queues:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from common.admission.fair import FairQueue, Waiter
 from common.errors import InvalidRequestError
 from common.protocol.vector import choices_blocks
 
@@ -62,6 +66,10 @@ class Lease:
     blocks: list[int] = field(default_factory=list)
     """Blocks this request references, in sequence order (allocated or shared)."""
     allocated: int = 0
+    tenant: str = ""
+    """Whose lease it is (the fair order charges it; a lease given back to grow waits again as that tenant's)."""
+    weight: float = 1.0
+    batch: bool = False
 
 
 class KVPool:
@@ -87,8 +95,9 @@ class KVPool:
         self._refs = np.zeros(num_blocks, dtype=np.int64)
         self._is_free = np.ones(num_blocks, dtype=bool)
         self._leases: dict[str, Lease] = {}
-        self._waiting: OrderedDict[str, int] = OrderedDict()
-        self._ranks: dict[str, float] = {}  # of the waiting leases
+        self._waiting: dict[str, Waiter] = {}  # the queued leases, by request id
+        self._fair = FairQueue()  # their order
+        self._seq = itertools.count()
         self.clock = clock
         self._reclaimer: Callable[[int], int] | None = None
         self.freed_total = 0
@@ -171,23 +180,28 @@ class KVPool:
         self.values[:, dst] = self.values[:, src]
 
     # ---- leases ---------------------------------------------------------------------------------------------
-    def request_lease(self, request_id: str, blocks: int, rank: float | None = None) -> Lease | None:
-        """Grant a lease now, or queue it (``None``) by ``rank`` (default: now, on the pool's clock); raise
-        :class:`LeaseTooLarge` if it can never be granted."""
+    def request_lease(
+        self,
+        request_id: str,
+        blocks: int,
+        rank: float | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
+        batch: bool = False,
+    ) -> Lease | None:
+        """Grant a lease now, or queue it (``None``) as ``tenant``'s, by ``rank`` (default: now, on the pool's clock);
+        raise :class:`LeaseTooLarge` if it can never be granted."""
         if request_id in self._leases or request_id in self._waiting:
             raise ValueError(f"request {request_id} already holds or awaits a lease")
         self._check_size(blocks)
-        self._enqueue(request_id, blocks, self.clock() if rank is None else rank)
+        self._enqueue(request_id, blocks, self.clock() if rank is None else rank, tenant, weight, batch)
         self._grant_waiting()
         return self._leases.get(request_id)
 
-    def _enqueue(self, request_id: str, blocks: int, rank: float) -> None:
-        """Queue behind every lease of the same or a lower rank, ahead of the rest (the queue is short: at most the
-        decode stage's ``max_waiting`` and the sequences waiting for their lease)."""
-        self._waiting[request_id] = blocks
-        self._ranks[request_id] = rank
-        for later in [rid for rid in self._waiting if self._ranks[rid] > rank]:
-            self._waiting.move_to_end(later)
+    def _enqueue(self, request_id: str, blocks: int, rank: float, tenant: str, weight: float, batch: bool) -> None:
+        waiter = Waiter(rank, next(self._seq), blocks, tenant=tenant, weight=weight, batch=batch, key=request_id)
+        self._waiting[request_id] = waiter
+        self._fair.push(waiter)
 
     def lease(self, request_id: str) -> Lease | None:
         return self._leases.get(request_id)
@@ -201,7 +215,8 @@ class KVPool:
         request ids granted meanwhile (:meth:`granted` says whether this one is among the holders). Waiting: the new
         amount keeps its place in the queue. Held and smaller: the difference goes back at once. Held and larger: the
         difference is granted if it is available now; otherwise the lease is given back and the whole amount queued
-        ahead of every lease that never held one (behind earlier give-backs) — it is older than they are, and a
+        ahead of every lease of its tenant that never held one (behind earlier give-backs) — it is older than they
+        are, and a
         request that waits holding nothing cannot deadlock with others that wait holding part of what they need.
         Raise :class:`LeaseTooLarge` past the per-request limit, ``KeyError`` if unknown, ``ValueError`` for a lease
         that has allocated blocks."""
@@ -210,7 +225,7 @@ class KVPool:
         if lease is None:
             if request_id not in self._waiting:
                 raise KeyError(request_id)
-            self._waiting[request_id] = blocks
+            self._waiting[request_id].amount = blocks
         elif lease.allocated:
             raise ValueError(f"request {request_id} has allocated blocks; its lease cannot be resized")
         elif blocks <= lease.reserved or blocks - lease.reserved <= self.available_blocks:
@@ -219,13 +234,30 @@ class KVPool:
         else:
             del self._leases[request_id]
             self.freed_total += lease.reserved
-            self._enqueue(request_id, blocks, -math.inf)  # (behind only others that gave their lease back)
+            # (first of its tenant's, behind only others that gave their lease back)
+            self._enqueue(request_id, blocks, -math.inf, lease.tenant, lease.weight, lease.batch)
         return self._grant_waiting()
 
-    def blocks_ahead(self, rank: float = math.inf) -> int:
-        """Blocks the leases queued at or before ``rank`` ask for: what a lease of that rank would wait behind (the
-        whole queue by default)."""
-        return sum(blocks for rid, blocks in self._waiting.items() if self._ranks[rid] <= rank)
+    def blocks_ahead(
+        self, rank: float = math.inf, tenant: str | None = None, weight: float = 1.0, blocks: int = 0
+    ) -> int:
+        """Blocks a lease would wait behind: with no ``tenant``, all the leases queued at or before ``rank`` ask for
+        (the whole queue by default); for a lease of ``tenant`` (``blocks``, ranked ``rank``), what the fair order
+        grants before it (:meth:`FairQueue.ahead_of`)."""
+        if tenant is not None:
+            return self._fair.ahead_of(tenant, weight, blocks, None if rank == math.inf else rank)
+        return sum(w.amount for w in self._waiting.values() if w.rank <= rank)
+
+    def holds_wait_share(self, tenant: str | None, weight: float, places: int) -> bool:
+        """Whether ``tenant``'s queued leases fill its weighted share of ``places`` queue places (always, with no
+        tenant named)."""
+        if tenant is None:
+            return True
+        return self._fair.waiting_of(tenant) >= self._fair.place_share(tenant, weight, places)
+
+    def served_blocks(self) -> dict[str, float]:
+        """Blocks each tenant's leases were granted since the pool was made (its share of the decode stage)."""
+        return dict(self._fair.service)
 
     @property
     def waiting_blocks(self) -> int:
@@ -255,22 +287,26 @@ class KVPool:
                 param="max_tokens",
             )
 
+    def waiting_in_rank_order(self) -> list[str]:
+        """The queued leases' request ids by rank (the order they are granted in while one tenant waits)."""
+        return [w.key for w in sorted(self._waiting.values())]
+
     def is_waiting(self, request_id: str) -> bool:
         return request_id in self._waiting
 
     def _grant_waiting(self) -> list[str]:
         granted = []
-        while self._waiting:
-            rid, blocks = next(iter(self._waiting.items()))
-            short = blocks - self.available_blocks
+        while (head := self._fair.head()) is not None:
+            short = head.amount - self.available_blocks
             if short > 0 and self._reclaimer is not None:
                 self._reclaimer(short)
-                short = blocks - self.available_blocks
+                short = head.amount - self.available_blocks
             if short > 0:
-                break  # nobody overtakes the head, so the head cannot starve
+                break  # nobody overtakes the head, and each grant raises its tenant's tag: no lease starves
+            self._fair.pop(head)  # (charges its tenant)
+            rid = head.key
             del self._waiting[rid]
-            del self._ranks[rid]
-            self._leases[rid] = Lease(request_id=rid, reserved=blocks)
+            self._leases[rid] = Lease(rid, head.amount, tenant=head.tenant, weight=head.weight, batch=head.batch)
             granted.append(rid)
         return granted
 
@@ -314,8 +350,9 @@ class KVPool:
 
     def release(self, request_id: str) -> list[str]:
         """Drop a request's lease or its place in the queue; returns request ids whose leases got granted."""
-        queued = self._waiting.pop(request_id, None) is not None
-        self._ranks.pop(request_id, None)
+        waiter = self._waiting.pop(request_id, None)
+        if queued := waiter is not None:
+            waiter.gone = True  # (the fair queue skips it)
         lease = self._leases.pop(request_id, None)
         if lease is None and not queued:
             return []

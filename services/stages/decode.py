@@ -153,7 +153,8 @@ class DecodeDeployment:
         deadline passed while it waited), 400 (over the per-request lease). A migration's (``ctx.migration``) waits
         whatever the queue (refusing it would end a stream the client is reading); only the request-slot rule refuses
         it, and the ingress then migrates without a reservation. The rank is every stage budget's without the size
-        term: the KV queue keeps arrival order within a class, so a large request is never overtaken by small ones."""
+        term: the KV queue keeps arrival order within a tenant and class, so a large request is never overtaken by its
+        tenant's small ones."""
         ctx.check_deadline("decode")
         grant = await self.admission.admit(ctx, blocks, 0, refuse=not ctx.migration)
         return KVReservation(self.replica_id, blocks, grant.waited_s)

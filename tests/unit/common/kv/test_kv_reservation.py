@@ -47,7 +47,7 @@ def test_a_reservation_that_must_grow_waits_holding_nothing_at_the_head_of_the_q
     assert pool.granted("a") and pool.available_blocks == 0
     pool.resize_lease("b", 12)  # 4 more, none available: b gives its 8 back and waits ahead of c
     assert not pool.granted("b") and pool.is_waiting("b")
-    assert list(pool._waiting) == ["b", "c"] and pool.available_blocks == 8 and pool.waiting_blocks == 16
+    assert pool.waiting_in_rank_order() == ["b", "c"] and pool.available_blocks == 8 and pool.waiting_blocks == 16
     assert pool.release("a") == ["b", "c"]  # 16 free: b (12) first, then c (4)
     assert pool.granted("c") and pool.lease("b").reserved == 12
     for rid in ("b", "c"):
@@ -62,7 +62,7 @@ def test_a_waiting_reservation_keeps_its_place_when_resized_and_release_drops_it
     pool.request_lease("big", 4)
     assert pool.request_lease("w1", 3) is None and pool.request_lease("w2", 1) is None
     pool.resize_lease("w1", 2)
-    assert list(pool._waiting) == ["w1", "w2"] and pool.waiting_blocks == 3
+    assert pool.waiting_in_rank_order() == ["w1", "w2"] and pool.waiting_blocks == 3
     with pytest.raises(LeaseTooLarge):
         pool.resize_lease("w1", 5)  # over the per-request limit (half of 8)
     with pytest.raises(KeyError):
@@ -92,14 +92,14 @@ def test_the_queue_ranks_batch_class_behind_interactive_for_its_delay_and_never_
     assert pool.request_lease("late", 4, rank=1020.0 + 0) is None  # interactive, past the delay: behind it
     now[0] = 1021.0
     assert pool.request_lease("plain", 2) is None  # no rank: the time it asked
-    assert list(pool._waiting) == ["inter", "batch", "late", "plain"]
+    assert pool.waiting_in_rank_order() == ["inter", "batch", "late", "plain"]
     assert pool.release("running") == ["inter", "batch"]
     pool.resize_lease("inter", 6)  # grows past what is available: back to the head, holding nothing
-    assert list(pool._waiting) == ["inter", "late", "plain"] and not pool.granted("inter")
+    assert pool.waiting_in_rank_order() == ["inter", "late", "plain"] and not pool.granted("inter")
     for rid in ("batch", "inter", "late", "plain"):
         pool.release(rid)
     pool.check_no_leaks()
-    assert not pool._ranks
+    assert not pool.num_waiting
 
 
 # ---- the admission rule ----------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_the_deployment_grants_an_interactive_reservation_before_a_batch_one_tha
         inter = RequestContext("inter", "t", now + 30, now + 0.01)
         waiting = [asyncio.ensure_future(d.reserve(c, 8)) for c in (batch, inter)]
         await asyncio.sleep(0.05)
-        assert list(d.pool._waiting) == ["inter", "batch"]
+        assert d.pool.waiting_in_rank_order() == ["inter", "batch"]
         await d.unreserve(fillers[0])
         await asyncio.sleep(0.05)
         assert waiting[1].done() and not waiting[0].done()
