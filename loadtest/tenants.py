@@ -15,8 +15,11 @@ application of ``make serve``'s config (``ray_configs/local_cpu.yaml``) with API
 It prints, as JSON, beta's time to the first content chunk measured at the client (p50 / p95, idle and under the
 flood, and the p95 ratio: issue 34 asks ≤ 3) and what each flooder got (responses by status, answered requests per
 second) — the figure that the bench's ``tenant_ttft_p95_flood_vs_idle`` measures under a lighter, open-loop flood.
+With ``--trace``, beta's requests ask for Prism's trace, and the output says where their time went, idle and under
+the flood: the client's wait outside the trace (the proxy, the queue for an ingress replica, the way back) and each
+span's duration (p50 / p95).
 
-    python -m loadtest.tenants [--clients 48] [--flooders 1] [--probes 40] [--flood images|schemas]
+    python -m loadtest.tenants [--clients 48] [--flooders 1] [--probes 40] [--flood images|schemas] [--trace]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import base64
 import io
 import json
+import multiprocessing
 import os
 import statistics
 import threading
@@ -57,8 +61,9 @@ def jpeg_url(seed: int, size: tuple[int, int] = (1920, 1440)) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def ttft(http: httpx.Client, url: str, n: int) -> float | None:
-    """Seconds to the first content chunk of one short streamed text request of ``beta`` (``None``: not a 200)."""
+def ttft(http: httpx.Client, url: str, n: int, traces: list | None = None) -> float | None:
+    """Seconds to the first content chunk of one short streamed text request of ``beta`` (``None``: not a 200). With
+    ``traces``, the request asks for Prism's trace and appends it (read from the stream's end) there."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"Say something about {n}."}],
@@ -66,23 +71,56 @@ def ttft(http: httpx.Client, url: str, n: int) -> float | None:
         "temperature": 0,
         "stream": True,
     }
-    start = time.perf_counter()
-    with http.stream("POST", url, json=body, headers={"Authorization": f"Bearer {PROBE_KEY}"}) as r:
+    headers = {"Authorization": f"Bearer {PROBE_KEY}", **({"X-Prism-Trace": "1"} if traces is not None else {})}
+    start, first = time.perf_counter(), None
+    with http.stream("POST", url, json=body, headers=headers) as r:
         if r.status_code != 200:
             return None
         for line in r.iter_lines():
-            if line.startswith("data:") and '"content"' in line:
-                return time.perf_counter() - start
-    return None
+            if first is None and line.startswith("data:") and '"content"' in line:
+                first = time.perf_counter() - start
+                if traces is None:
+                    return first
+            elif traces is not None and '"prism_trace"' in line:
+                traces.append(json.loads(line[5:])["prism_trace"] | {"client_ttft_ms": first and first * 1000})
+    return first
 
 
-def probes(url: str, n: int, gap: float) -> list[float | None]:
+def _probes(url: str, n: int, gap: float, traces: list | None) -> tuple[list[float | None], list | None]:
     with httpx.Client(timeout=120) as http:
         out = []
         for i in range(n):
-            out.append(ttft(http, url, i))
+            out.append(ttft(http, url, i, traces))
             time.sleep(gap)
-        return out
+        return out, traces
+
+
+def probes(url: str, n: int, gap: float, traces: list | None = None) -> list[float | None]:
+    """``beta``'s requests, from a process of its own: a client of its own, as in the scenario — in the flooders'
+    process its clock would also count the time it waits for their interpreter lock (48 threads). ``traces``: filled
+    with each answered request's Prism trace."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        out, got = pool.apply(_probes, (url, n, gap, [] if traces is not None else None))
+    if traces is not None:
+        traces.extend(got)
+    return out
+
+
+def where_time_went(traces: list[dict]) -> dict[str, Any]:
+    """From beta's traces: the client's wait outside the trace (client TTFT − the trace's ``ttft_ms``: the proxy, the
+    queue for an ingress replica, the way back) and each span's duration, p50 / p95 in ms."""
+
+    def q(values: list[float]) -> dict[str, float] | None:
+        return {k: v for k, v in quantiles_ms([v / 1000 for v in values]).items() if k != "failed"} if values else None
+
+    spans: dict[str, list[float]] = {}
+    for t in traces:
+        for span in t.get("spans", []):
+            spans.setdefault(span["name"], []).append(span["duration_ms"])
+    outside = [t["client_ttft_ms"] - t["ttft_ms"] for t in traces if t.get("client_ttft_ms") and t.get("ttft_ms")]
+    return {"outside_trace": q(outside), "trace_ttft": q([t["ttft_ms"] for t in traces if t.get("ttft_ms")])} | {
+        name: q(values) for name, values in sorted(spans.items())
+    }
 
 
 def quantiles_ms(samples: list[float | None]) -> dict[str, Any]:
@@ -127,12 +165,20 @@ def flooder(url: str, key: str, images: list[str], index: int, step: int, stop: 
 
 
 def run(
-    url: str, clients: int, flooders: int, n_probes: int, gap: float, warm: float, flood: str = "images"
+    url: str,
+    clients: int,
+    flooders: int,
+    n_probes: int,
+    gap: float,
+    warm: float,
+    flood: str = "images",
+    trace: bool = False,
 ) -> dict[str, Any]:
     # (images encoded before any load: encoding them takes the cores)
     images = [jpeg_url(seed) for seed in range(64)] if flood == "images" else []
     probes(url, 3, gap)
-    idle = quantiles_ms(probes(url, n_probes, gap))
+    traced: dict[str, list] | None = {"idle": [], "flood": []} if trace else None
+    idle = quantiles_ms(probes(url, n_probes, gap, traced and traced["idle"]))
     stop, got = threading.Event(), {KEYS[k]: [] for k in FLOOD_KEYS[:flooders]}
     threads = [
         threading.Thread(target=flooder, args=(url, key, images, i, clients, stop, got[KEYS[key]]), daemon=True)
@@ -143,12 +189,13 @@ def run(
     for t in threads:
         t.start()
     time.sleep(warm)
-    flooded = quantiles_ms(probes(url, n_probes, gap))
+    flooded = quantiles_ms(probes(url, n_probes, gap, traced and traced["flood"]))
     stop.set()
     for t in threads:
         t.join(120)
     seconds = time.time() - start
-    return {
+    where = {f"beta_trace_{k}": where_time_went(v) for k, v in traced.items()} if traced else {}
+    return where | {
         "beta_idle": idle,
         "beta_under_flood": flooded,
         "p95_ratio": round(flooded["p95_ms"] / idle["p95_ms"], 2) if flooded["p95_ms"] and idle["p95_ms"] else None,
@@ -177,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gap", type=float, default=0.25, help="seconds between beta's requests")
     parser.add_argument("--warm", type=float, default=5.0, help="seconds of flood before beta probes")
     parser.add_argument("--flood", default="images", choices=["images", "schemas"], help="what the flooders send")
+    parser.add_argument("--trace", action="store_true", help="beta asks for traces: where its time went, per span")
     args = parser.parse_args(argv)
 
     from common.config import PrismConfig
@@ -187,7 +235,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.environ.update(ray_env(GuardSettings.of([("prism", "/", PrismConfig.model_validate(cfg))])))  # (the guard too)
     with prism_app(cfg, key=PROBE_KEY) as url:
         result = run(
-            f"{url}/chat/completions", args.clients, args.flooders, args.probes, args.gap, args.warm, args.flood
+            f"{url}/chat/completions",
+            args.clients,
+            args.flooders,
+            args.probes,
+            args.gap,
+            args.warm,
+            args.flood,
+            args.trace,
         )
     print(json.dumps(result, indent=2))
     return result

@@ -7,7 +7,7 @@ patches queued or encoding in encode, prompt tokens queued or computing in prefi
 ``acquire(amount, deadline, rank, tenant, weight)`` (:mod:`common.admission.protocol`) → admitted at once if nobody
 waits and the amount fits → otherwise it **waits** in its tenant's queue, in rank order (lowest first; :func:`rank` =
 arrival + size/aging + class delay), the tenants served fairly by their weights
-(:class:`common.admission.fair.FairQueue`: the tenant with the least service in this budget's unit goes next, within
+(:class:`common.fair.FairQueue`: the tenant with the least service in this budget's unit goes next, within
 the class that goes first) → granted when it is the head of that order and its amount fits → ``release(grant)`` when
 its work is done, whatever the outcome. Every grant, waited for or not, is charged to its tenant's share.
 
@@ -39,9 +39,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from common.admission.fair import FairQueue, Waiter
 from common.admission.protocol import Grant
 from common.errors import DeadlineExceeded, Overloaded
+from common.fair import FairQueue, Waiter
 
 DRAIN_WINDOW_S = 30.0
 MAX_RETRY_AFTER_S = 60.0

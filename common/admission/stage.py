@@ -5,7 +5,7 @@ The media, encode and prefill stages each hold one over a :class:`common.admissi
 patches, prompt tokens); the decode stage holds one over its :class:`common.admission.kv.KVGate` (KV blocks). A
 request is ranked by when the ingress sent it, its size (shortest first, with aging; 0 for the stages that keep
 arrival order) and its class (batch behind interactive): :func:`common.admission.budget.rank`; it waits in its
-tenant's queue, the tenants served by their configured ``weight`` (:mod:`common.admission.fair`).
+tenant's queue, the tenants served by their configured ``weight`` (:mod:`common.fair`).
 :meth:`StageAdmission.held` admits it for the duration of a block, and :meth:`StageAdmission.in_thread` for work run in
 a worker thread — the grant is given back when the *thread* ends, not when an impatient caller stops waiting for it,
 and the thread is told to stop (its :class:`Stop`) when the caller goes away.

@@ -37,8 +37,9 @@ class TenantQuota(BaseModel):
     """Output tokens per second, charged when a request ends (what it generated): a tenant in debt is held back at
     its next requests until the bucket refills."""
     weight: float = Field(default=1.0, ge=0.01, le=100)
-    """Its share where tenants wait for the same stage budget (media pixels, encode patches, prefill tokens): under
-    contention each tenant gets units in proportion to its weight; alone, all of them."""
+    """Its share where tenants wait for the same capacity (a Serve proxy's places, media pixels, encode patches,
+    prefill tokens, decode KV blocks): under contention each tenant gets them in proportion to its weight; alone,
+    all of them."""
 
 
 class AdmissionConfig(BaseModel):

@@ -72,6 +72,15 @@ class ServerConfig(Strict):
     """Slowest average rate a request body may arrive at once ``body_read_grace_s`` has passed (64 KiB/s, half a
     megabit: a body at the limit may take its grace plus ~23 minutes at that rate; anything slower is a client that
     is not sending)."""
+    front_places: int | None = Field(default=None, ge=1)
+    """Requests one Serve proxy carries at once before it shares them out between tenants (requests of applications
+    with API keys, counted from when the key is checked — before the body is read — until the response ends). Past
+    them, a tenant below its fair share of the places (split by ``admission.tenants.<name>.weight`` between the
+    tenants that want them) still gets in at once, and a tenant at its share waits, its body unread, in a queue of its
+    own (``front_max_waiting``); a tenant alone may use them all. ``None``: ``max_in_flight_per_ingress``."""
+    front_max_waiting: int = Field(default=128, ge=0)
+    """Requests of one tenant that may wait at a Serve proxy for a place; more get 429 ``tenant_share_exceeded`` +
+    Retry-After."""
     proxy_chunked_bytes_in_flight: int | None = Field(default=None, ge=1024)
     """Bytes of uploads without a ``Content-Length`` (chunked) that one Serve proxy gathers at once, over every
     request: a chunk that would go past them gets its request a 503 ``server_overloaded`` + Retry-After. ``None``:

@@ -18,7 +18,7 @@ Accounting, as queues:
 * Inside its lease a request **allocates** blocks (reference count 1) — as one contiguous run when it can, so
   attention reads its KV through a view with no copy — or **shares** an existing block (a prefix-cache hit, or the
   prompt's full blocks that a request's ``n`` choices read alike: reference count +1, no new capacity used).
-* The queue is shared between tenants as every stage budget's is (:class:`common.admission.fair.FairQueue`, in
+* The queue is shared between tenants as every stage budget's is (:class:`common.fair.FairQueue`, in
   blocks — prompt *and* output, so a tenant of many long generations is charged for them): each tenant's leases wait
   in *rank* order — arrival order unless a lease carries a rank (the decode stage's reservations: arrival, plus
   ``admission.batch_delay_s`` for batch-class traffic); one without a rank ranks by the time it asked — and the head
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.admission.fair import FairQueue, Waiter
 from common.errors import InvalidRequestError
+from common.fair import FairQueue, Waiter
 from common.protocol.vector import choices_blocks
 
 

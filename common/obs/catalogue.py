@@ -123,8 +123,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _c(
         "prism_admission_units_total",
         "Units of a stage's budget granted (media pixels, encode patches, prefill tokens, decode KV blocks), by "
-        "tenant: each tenant's share of the stage's service (fair sharing keeps the media, encode and prefill "
-        "shares to the tenants' weights; decode's KV queue is not weighted).",
+        "tenant: each tenant's share of the stage's service (fair sharing keeps the shares to the tenants' "
+        "weights).",
         "stage",
         "tenant",
         "unit",

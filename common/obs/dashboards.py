@@ -221,7 +221,8 @@ def requests_dashboard() -> dict[str, Any]:
             )
         ],
         unit="reqps",
-        desc="ingress: per-request limits and tenant quotas; media / encode / prefill: the stage's budget; decode: "
+        desc="front: a tenant's queue at a Serve proxy full while it held its share of the places (tenant_share); "
+        "ingress: per-request limits and tenant quotas; media / encode / prefill: the stage's budget; decode: "
         "its KV pool "
         "(budget_full: 429, deadline: would wait past it).",
     )
@@ -257,14 +258,15 @@ def requests_dashboard() -> dict[str, Any]:
         ],
         unit="percentunit",
         desc="Each tenant's part of the units a stage granted (pixels, patches, prompt tokens, KV blocks). Under "
-        "contention fair sharing keeps the media, encode and prefill shares to the tenants' weights "
-        "(admission.tenants.<name>.weight; decode's KV queue is not weighted); a tenant alone may take all of it.",
+        "contention fair sharing keeps the shares to the tenants' weights (admission.tenants.<name>.weight); a "
+        "tenant alone may take all of it.",
     )
     lay.panel(
         "Budget wait p95 by tenant",
         [(quantile(0.95, "prism_admission_wait_seconds", APP, by="stage, tenant"), "{{stage}} {{tenant}}")],
         unit="s",
-        desc="A tenant that floods a stage waits in its own queue: the others' waits should stay low.",
+        desc="A tenant that floods a stage waits in its own queue: the others' waits should stay low. front: the "
+        "wait for a place at a Serve proxy (a tenant at its share of them, its body unread).",
     )
     lay.row("Caches")
     lay.panel(

@@ -32,6 +32,12 @@ class GuardRoute(BaseModel):
     keys_file: str | None = None
     """Its API key file (re-read when it changes, as the ingress does)."""
     reload_s: float = 5.0
+    weights: dict[str, float] = {}
+    """Tenants' weights where they differ from ``default_weight`` (the front door's shares)."""
+    default_weight: float = 1.0
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, self.default_weight)
 
     @property
     def keyed(self) -> bool:
@@ -56,6 +62,9 @@ class GuardSettings(BaseModel):
     body_min_bytes_per_s: int
     retry_after_s: float
     grpc_max_concurrent_calls: int
+    front_places: int = 256
+    """In-flight places of this proxy shared between tenants once all are taken (``server.front_places``)."""
+    front_max_waiting: int = 128
     routes: list[GuardRoute] = []
     """Applications whose keys the proxy verifies (none: the proxy authenticates nothing itself)."""
 
@@ -67,7 +76,7 @@ class GuardSettings(BaseModel):
         apps = list(apps) or [("prism", "/", PrismConfig())]
         servers = [cfg.server for _, _, cfg in apps]
         limit = max(cfg.body_limit for _, _, cfg in apps)
-        routes = [_route(name, prefix, cfg.server) for name, prefix, cfg in apps] if verify_keys else []
+        routes = [_route(name, prefix, cfg) for name, prefix, cfg in apps] if verify_keys else []
         return cls(
             max_body_bytes=limit,
             max_json_structure=max(s.json_structure_limit for s in servers),
@@ -76,6 +85,8 @@ class GuardSettings(BaseModel):
             body_min_bytes_per_s=min(s.body_min_bytes_per_s for s in servers),
             retry_after_s=max(s.retry_after_s for s in servers),
             grpc_max_concurrent_calls=max(s.max_concurrent_grpc_calls for s in servers),
+            front_places=max(s.front_places or s.max_in_flight_per_ingress for s in servers),
+            front_max_waiting=max(s.front_max_waiting for s in servers),
             routes=[r for r in routes if r.keyed],
         )
 
@@ -100,10 +111,17 @@ class GuardSettings(BaseModel):
         return self.routes[0] if len(self.routes) == 1 else None
 
 
-def _route(name: str, prefix: str, server: ServerConfig) -> GuardRoute:
-    digests = key_digests(server.api_keys)
+def _route(name: str, prefix: str, cfg: PrismConfig) -> GuardRoute:
+    server, admission = cfg.server, cfg.admission
+    default = admission.default_tenant.weight
     return GuardRoute(
-        app=name, prefix=prefix, digests=digests, keys_file=server.api_keys_file, reload_s=server.api_keys_reload_s
+        app=name,
+        prefix=prefix,
+        digests=key_digests(server.api_keys),
+        keys_file=server.api_keys_file,
+        reload_s=server.api_keys_reload_s,
+        weights={t: q.weight for t, q in admission.tenants.items() if q.weight != default},
+        default_weight=default,
     )
 
 

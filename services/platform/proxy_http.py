@@ -9,17 +9,25 @@ close`` (and counted in ``prism_requests_total{deployment="proxy"}``):
    method but GET, HEAD, OPTIONS) without a valid ``Authorization: Bearer`` key is refused 401 before one body byte
    is read; a GET/HEAD/OPTIONS request that declares a body is refused 400 (nothing Prism serves takes one).
 3. **Size.** A declared ``Content-Length`` over the limit: 413, unread.
-4. **Width.** The body's structural characters (``{ [ , :``) are counted as it passes: past ``max_json_structure``
+4. **Place.** A request with a tenant (its key known here) takes a place at the front door
+   (:class:`common.admission.front.FrontDoor`) before its body is read, and holds it until its response ends: while
+   the proxy holds fewer than ``front_places`` requests, at once; past them, a tenant below its fair share of the
+   places (by weight, between the tenants that want them) still at once, and a tenant at its share waits in a queue of
+   its own — its body unread — or, with ``front_max_waiting`` of its requests queued already, is refused 429
+   ``tenant_share_exceeded`` + Retry-After (counted as the admission stage ``front``). So a flood from one
+   key cannot hold every place of the proxy and the ingress behind it, and a tenant alone may use them all.
+5. **Width.** The body's structural characters (``{ [ , :``) are counted as it passes: past ``max_json_structure``
    it is a 400 ``json_too_wide`` — a width bomb costs its first megabyte, not its whole size, and never reaches the
    parser (the ingress counts again before it parses).
-5. **Arrival.** The body must keep arriving: past ``body_grace_s`` of waiting on the client, it must have come at
+6. **Arrival.** The body must keep arriving: past ``body_grace_s`` of waiting on the client, it must have come at
    ``body_min_bytes_per_s`` on average for the time spent waiting for it (time the server spent not reading — the
    request queued for an ingress replica — does not count). A body that falls behind is a 408: the client gets the
    answer, and the application sees the client leave (``http.disconnect``), which frees whatever it held.
-6. **Body.** A body of up to 1 MiB, or one without a declared length (a chunked upload), is gathered here whole
+7. **Body.** A body of up to 1 MiB, or one without a declared length (a chunked upload), is gathered here whole
    before the application is called — a slow client costs the ingress nothing until its body is in — counted as it
    arrives against the limit (413) and against the bytes this proxy gathers at once over every request
-   (``chunked_bytes_in_flight``: 503 + Retry-After), then handed on as one message. A larger declared body streams on
+   (``chunked_bytes_in_flight``: 503 + Retry-After — for a tenant that holds its weighted share of them already,
+   so one key's uploads cannot lock the others out), then handed on as one message. A larger declared body streams on
    to the ingress as it arrives (the HTTP server frames it by its length, so it cannot run longer), in pieces of at
    least 64 KiB; the ingress authenticates again from the headers before reading it.
 """
@@ -31,11 +39,16 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from common.admission.front import FrontDoor
+from common.admission.record import AdmissionRecorder, MetricSink
 from common.auth import KeyStore
 from common.errors import InvalidRequestError, PrismError, ProxyBusy, RequestTimeout, RequestTooLarge
 from common.protocol.body import STRUCTURAL, ascii_int
 from services.platform.guard_settings import GuardSettings
+from services.platform.proxy_metrics import ProxySink, count_refusal
 
+Tenant = tuple[str, str] | None
+"""A request's tenant as the guard knows it: ``(application, tenant name)``, ``None`` where it knows no keys."""
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -112,12 +125,34 @@ class Arrival:
 
 
 class ProxyGuard:
-    def __init__(self, app: App, settings: GuardSettings, on_refusal: Callable[[int, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        app: App,
+        settings: GuardSettings,
+        on_refusal: Callable[[int, str], None] | None = None,
+        sink: MetricSink | None = None,
+    ) -> None:
         self.app, self.settings = app, settings
-        self.on_refusal = on_refusal or _count_refusal
+        self.on_refusal = on_refusal or count_refusal
         self.stores: dict[str, KeyStore] = {r.app: r.key_store() for r in settings.routes}
         self.gathering = 0
-        """Bytes of chunked uploads this proxy holds right now."""
+        """Bytes of bodies this proxy gathers right now (step 7)."""
+        self.gathering_by: dict[Tenant, int] = {}
+        """The same, by tenant (``None``: requests the guard names no tenant for)."""
+        routes = {r.app: r for r in settings.routes}
+        self.weight: Callable[[Tenant], float] = lambda who: 1.0 if who is None else routes[who[0]].weight(who[1])
+        self.door = FrontDoor(
+            settings.front_places,
+            settings.front_max_waiting,
+            settings.retry_after_s,
+            weight=self.weight,
+        )
+        """The in-flight places shared between tenants (step 4); a tenant is ``(application, tenant name)``."""
+        in_proxy = sink is None and on_refusal is None  # (in a proxy actor; a test passes its own or records nothing)
+        self.recorders = {
+            r.app: AdmissionRecorder(ProxySink(r.app) if in_proxy else sink, "front") for r in settings.routes
+        }
+        """The front door's decisions, counted as each application's stage ``front``."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -125,32 +160,55 @@ class ProxyGuard:
             return
         scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if not _serve_control(k)]
         try:
-            declared = self._admit(scope)
+            declared, tenant = self._admit(scope)
         except PrismError as exc:
             await self._refuse(send, exc)
             return
-        arrival = Arrival(self.settings.body_grace_s, self.settings.body_min_bytes_per_s)
-        if declared is not None and declared > BUFFER_BYTES:
-            await self._stream(scope, receive, send, arrival)
-        else:
-            await self._gathered(scope, receive, send, arrival)
+        if tenant is not None and not await self._enter(tenant, _priority(scope), send):
+            return
+        try:
+            arrival = Arrival(self.settings.body_grace_s, self.settings.body_min_bytes_per_s)
+            if declared is not None and declared > BUFFER_BYTES:
+                await self._stream(scope, receive, send, arrival)
+            else:
+                await self._gathered(scope, receive, send, arrival, tenant)
+        finally:
+            if tenant is not None:
+                self.door.leave(tenant)
 
-    def _admit(self, scope: Scope) -> int | None:
-        """The checks on the headers (steps 2–3); the declared body length, ``None`` when there is none to trust."""
+    async def _enter(self, tenant: tuple[str, str], cls: str, send: Send) -> bool:
+        """Take the request's place at the front door (step 4), or answer its refusal; False if refused (counted
+        under the header's traffic class ``cls``: the body's is not known yet)."""
+        start = time.monotonic()
+        try:
+            await self.door.enter(tenant)
+        except PrismError as exc:
+            self.recorders[tenant[0]].refused(tenant[1], cls, "tenant_share")
+            await self._refuse(send, exc)
+            return False
+        waited = time.monotonic() - start
+        self.recorders[tenant[0]].admitted(tenant[1], cls, waited if waited > 1e-3 else 0.0)
+        return True
+
+    def _admit(self, scope: Scope) -> tuple[int | None, Tenant]:
+        """The checks on the headers (steps 2–3); the declared body length (``None`` when there is none to trust)
+        and the request's tenant as ``(application, name)`` (``None``: a request without a body, or for an
+        application whose keys the guard does not know)."""
         declared, chunked = _content_length(scope)
         method = scope.get("method", "GET").upper()
         if method in BODYLESS:
             if chunked or declared:
                 raise InvalidRequestError(f"a {method} request carries no body here")
-            return 0
+            return 0, None
         route = self.settings.route(scope.get("path", "/"))
+        tenant = None
         if route is not None:
-            self.stores[route.app].tenant(_bearer(scope))  # 401 before a body byte is read
+            tenant = (route.app, self.stores[route.app].tenant(_bearer(scope)))  # 401 before a body byte is read
         if declared is not None and declared > self.settings.max_body_bytes:
             raise RequestTooLarge(
                 f"request body is larger than {self.settings.max_body_bytes} bytes, the server's limit"
             )
-        return declared
+        return declared, tenant
 
     async def _stream(self, scope: Scope, receive: Receive, send: Send, arrival: Arrival) -> None:
         """A body of declared length, streamed on as the application pulls it, under the arrival rule."""
@@ -200,17 +258,20 @@ class ProxyGuard:
             size, more = size + len(parts[-1]), nxt.get("more_body", False)
         return {"type": "http.request", "body": b"".join(parts), "more_body": more}
 
-    async def _gathered(self, scope: Scope, receive: Receive, send: Send, arrival: Arrival) -> None:
-        """A body of unknown length, gathered here (step 5) and handed on as one message; the bytes count against
+    async def _gathered(self, scope: Scope, receive: Receive, send: Send, arrival: Arrival, tenant: Tenant) -> None:
+        """A body of unknown length, gathered here (step 7) and handed on as one message; the bytes count against
         the proxy's budget until the application takes them (or returns without)."""
         held = [0]
 
         def give_back() -> None:
             self.gathering -= held[0]
+            left = self.gathering_by.pop(tenant, 0) - held[0]
+            if left:
+                self.gathering_by[tenant] = left
             held[0] = 0
 
         try:
-            body = await self._gather(receive, arrival, held)
+            body = await self._gather(receive, arrival, held, tenant)
         except _TooSlow:
             give_back()
             await self._refuse(send, _too_slow(self.settings))
@@ -230,7 +291,7 @@ class ProxyGuard:
         finally:
             give_back()
 
-    async def _gather(self, receive: Receive, arrival: Arrival, held: list[int]) -> bytearray | None:
+    async def _gather(self, receive: Receive, arrival: Arrival, held: list[int], tenant: Tenant) -> bytearray | None:
         # One growing buffer rather than a list of chunks: past glibc's mmap threshold it lives in its own mapping, so
         # a refused body's memory goes back to the system at once instead of staying in the heap.
         body = bytearray()
@@ -243,14 +304,26 @@ class ProxyGuard:
             structure.add(chunk)
             if len(body) + len(chunk) > self.settings.max_body_bytes:
                 raise RequestTooLarge(f"request body is larger than {self.settings.max_body_bytes} bytes, the limit")
-            if self.gathering + len(chunk) > self.settings.chunked_bytes_in_flight:
+            if self.gathering + len(chunk) > self.settings.chunked_bytes_in_flight and self._past_share(
+                tenant, len(chunk)
+            ):
                 raise ProxyBusy("the server is gathering as many uploads as it may hold; retry later",
                                 retry_after_s=self.settings.retry_after_s)  # fmt: skip
             self.gathering += len(chunk)
+            self.gathering_by[tenant] = self.gathering_by.get(tenant, 0) + len(chunk)
             held[0] += len(chunk)
             body += chunk
             if not message.get("more_body", False):
                 return body
+
+    def _past_share(self, tenant: Tenant, nbytes: int) -> bool:
+        """Whether ``nbytes`` more would take ``tenant``'s bodies being gathered past its weighted share of the
+        gathering budget (between the tenants gathering now, it included): only such a tenant is refused when the
+        budget is spent — so one key's uploads cannot lock the others out, the proxy holding up to about twice the
+        budget for a while — and a tenant alone is held to the budget."""
+        weights = {t: self.weight(t) for t in self.gathering_by} | {tenant: self.weight(tenant)}
+        share = self.settings.chunked_bytes_in_flight * weights[tenant] / sum(weights.values())
+        return self.gathering_by.get(tenant, 0) + nbytes > share
 
     async def _refuse(self, send: Send, exc: PrismError) -> None:
         self.on_refusal(exc.http_status, exc.code)
@@ -292,6 +365,14 @@ def _bearer(scope: Scope) -> str | None:
     return None
 
 
+def _priority(scope: Scope) -> str:
+    """The traffic class the ``X-Prism-Priority`` header names (``interactive`` when none, or not one of ours)."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"x-prism-priority" and value.strip().lower() == b"batch":
+            return "batch"
+    return "interactive"
+
+
 def _replay(body: bytearray, receive: Receive, taken: Callable[[], None]) -> Receive:
     """A ``receive`` that gives the gathered body as one message (calling ``taken``), then defers to the real one
     (disconnects)."""
@@ -321,26 +402,3 @@ def _content_length(scope: Scope) -> tuple[int | None, bool]:
         if name == b"content-length":
             declared = ascii_int(value.decode("latin-1"))
     return declared, False
-
-
-_counter: Any = None
-
-
-def _count_refusal(status: int, code: str) -> None:
-    """``prism_requests_total{protocol="http", status, code, deployment="proxy"}``, recorded in the proxy actor (Ray's
-    metrics agent exports it beside the ingress's series)."""
-    global _counter
-    try:
-        import ray
-        from ray.util.metrics import Counter
-
-        from common.obs.catalogue import BY_NAME, SERVE_TAGS
-
-        if _counter is None:
-            spec = BY_NAME["prism_requests_total"]
-            _counter = Counter(spec.name, description=spec.description, tag_keys=(*SERVE_TAGS, *spec.tags))
-        node = ray.get_runtime_context().get_node_id()[:12]  # one proxy per node
-        tags = {"application": "", "deployment": "proxy", "replica": node}
-        _counter.inc(1.0, tags={**tags, "protocol": "http", "status": str(status), "code": code})
-    except Exception:  # metrics must never turn a refusal into a failure
-        pass

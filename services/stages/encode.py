@@ -3,7 +3,7 @@
 Requests from many callers share batches: each call submits its items to the :class:`EncodeEngine` and awaits a
 future; the driver loop encodes one batch per step. Before submitting, a call is admitted against the replica's patch
 budget (``admission.encode_patch_budget``; only the patches the encoder cache does not hold count, so cache hits
-never wait) — it waits in its tenant's queue, the tenants served fairly (:mod:`common.admission.fair`), each queue in
+never wait) — it waits in its tenant's queue, the tenants served fairly (:mod:`common.fair`), each queue in
 rank order (fewest patches first, with aging; batch class behind interactive) or gets
 429 / 504 (:mod:`common.admission.stage`); inside the engine its cache misses are batched by the same rank. A
 cancelled call (client gone) removes its queued items; items whose deadline passes in the queue are dropped before the

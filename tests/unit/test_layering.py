@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.paths import ROOT
 
 LAYERS: list[tuple[str, ...]] = [
-    ("common.errors",),
+    ("common.errors", "common.fair"),
     ("common.stop", "common.config"),
     ("common.auth", "common.obs"),
     ("common.grammar",),

@@ -36,3 +36,15 @@ def test_a_schema_flood_sends_a_grammar_no_earlier_request_used_and_the_ingress_
     assert guides[0].key != guides[1].key and all(40_000 < len(g.grammar) for g in guides)
     assert parse_chat_request(bodies[0]).guide == guides[0]
     assert "image_url" in str(flood_body(["data:image/jpeg;base64,AAAA"], 0)["messages"])
+
+
+def test_where_time_went_is_the_clients_wait_outside_the_trace_and_each_spans_quantiles():
+    from loadtest.tenants import where_time_went
+
+    traces = [
+        {"ttft_ms": 20.0 + i, "client_ttft_ms": 30.0 + 2 * i, "spans": [{"name": "ingress", "duration_ms": float(i)}]}
+        for i in range(21)
+    ]
+    where = where_time_went(traces)
+    assert where["outside_trace"] == {"p50_ms": 20.0, "p95_ms": 29.0}  # 10 + i
+    assert where["trace_ttft"]["p50_ms"] == 30.0 and where["ingress"] == {"p50_ms": 10.0, "p95_ms": 19.0}

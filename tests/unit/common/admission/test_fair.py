@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from common.admission.budget import BudgetGate
-from common.admission.fair import FairQueue, Waiter
 from common.errors import Overloaded
+from common.fair import FairQueue, Waiter
 
 _seq = itertools.count()
 

@@ -290,3 +290,109 @@ def test_a_trickled_body_reaches_the_app_in_few_pieces(streamed):
     settings = _settings().model_copy(update={"max_body_bytes": 1000})
     app, refusals, _, pulled = _run([(b"content-length", b"100")], [b"x"] * 100, settings, app=_Counting())
     assert app.body == b"x" * 100 and not refusals and pulled == 100 and received == [100]
+
+
+# ---- the front door: per-tenant shares of the proxy's places (issue 34) --------------------------------------------
+class _Held:
+    """An application that holds every request until ``go`` is set (reading its body only then)."""
+
+    def __init__(self) -> None:
+        self.go, self.tenants = asyncio.Event(), []
+
+    async def __call__(self, scope, receive, send):
+        self.tenants.append(dict(scope["headers"])[b"authorization"])
+        await self.go.wait()
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_the_front_door_shares_the_proxys_places_between_tenants_before_any_body_is_read():
+    """Two places: alpha's flood takes both and queues (its bodies unread), beta still gets in at once; alpha's queue
+    past ``front_max_waiting`` is refused 429 with Retry-After; when the requests end, every place is back."""
+    keys = {"sk-alpha": "alpha", "sk-beta": "beta"}
+    settings = _settings(keys, front_places=2, front_max_waiting=1, retry_after_s=3)
+    app, recorded, pulled = _Held(), [], {"alpha": 0, "beta": 0}
+
+    class Sink:
+        def inc(self, name, value=1.0, **tags):
+            recorded.append((name, tags["stage"], tags["tenant"], tags.get("result"), tags.get("reason")))
+
+        def observe(self, name, value, **tags):
+            pass
+
+    guard = ProxyGuard(app, settings, sink=Sink())
+
+    async def request(tenant: str) -> list:
+        sent = []
+
+        async def receive():
+            pulled[tenant] += 1
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", f"Bearer sk-{tenant}".encode()), (b"content-length", b"2")]
+        await guard(
+            {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}, receive, send
+        )
+        return sent
+
+    async def scenario() -> None:
+        alpha = [asyncio.ensure_future(request("alpha")) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert len(app.tenants) == 2 and pulled["alpha"] == 2  # two in (their bodies gathered), the third's unread
+        assert guard.door.in_flight == {("prism", "alpha"): 2}
+        refused = await request("alpha")  # its queue is full
+        assert _error(refused) == (429, "tenant_share_exceeded")
+        assert (b"retry-after", b"3") in refused[0]["headers"]
+        beta = asyncio.ensure_future(request("beta"))
+        await asyncio.sleep(0.05)
+        assert app.tenants[-1] == b"Bearer sk-beta"  # in at once, though both places were held
+        app.go.set()
+        done = await asyncio.gather(*alpha, beta)
+        assert all(sent[0]["status"] == 200 for sent in done)
+        assert guard.door.total == 0 and not guard.door.queues
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    decisions = [(r[2], r[3], r[4]) for r in recorded if r[0] == "prism_admission_total" and r[1] == "front"]
+    assert decisions.count(("alpha", "refused", "tenant_share")) == 1
+    assert ("alpha", "admitted", "waited") in decisions and ("beta", "admitted", "immediate") in decisions
+
+
+def test_one_tenants_chunked_uploads_cannot_lock_another_out_of_the_gathering_budget():
+    """Alpha's upload holds the whole budget (120 bytes): alpha's next is refused 503, beta's (within its half) is
+    gathered — and a tenant alone is held to the budget (the test above)."""
+    keys = {"sk-alpha": "alpha", "sk-beta": "beta"}
+    settings = _settings(keys).model_copy(update={"chunked_bytes_in_flight": 120})
+    guard = ProxyGuard(_App(), settings, on_refusal=lambda status, code: None)
+    release, sent = asyncio.Event(), {"alpha": [], "beta": []}
+
+    async def held_receive():  # 100 bytes, then waits
+        if not hasattr(held_receive, "sent"):
+            held_receive.sent = True
+            return {"type": "http.request", "body": b"a" * 100, "more_body": True}
+        await release.wait()
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def small_receive():
+        return {"type": "http.request", "body": b"b" * 60, "more_body": False}
+
+    def scope(tenant: str) -> dict:
+        headers = [(b"transfer-encoding", b"chunked"), (b"authorization", f"Bearer sk-{tenant}".encode())]
+        return {"type": "http", "method": "POST", "path": "/", "headers": headers}
+
+    async def scenario():
+        first = asyncio.ensure_future(guard(scope("alpha"), held_receive, lambda m: _append([], m)))
+        await asyncio.sleep(0.05)
+        await guard(scope("alpha"), small_receive, lambda m: _append(sent["alpha"], m))
+        await guard(scope("beta"), small_receive, lambda m: _append(sent["beta"], m))
+        release.set()
+        await first
+        assert guard.gathering == 0 and not guard.gathering_by
+
+    asyncio.run(scenario())
+    assert _error(sent["alpha"]) == (503, "server_overloaded")
+    assert sent["beta"][0]["status"] == 200
