@@ -15,11 +15,14 @@ application of ``make serve``'s config (``ray_configs/local_cpu.yaml``) with API
 It prints, as JSON, beta's time to the first content chunk measured at the client (p50 / p95, idle and under the
 flood, and the p95 ratio: issue 34 asks ≤ 3) and what each flooder got (responses by status, answered requests per
 second) — the figure that the bench's ``tenant_ttft_p95_flood_vs_idle`` measures under a lighter, open-loop flood.
+With ``--alone S``, the flood's steady rate is also measured over ``S`` seconds with beta idle (before its
+probes; issue 34 asks that fairness leave a lone flooder at least 90 % of its goodput), and beside beta's probes.
 With ``--trace``, beta's requests ask for Prism's trace, and the output says where their time went, idle and under
 the flood: the client's wait outside the trace (the proxy, the queue for an ingress replica, the way back) and each
 span's duration (p50 / p95).
 
     python -m loadtest.tenants [--clients 48] [--flooders 1] [--probes 40] [--flood images|schemas] [--trace]
+                               [--alone S]
 """
 
 from __future__ import annotations
@@ -173,6 +176,7 @@ def run(
     warm: float,
     flood: str = "images",
     trace: bool = False,
+    alone: float = 0.0,
 ) -> dict[str, Any]:
     # (images encoded before any load: encoding them takes the cores)
     images = [jpeg_url(seed) for seed in range(64)] if flood == "images" else []
@@ -189,31 +193,46 @@ def run(
     for t in threads:
         t.start()
     time.sleep(warm)
+
+    def answered() -> int:
+        return sum(codes.count(200) for codes in got.values())
+
+    rates = {}
+    if alone > 0:  # the flood's steady rate with beta idle
+        before, t0 = answered(), time.time()
+        time.sleep(alone)
+        rates["flood_alone_answered_per_s"] = round((answered() - before) / (time.time() - t0), 2)
+    before, t0 = answered(), time.time()
     flooded = quantiles_ms(probes(url, n_probes, gap, traced and traced["flood"]))
+    rates["flood_beside_beta_answered_per_s"] = round((answered() - before) / (time.time() - t0), 2)
     stop.set()
     for t in threads:
         t.join(120)
     seconds = time.time() - start
     where = {f"beta_trace_{k}": where_time_went(v) for k, v in traced.items()} if traced else {}
-    return where | {
-        "beta_idle": idle,
-        "beta_under_flood": flooded,
-        "p95_ratio": round(flooded["p95_ms"] / idle["p95_ms"], 2) if flooded["p95_ms"] and idle["p95_ms"] else None,
-        "flooders": {
-            tenant: {
-                "by_status": {str(s): codes.count(s) for s in sorted(set(codes), key=str)},
-                "answered_per_s": round(codes.count(200) / seconds, 2),
-            }
-            for tenant, codes in got.items()
-        },
-        "config": {
-            "flood": flood,
-            "clients_per_flooder": clients,
-            "flooders": flooders,
-            "probes": n_probes,
-            "seconds": round(seconds),
-        },
-    }
+    return (
+        where
+        | rates
+        | {
+            "beta_idle": idle,
+            "beta_under_flood": flooded,
+            "p95_ratio": round(flooded["p95_ms"] / idle["p95_ms"], 2) if flooded["p95_ms"] and idle["p95_ms"] else None,
+            "flooders": {
+                tenant: {
+                    "by_status": {str(s): codes.count(s) for s in sorted(set(codes), key=str)},
+                    "answered_per_s": round(codes.count(200) / seconds, 2),
+                }
+                for tenant, codes in got.items()
+            },
+            "config": {
+                "flood": flood,
+                "clients_per_flooder": clients,
+                "flooders": flooders,
+                "probes": n_probes,
+                "seconds": round(seconds),
+            },
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -225,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warm", type=float, default=5.0, help="seconds of flood before beta probes")
     parser.add_argument("--flood", default="images", choices=["images", "schemas"], help="what the flooders send")
     parser.add_argument("--trace", action="store_true", help="beta asks for traces: where its time went, per span")
+    parser.add_argument("--alone", type=float, default=0.0, help="seconds of flood measured with beta idle first")
     args = parser.parse_args(argv)
 
     from common.config import PrismConfig
@@ -243,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.warm,
             args.flood,
             args.trace,
+            args.alone,
         )
     print(json.dumps(result, indent=2))
     return result
