@@ -181,21 +181,30 @@ def test_time_the_server_spends_not_reading_does_not_count_against_the_client():
     assert app.body == b"late" and not refusals and sent[0]["status"] == 200
 
 
+def _held(nbytes: int, release: asyncio.Event):
+    """A chunked upload's ``receive``: ``nbytes``, then nothing until ``release``, then its end."""
+    sent = []
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": b"a" * nbytes, "more_body": True}
+        await release.wait()
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    return receive
+
+
+async def _sixty_bytes():
+    return {"type": "http.request", "body": b"b" * 60, "more_body": False}
+
+
 def test_chunked_uploads_share_a_budget_per_proxy():
     settings = _settings().model_copy(update={"chunked_bytes_in_flight": 120})
     guard_app, sent_first, sent_second = _App(), [], []
     guard = ProxyGuard(guard_app, settings, on_refusal=lambda status, code: None)
     release = asyncio.Event()
-
-    async def slow_receive():  # 80 bytes, then waits
-        if not hasattr(slow_receive, "sent"):
-            slow_receive.sent = True
-            return {"type": "http.request", "body": b"a" * 80, "more_body": True}
-        await release.wait()
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def fast_receive():
-        return {"type": "http.request", "body": b"b" * 60, "more_body": False}
+    slow_receive, fast_receive = _held(80, release), _sixty_bytes
 
     async def scenario():
         scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"transfer-encoding", b"chunked")]}
@@ -369,16 +378,7 @@ def test_one_tenants_chunked_uploads_cannot_lock_another_out_of_the_gathering_bu
     settings = _settings(keys).model_copy(update={"chunked_bytes_in_flight": 120})
     guard = ProxyGuard(_App(), settings, on_refusal=lambda status, code: None)
     release, sent = asyncio.Event(), {"alpha": [], "beta": []}
-
-    async def held_receive():  # 100 bytes, then waits
-        if not hasattr(held_receive, "sent"):
-            held_receive.sent = True
-            return {"type": "http.request", "body": b"a" * 100, "more_body": True}
-        await release.wait()
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def small_receive():
-        return {"type": "http.request", "body": b"b" * 60, "more_body": False}
+    held_receive, small_receive = _held(100, release), _sixty_bytes
 
     def scope(tenant: str) -> dict:
         headers = [(b"transfer-encoding", b"chunked"), (b"authorization", f"Bearer sk-{tenant}".encode())]
