@@ -34,8 +34,8 @@ IDLE_FROM = 18
 tower, long prefills and grammar compiles at 18): the scheduler then preempts it at once whenever a thread of the
 latency path wakes up, where a nice-19 thread may keep the core for the rest of its time slice (a few ms, paid at
 every one of a request's many wake-ups across its hops). Measured with ``python -m loadtest.tenants`` (make serve's
-app, 48 clients of 1920×1440 JPEGs, no quota): the other tenant's text TTFT p95 under the flood 101–156 ms over five
-runs at nice 18–19 alone, 81–91 ms over four with ``SCHED_IDLE`` (30–43 ms idle); the flood alone answered 17.8 vs
+app, 48 clients of 1920×1440 JPEGs, no quota): the other tenant's text TTFT p95 under the flood 101–156 ms over four
+runs at nice 18–19 alone, 81–89 ms over three with ``SCHED_IDLE`` (30–33 ms idle); the flood alone answered 17.8 vs
 18.5 requests/s (96 %). Like a raised niceness it needs no privilege, and is never undone."""
 
 
