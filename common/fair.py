@@ -140,7 +140,7 @@ class FairQueue:
                 own += w.amount if rank is None or w.rank <= rank else 0
             else:
                 waiting[w.tenant] = waiting.get(w.tenant, 0) + w.amount
-        mine = self.start_tag(tenant) + (own + amount) / max(weight, 1e-9)  # its finish tag, once served
+        mine = self.start_tag(tenant) + own / max(weight, 1e-9)  # its start tag: what others get before it is served
         others = 0
         for name, units in waiting.items():
             w = next(x.weight for x in self._queues.get(name, []) if x.live)

@@ -13,9 +13,10 @@ weight (while that tenant is within its share, or a place is free).
 The shares: ``places`` split max-min fairly by weight between the tenants that hold or want places (their demand:
 in flight + queued) — a tenant that wants less than an equal part leaves the rest to the others, so the door is
 work-conserving: a tenant alone may use every place, a second one that arrives gets its share at once. A tenant below
-its share enters even while every place is held (the door then holds more than ``places`` for a while — never more
-than ``2 × places``, since the shares add up to ``places``): a newcomer never waits for a flooder's request to end,
-and the flooder's next requests wait until it is back within its share.
+its share enters even while every place is held (the door then holds more than ``places`` until the tenants past
+their shares have let enough requests end — never more than ``2 × places``, a hard ceiling): a newcomer never waits
+for a flooder's request to end, and the flooder's next requests wait until it is back within its share. A request
+waiting here whose client went away is found out when it gets its place (the application then sees the disconnect).
 
 A tenant is any hashable name (the guard's: ``(application, tenant)``). Pure asyncio, one event loop (the
 proxy's); no Ray.
@@ -86,7 +87,9 @@ class FrontDoor:
         return water_fill(self.places, demand, {t: self.weight(t) for t in demand})
 
     def _may_enter(self, tenant: Hashable, shares: Mapping[Hashable, float]) -> bool:
-        return self.total < self.places or self.in_flight.get(tenant, 0) < shares.get(tenant, 0.0)
+        if self.total < self.places:
+            return True
+        return self.total < 2 * self.places and self.in_flight.get(tenant, 0) < shares.get(tenant, 0.0)
 
     # ---- places -------------------------------------------------------------------------------------------------
     async def enter(self, tenant: Hashable) -> None:
@@ -111,7 +114,7 @@ class FrontDoor:
         self.waited[tenant] = self.waited.get(tenant, 0) + 1
         try:
             await waiter
-        except BaseException:  # the caller went away (client gone, task cancelled) while waiting, or as it got in
+        except BaseException:  # the caller's task was cancelled while it waited, or as it got in
             if waiter.done() and not waiter.cancelled():
                 self.leave(tenant)  # it had the place: give it back
             else:

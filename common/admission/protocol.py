@@ -12,8 +12,8 @@ one request at a gate::
 
 ``deadline`` is on the gate's clock (this process's monotonic seconds); ``rank`` orders a tenant's waiters
 (:func:`common.admission.budget.rank`: arrival + size ÷ aging + a class delay); ``tenant`` and ``weight`` name whose
-request it is and its share — the budget gates serve tenants fairly by weight (:mod:`common.fair`), the KV
-gate's lease queue orders by rank alone; ``batch`` is its class (interactive goes first); ``key`` files the grant
+request it is and its share — the budget gates and the KV gate's lease queue serve tenants fairly by weight
+(:mod:`common.fair`); ``batch`` is its class (interactive goes first); ``key`` files the grant
 (decode: the attempt's key, which its ``generate`` later claims); ``refuse=False`` waits whatever the queue (a decode
 migration: refusing it would end a stream the client is reading). Every decision is counted by
 :class:`common.admission.record.AdmissionRecorder`, through :class:`common.admission.stage.StageAdmission` in the

@@ -77,7 +77,8 @@ class ServerConfig(Strict):
     with API keys, counted from when the key is checked — before the body is read — until the response ends). Past
     them, a tenant below its fair share of the places (split by ``admission.tenants.<name>.weight`` between the
     tenants that want them) still gets in at once, and a tenant at its share waits, its body unread, in a queue of its
-    own (``front_max_waiting``); a tenant alone may use them all. ``None``: ``max_in_flight_per_ingress``."""
+    own (``front_max_waiting``); a tenant alone may use them all. ``None``: what the ingress carries at most,
+    ``max_in_flight_per_ingress`` × ``deployments.ingress.max_replicas``."""
     front_max_waiting: int = Field(default=128, ge=0)
     """Requests of one tenant that may wait at a Serve proxy for a place; more get 429 ``tenant_share_exceeded`` +
     Retry-After."""

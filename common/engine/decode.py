@@ -173,11 +173,14 @@ class DecodeEngine(Reservations):
         sampling: SamplingParams,
         deadline: float | None = None,
         replay: Sequence[int] = (),
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> None:
         """Queue a prefilled sequence whose KV is at hand (``deadline`` on this engine's clock): admitted — its KV
         copied into its blocks — when its lease is granted. Raises :class:`LeaseTooLarge` if it can never fit its
         lease. ``replay``: the tokens a client already received from a lost replica (the first one in place of
-        prefill's); they are rebuilt, not emitted, and the sequence goes on from the next one."""
+        prefill's); they are rebuilt, not emitted, and the sequence goes on from the next one. ``tenant`` /
+        ``weight``: whose lease it is, when it takes one here (no reservation: a migration, ``reserve_kv: false``)."""
         check_prefill(self.lm, pre)
         sampling, replay, need = self._needs(pre, sampling, replay)
         reserved = self._reserved.pop(request_id, False) is not False
@@ -187,7 +190,7 @@ class DecodeEngine(Reservations):
             if reserved:  # claim it: the estimate becomes the exact need
                 others = self.pool.resize_lease(request_id, need)
             else:
-                self.pool.request_lease(request_id, need)
+                self.pool.request_lease(request_id, need, tenant=tenant, weight=weight)
         except Exception:
             del self._pending[request_id]
             self._release(request_id)  # (a claimed reservation that cannot be resized is dropped with it)
@@ -197,7 +200,13 @@ class DecodeEngine(Reservations):
         self._admit_granted(others)  # (a lease made smaller lets the queue move)
 
     def claim(
-        self, request_id: str, pre: Prefilled, sampling: SamplingParams, replay: Sequence[int] = ()
+        self,
+        request_id: str,
+        pre: Prefilled,
+        sampling: SamplingParams,
+        replay: Sequence[int] = (),
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> list[int] | None:
         """Lease and allocate a sequence's blocks *before* its KV is here, when the pool can give them at once — its
         reservation made the exact need (if what it lacks is available now), or a new lease granted now — and return
@@ -220,7 +229,7 @@ class DecodeEngine(Reservations):
             self._check_new(request_id)
             if self.pool.num_waiting or need > self.pool.available_blocks:
                 return None  # (never ahead of a queued lease)
-            self.pool.request_lease(request_id, need)
+            self.pool.request_lease(request_id, need, tenant=tenant, weight=weight)
         lease = self.pool.lease(request_id)
         assert lease is not None  # granted just now
         blocks = self._allocate(lease, pre, sampling)

@@ -12,9 +12,9 @@ Accounting, as queues:
 
 * A request first takes a **lease**: a reservation of the blocks it may need (prompt + max output). A lease is
   capped at ``max_lease_fraction`` of the pool; a bigger request is refused at once (400 ``kv_lease_exceeded``),
-  since it could never run. A lease that does not fit now waits in a queue; leases are granted strictly in queue
-  order as blocks free up, so a large request at the head cannot be starved by a stream of small ones (and it always
-  fits eventually: it is at most a fraction of the pool).
+  since it could never run. A lease that does not fit now waits in a queue; leases are granted in the queue's order
+  (below) as blocks free up, and the head is never overtaken while it waits for blocks, so a large request cannot be
+  starved by a stream of small ones (and it always fits eventually: it is at most a fraction of the pool).
 * Inside its lease a request **allocates** blocks (reference count 1) — as one contiguous run when it can, so
   attention reads its KV through a view with no copy — or **shares** an existing block (a prefix-cache hit, or the
   prompt's full blocks that a request's ``n`` choices read alike: reference count +1, no new capacity used).
@@ -23,13 +23,15 @@ Accounting, as queues:
   in *rank* order — arrival order unless a lease carries a rank (the decode stage's reservations: arrival, plus
   ``admission.batch_delay_s`` for batch-class traffic); one without a rank ranks by the time it asked — and the head
   of the tenant with the least service so far (blocks ÷ its weight) goes next, interactive before batch. A lone tenant
-  is served in rank order, as fast as blocks free. Nothing overtakes that head while it does not fit (a lease already
-  held may still grow into blocks that are available: it is older than everything waiting), and every grant raises
-  its tenant's tag, so no lease starves.
+  is served in rank order, as fast as blocks free. Nothing is granted past that head while it does not fit (a lease
+  already held may still grow into blocks that are available: it is older than everything waiting); the head changes
+  only to a tenant with less service (one that arrives, or was idle), and every grant raises its tenant's tag, so no
+  lease starves.
 * A lease may be taken before its request's KV exists (the decode stage reserves it before prefill computes, on an
   estimate) and resized when the KV arrives (:meth:`resize_lease`): a smaller need gives the difference back at once;
-  a larger one takes the difference if it is available, or gives the lease back and waits for the whole at the head
-  of the queue (never holding part of it while it waits: no deadlock); a lease still waiting keeps its place.
+  a larger one takes the difference if it is available, or gives the lease back (its charge refunded) and waits for
+  the whole first among its tenant's leases (never holding part of it while it waits: no deadlock); a lease still
+  waiting keeps its place.
 * :meth:`release` (finish, cancel, timeout, error — the caller does not care which) drops every reference the lease
   holds, the unused reservation or its place in the queue, then grants waiting leases that now fit. When the head of
   the queue does not fit, the pool first asks its reclaimer (the prefix cache) to give back blocks only the cache
@@ -234,6 +236,7 @@ class KVPool:
         else:
             del self._leases[request_id]
             self.freed_total += lease.reserved
+            self._fair.refund(lease.tenant, lease.reserved, lease.weight)  # (charged again, whole, when re-granted)
             # (first of its tenant's, behind only others that gave their lease back)
             self._enqueue(request_id, blocks, -math.inf, lease.tenant, lease.weight, lease.batch)
         return self._grant_waiting()

@@ -85,7 +85,10 @@ class GuardSettings(BaseModel):
             body_min_bytes_per_s=min(s.body_min_bytes_per_s for s in servers),
             retry_after_s=max(s.retry_after_s for s in servers),
             grpc_max_concurrent_calls=max(s.max_concurrent_grpc_calls for s in servers),
-            front_places=max(s.front_places or s.max_in_flight_per_ingress for s in servers),
+            front_places=max(
+                cfg.server.front_places or cfg.server.max_in_flight_per_ingress * cfg.deployments.ingress.max_replicas
+                for _, _, cfg in apps
+            ),
             front_max_waiting=max(s.front_max_waiting for s in servers),
             routes=[r for r in routes if r.keyed],
         )

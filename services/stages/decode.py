@@ -228,8 +228,9 @@ class DecodeDeployment:
         await compile_guide(self.lm, sampling.guide)
         pre = await asyncio.to_thread(transport.open, handle) if transport.open_blocks else transport.open(handle)
         check_key(pre, ctx.key)  # never another attempt's KV, not even for a moment in the pool
+        whose = {"tenant": ctx.tenant, "weight": self.cfg.admission.quota(ctx.tenant).weight}  # (an unreserved lease's)
         async with self.driver.lock:
-            blocks = self.engine.claim(ctx.key, pre, sampling, replay=ctx.replay)
+            blocks = self.engine.claim(ctx.key, pre, sampling, replay=ctx.replay, **whose)
         if blocks is not None:
             await self._land(pre, blocks)
         else:
@@ -244,7 +245,7 @@ class DecodeDeployment:
             if blocks is not None:
                 self.engine.start(ctx.key, pre, deadline)
             else:
-                self.engine.submit(ctx.key, prefilled, sampling, deadline=deadline, replay=ctx.replay)
+                self.engine.submit(ctx.key, prefilled, sampling, deadline=deadline, replay=ctx.replay, **whose)
             stream.held = self._choices_held(ctx.key, sampling.n)
             self._deliver(self.engine.take_events())  # (its first token now, not after the next forward pass)
         self._pool_changed()  # (its own first token; a reservation made exact may let others in)

@@ -102,3 +102,17 @@ def test_a_caller_that_leaves_while_queued_or_as_it_gets_in_holds_nothing():
         assert door.total == 0 and not door.in_flight and not door.queues
 
     asyncio.run(scenario())
+
+
+def test_newcomers_never_take_the_door_past_twice_its_places():
+    """Tenants arriving one by one each get their share while every place is held — up to 2 × places in all."""
+
+    async def scenario() -> None:
+        door = FrontDoor(places=4, max_waiting=8, retry_after_s=1)
+        await _fill(door, "t0", 4)
+        for i in range(1, 8):
+            await _fill(door, f"t{i}", 4)
+        assert door.total == 8 and door.total <= 2 * door.places
+        assert sum(len(q) for q in door.queues.values()) == 7 * 4 + 4 - 8
+
+    asyncio.run(scenario())

@@ -91,3 +91,27 @@ def test_a_full_kv_queue_refuses_the_tenant_that_filled_it_not_the_others():
     adm.check(2, left_s=60.0, tenant="beta")  # under its share of the places: it may wait
     with pytest.raises(Overloaded):
         adm.check(2, left_s=60.0)  # (no tenant named: the plain rule)
+
+
+def test_a_newcomers_wait_counts_what_others_get_before_it_starts_not_its_own_size():
+    """Start-time fair queueing serves another tenant only until the newcomer's *start* tag: a large newcomer behind
+    five tenants' small leases is next, whatever its own size."""
+    pool = _pool(64)
+    pool.request_lease("running", 64, rank=0.0, tenant="busy")
+    for i, tenant in enumerate("abcde"):
+        for j in range(3):
+            pool.request_lease(f"{tenant}{j}", 2, rank=float(i * 3 + j + 1), tenant=tenant)
+    big = 30
+    assert pool.blocks_ahead(100.0, "newcomer", 1.0, big) <= 5 * 2  # at most one small lease of each
+    assert pool.blocks_ahead(100.0, "newcomer", 1.0, 2) == pool.blocks_ahead(100.0, "newcomer", 1.0, big)
+
+
+def test_a_lease_given_back_to_grow_is_charged_once():
+    pool = _pool(16)
+    pool.request_lease("other", 12, rank=0.0, tenant="beta")
+    pool.request_lease("grow", 4, rank=1.0, tenant="alpha")
+    assert pool.served_blocks()["alpha"] == 4
+    pool.resize_lease("grow", 8)  # 4 more, none available: given back, waits for 8
+    assert not pool.granted("grow") and pool.served_blocks()["alpha"] == 0
+    pool.release("other")
+    assert pool.granted("grow") and pool.served_blocks()["alpha"] == 8
