@@ -7,10 +7,10 @@ transfer straight into them (:mod:`common.kv.transport`) — with no transpose a
 transformers' head-major cache) happens once, in :func:`export_kv`, which writes into buffers the caller chooses (a
 staging slot registered with a transport, or fresh arrays). Import validates the blocks against the receiving model's
 geometry and refuses anything inconsistent with :class:`HandoffError` (a corrupt or foreign hand-off must never reach
-attention). The prefill stage :func:`seal`\ s its output before publishing it — the attempt's key and the XXH3-64 of
-the KV bytes (:mod:`common.kv.digest`) — and the decode stage checks what landed in its pool against it: a payload of
-another request or attempt (stale), or whose bytes changed on the way with its shape intact (a bad copy, a buffer
-reused before the read), is refused rather than decoded into a plausible answer.
+attention). The prefill stage :func:`seal`\ s its output before publishing it — the attempt's key and the checksum
+of the KV bytes (segmented XXH3-64, :mod:`common.kv.digest`) — and the decode stage checks what landed in its pool
+against it: a payload of another request or attempt (stale), or whose bytes changed on the way with its shape intact
+(a bad copy, a buffer reused before the read), is refused rather than decoded into a plausible answer.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xxhash
 from transformers import DynamicCache
 
 from common.errors import HandoffError, RevisionMismatch
-from common.kv.digest import digest, flat_bytes
+from common.kv.digest import SegmentedDigest, digest, flat_bytes
 from common.protocol.handoff import KVBlocks, KVLayout, Prefilled, PrefillOutput
 
 if TYPE_CHECKING:
@@ -67,15 +66,15 @@ def export_kv(cache: DynamicCache, block_size: int, buffers: Buffers = fresh_buf
 
 
 def export_sealed_kv(cache: DynamicCache, block_size: int, buffers: Buffers = fresh_buffers) -> tuple[KVBlocks, int]:
-    """:func:`export_kv` and the XXH3-64 of what it wrote (:func:`kv_checksum`'s value), each layer hashed right
+    """:func:`export_kv` and the checksum of what it wrote (:func:`kv_checksum`'s value), each layer hashed right
     after it is written, while its bytes are still in cache: the seal costs a pass over cached bytes, not a second
     trip through the whole KV."""
-    h = xxhash.xxh3_64()
+    h = SegmentedDigest()
     kv = _export(cache, block_size, buffers, h)
     return kv, h.intdigest()
 
 
-def _export(cache: DynamicCache, block_size: int, buffers: Buffers, h: xxhash.xxh3_64 | None) -> KVBlocks:
+def _export(cache: DynamicCache, block_size: int, buffers: Buffers, h: SegmentedDigest | None) -> KVBlocks:
     dtype = str(cache.layers[0].keys.dtype).removeprefix("torch.")
     if dtype not in _TORCH_DTYPES:
         raise HandoffError(f"cannot export KV of dtype {dtype}")
@@ -116,7 +115,7 @@ def check_layout(layout: KVLayout, kv_shape: tuple[int, int, int], dtype: torch.
 
 
 def kv_checksum(kv: KVBlocks) -> int:
-    """XXH3-64 of the blocks' bytes, keys then values (:mod:`common.kv.digest`: faster than a copy)."""
+    """The hand-off checksum of the blocks' bytes, keys then values (:mod:`common.kv.digest`: faster than a copy)."""
     return digest((np.ascontiguousarray(kv.keys), np.ascontiguousarray(kv.values)))
 
 

@@ -328,8 +328,8 @@ class PrefillOutput:
     """The attempt this was computed for (:attr:`RequestContext.key`), set when the prefill stage seals it: decode
     refuses the hand-off of another request or attempt (``""``: not sealed)."""
     checksum: int = -1
-    """XXH3-64 of the KV bytes (keys, then values) as prefill exported them (-1: not sealed): decode refuses a
-    payload whose bytes, as they landed in its pool, are not these (:mod:`common.kv.digest`)."""
+    """The checksum of the KV bytes (keys, then values) as prefill exported them (-1: not sealed): decode refuses a
+    payload whose bytes, as they landed in its pool, are not these (segmented XXH3-64, :mod:`common.kv.digest`)."""
     first_logprob: TokenLogprob | None = None
     """The first token's log-probabilities (when the request asks for them): prefill sampled it, so only prefill saw
     the distribution it came from."""

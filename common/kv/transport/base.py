@@ -101,7 +101,7 @@ class KVTransport(abc.ABC):
         return handle, _nothing
 
     def land(self, pre: Prefilled, landing: Landing) -> int:
-        """Move ``pre``'s KV into the pool pieces of ``landing``; the XXH3-64 of the bytes as they lie there."""
+        """Move ``pre``'s KV into the pool pieces of ``landing``; the checksum of the bytes as they lie there."""
         out = self.fetch(pre)
         return copy_digest(landing.pairs(out.kv.keys, out.kv.values))
 

@@ -24,9 +24,10 @@ Serve call is small. Memory is registered once per replica, never per hand-off.
   the landing arena, or — past it — into arrays allocated and registered for the one hand-off (counted).
 
 **Visual embeddings** (encode → prefill): :meth:`NixlTransport.send_embeddings` copies each item into a staging slot
-(the encoder cache keeps its own arrays) and sends a :class:`RemoteEmbeddings` with their XXH3-64;
-:meth:`NixlTransport.receive_embeddings` READs them into a slot of the prefill replica's landing arena, checks the
-digest there, and hands back views of it that the prefill's merge consumes — the slot is freed once merged.
+(the encoder cache keeps its own arrays) and sends a :class:`RemoteEmbeddings` with their checksum
+(:mod:`common.kv.digest`); :meth:`NixlTransport.receive_embeddings` READs them into a slot of the prefill replica's
+landing arena, checks the digest there, and hands back views of it that the prefill's merge consumes — the slot is
+freed once merged.
 """
 
 from __future__ import annotations
@@ -38,11 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from common.errors import HandoffError
 from common.kv.blocks import fresh_buffers
-from common.kv.digest import digest, flat_bytes
+from common.kv.digest import SegmentedDigest, digest
 from common.kv.landing import Landing
 from common.kv.transport.base import KVTransport, Received
 from common.kv.transport.nixl_agent import STAGING_BYTES, Agent, PeerRef, Spans
@@ -103,7 +103,7 @@ class RemoteEmbeddings:
     peer: PeerRef
     items: tuple[RemoteItem, ...]
     checksum: int
-    """XXH3-64 of the items' bytes, in order."""
+    """The hand-off checksum of the items' bytes, in order (:func:`common.kv.digest.digest`)."""
 
     @property
     def nbytes(self) -> int:
@@ -195,11 +195,11 @@ class NixlTransport(KVTransport):
         bases = (pre.kv.keys_addr, pre.kv.values_addr)
         remote = [(bases[array] + offset, n) for array, offset, n in landing.remote_pieces()]
         groups = _groups([n for _, n in spans], GROUP_BYTES)
-        h, hashing = xxhash.xxh3_64(), []
+        h, hashing = SegmentedDigest(), []
 
         def hash_group(group: int) -> None:
             for i in groups[group]:
-                h.update(flat_bytes(local[i]))
+                h.update(local[i])
 
         def landed(group: int) -> None:  # (hashed in order on the one hashing thread, while the next group moves)
             hashing.append(self._hasher.submit(hash_group, group))
