@@ -7,8 +7,8 @@
   roofline fraction and speedup at batch 1/8/32, the native vs PyTorch attention step,
   greedy agreement, and prefill against its FLOPs.
 * ``handoff_bw_fraction_of_memcpy`` — a KV payload through the object store between two processes, from publish to
-  the decode pool's blocks with the seal checked, / one warm memcpy; the lower of 64 MB and 256 MB (two copies: at
-  most 0.5).
+  the decode pool's blocks with the seal checked, / one warm memcpy; the lower of 64 MB and 256 MB (two copies: 0.5
+  at one memcpy's rate; the land is shared between the cores).
 * ``nixl_bw_fraction_of_memcpy`` — the same over NIXL (UCX, DRAM to DRAM); beside it, what one READ between
   pre-registered buffers reaches with each UCX transport; ``nixl_vs_ucx_read`` — the one over the other.
 """
@@ -114,7 +114,8 @@ def transfer_figures(store_runs: int, nixl_runs: int, ucx_transports: dict[str, 
         ray.shutdown()
     note = (
         "publish (ray.put) + open + land in the decode pool's leased blocks + the seal's check on what landed; "
-        "two copies: at most 0.5 (copy_floor); steady state after the warm-ups (cold_seconds: the first)"
+        "two copies: 0.5 at one memcpy's rate (copy_floor; the land is shared between the cores and may pass it); "
+        "steady state after the warm-ups (cold_seconds: the first)"
     )
     nixl_note = (
         "publish + open + one READ from the sender's staging arena into the decode pool's leased blocks + the seal's "

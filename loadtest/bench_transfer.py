@@ -13,16 +13,16 @@ The two sides are the stages' own parts, each in a process of its own:
   before the KV exists (outside the timing); then, timed, the transport's ``open``, ``land`` into those blocks, and
   the seal's check on the bytes as they lie in the pool.
 
-The hand-off's time is ``publish_s + receive_s``; the control-plane call between the two (a few ms of Ray RPC,
-the same for any payload size) is not bandwidth and is left out. The copies each path makes: object store — the put
-into the store, the land from the store's shared memory into the pool blocks (hashed as it is written): two, so at
-most 0.5 of memcpy (``copy_floor``); NIXL — one READ from the sender's staging arena into the pool blocks, then a
-hash pass over what landed: one copy, so UCX's own READ between registered buffers is its ceiling
-(:mod:`loadtest.bench_ucx`). The median of ``repeats`` (every repeat's fraction beside it); the first hand-off between
-two fresh actors is a warm-up (NIXL agents connect, memory gets touched), as in serving, where replicas live long.
-Payloads of 64 MB and 256 MB; the headline figure of each transport is the lower of the two. Both need a running Ray
-(``ray.init`` by the caller); :class:`Sender` and :class:`Receiver` themselves are plain classes (the unit tests drive
-them through the fake transport, in one process).
+The hand-off's time is ``publish_s + receive_s``; the control-plane call between the two (a few ms of Ray RPC, the
+same for any payload size) is not bandwidth and is left out. The copies each path makes: object store — the put into
+the store, the land from the store's shared memory into the pool blocks (hashed as it is written): two, so 0.5 of
+memcpy at one memcpy's rate (``copy_floor``; the land is shared between the usable cores, so it may pass it); NIXL —
+one READ from the sender's staging arena into the pool blocks, then a hash pass over what landed: one copy, so UCX's
+own READ between registered buffers is its ceiling (:mod:`loadtest.bench_ucx`). The median of ``repeats`` (every
+repeat's fraction beside it); the first hand-off between two fresh actors is a warm-up (NIXL agents connect, memory
+gets touched), as in serving, where replicas live long. Payloads of 64 MB and 256 MB; the headline figure of each
+transport is the lower of the two. Both need a running Ray (``ray.init`` by the caller); :class:`Sender` and
+:class:`Receiver` themselves are plain classes (the unit tests drive them through the fake transport, in one process).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from common.kv.blocks import check_key, check_landed, export_sealed_kv
+from common.kv.digest import SCHEME
 from common.kv.landing import Landing
 from common.kv.pool import KVPool
 from common.kv.transport.base import KVTransport
@@ -80,7 +81,7 @@ class Sender:
         cache = self.caches.get(nbytes) or self.caches.setdefault(nbytes, payload_cache(nbytes))
         start = self.clock()
         kv, checksum = export_sealed_kv(cache, BLOCK, self.transport.buffers)
-        out = PrefillOutput(np.zeros(kv.num_tokens, np.int64), 0, kv, 0, "bench", KEY, checksum)
+        out = PrefillOutput(np.zeros(kv.num_tokens, np.int64), 0, kv, 0, "bench", KEY, checksum, SCHEME)
         exported = self.clock()
         handle = self.seal(self.transport.publish(out, expires_at=time.time() + 120))
         return handle, self.clock() - exported, exported - start

@@ -38,6 +38,7 @@ from common.engine.chunking import next_chunk_end, usable_prefix_blocks
 from common.grammar.compiler import compiler_for
 from common.grammar.masks import MaskBuffer, mask_row
 from common.kv.blocks import Buffers, export_sealed_kv, fresh_buffers, to_torch
+from common.kv.digest import SCHEME
 from common.kv.pool import KVPool
 from common.kv.prefix_cache import PrefixCache
 from common.kv.prefix_hash import block_hashes
@@ -247,6 +248,7 @@ class PrefillEngine:
             rope_delta=state.rope_delta,
             model_revision=self.lm.contract.model_revision,
             checksum=checksum,  # (the stage's seal binds it to the attempt)
+            checksum_scheme=SCHEME,
             first_logprob=first_logprob,
             forks=forks,
         )

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from common.errors import HandoffError, RevisionMismatch
-from common.kv.digest import SegmentedDigest, digest, flat_bytes
+from common.kv.digest import SCHEME, SegmentedDigest, digest, flat_bytes
 from common.protocol.handoff import KVBlocks, KVLayout, Prefilled, PrefillOutput
 
 if TYPE_CHECKING:
@@ -122,8 +122,9 @@ def kv_checksum(kv: KVBlocks) -> int:
 def seal(out: PrefillOutput, request_key: str) -> PrefillOutput:
     """``out`` bound to the attempt it was computed for, with the checksum of its KV (computed now unless the export
     already did: :func:`export_sealed_kv`)."""
-    checksum = out.checksum if out.checksum >= 0 else kv_checksum(out.kv)
-    return dataclasses.replace(out, request_key=request_key, checksum=checksum)
+    if out.checksum >= 0:
+        return dataclasses.replace(out, request_key=request_key)
+    return dataclasses.replace(out, request_key=request_key, checksum=kv_checksum(out.kv), checksum_scheme=SCHEME)
 
 
 def verify_handoff(pre: PrefillOutput, request_key: str) -> None:
@@ -153,6 +154,8 @@ def check_key(pre: Prefilled, request_key: str) -> None:
 
 def check_landed(pre: Prefilled, landed_digest: int) -> None:
     """Refuse a sealed hand-off whose bytes, where they landed, are not the ones prefill sealed."""
+    if pre.checksum >= 0 and pre.checksum_scheme != SCHEME:
+        raise RevisionMismatch(f"KV hand-off checksummed as {pre.checksum_scheme!r}, this replica checks {SCHEME!r}")
     if pre.checksum >= 0 and landed_digest != pre.checksum:
         raise HandoffError("KV hand-off corrupted: its bytes do not match the checksum prefill sealed it with")
 

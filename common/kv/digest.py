@@ -36,6 +36,10 @@ CHUNK_BYTES = 256 << 10
 SEGMENT_BYTES = 4 << 20
 """The unit one thread copies and hashes: 64 of them in a 256 MB KV, so two to four threads share it evenly; a KV of
 one segment (≈ 4 MB) is not worth a second thread."""
+SCHEME = "xxh3-64/seg-4MiB"
+"""What the checksum is. A seal names it, and a receiver refuses a hand-off sealed under another as one from another
+revision of Prism (retried on one revision, like a model revision mismatch), never as corrupted bytes: during a
+rolling update across a change of the checksum, both sides' code must agree."""
 THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
 """Threads a copy or a digest may use at once, the caller's included: the usable cores, at most 4 (memory bandwidth,
 not cores, bounds a copy past that)."""
@@ -155,9 +159,12 @@ def _run(pairs: list[tuple[np.ndarray, np.ndarray | None]], threads: int) -> int
                     busy[1] += 1
                     lock.notify_all()
 
-    pool = _landing_pool()
-    for _ in range(helpers):  # (a helper that starts after the caller took every segment finds none and returns)
-        pool.submit(work)
+    try:
+        pool = _landing_pool()
+        for _ in range(helpers):  # (a helper that starts after the caller took every segment finds none and returns)
+            pool.submit(work)
+    except RuntimeError:  # no thread to be had (a thread limit, interpreter shutdown): the caller does the rest
+        pass
     work()
     with lock:  # every segment taken is done before we return: no thread of ours writes the destination after this
         lock.wait_for(lambda: busy[0] == 0 and (errors or busy[1] == len(segments)))

@@ -287,6 +287,9 @@ class Prefilled(Protocol):
     def checksum(self) -> int: ...
 
     @property
+    def checksum_scheme(self) -> str: ...
+
+    @property
     def first_logprob(self) -> TokenLogprob | None: ...
 
     @property
@@ -330,6 +333,9 @@ class PrefillOutput:
     checksum: int = -1
     """The checksum of the KV bytes (keys, then values) as prefill exported them (-1: not sealed): decode refuses a
     payload whose bytes, as they landed in its pool, are not these (segmented XXH3-64, :mod:`common.kv.digest`)."""
+    checksum_scheme: str = ""
+    """Which checksum ``checksum`` is (:data:`common.kv.digest.SCHEME` when sealed; ``""`` from code before it had
+    a name): a receiver that checks another refuses the hand-off as from another revision."""
     first_logprob: TokenLogprob | None = None
     """The first token's log-probabilities (when the request asks for them): prefill sampled it, so only prefill saw
     the distribution it came from."""

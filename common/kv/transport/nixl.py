@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import HandoffError
+from common.errors import HandoffError, RevisionMismatch
 from common.kv.blocks import fresh_buffers
-from common.kv.digest import SegmentedDigest, digest
+from common.kv.digest import SCHEME, SegmentedDigest, digest
 from common.kv.landing import Landing
 from common.kv.transport.base import KVTransport, Received
 from common.kv.transport.nixl_agent import STAGING_BYTES, Agent, PeerRef, Spans
@@ -79,6 +79,7 @@ class RemotePrefillOutput:
     model_revision: str
     request_key: str = ""
     checksum: int = -1
+    checksum_scheme: str = ""
     first_logprob: TokenLogprob | None = None
     forks: tuple[FirstToken, ...] = ()
 
@@ -104,6 +105,8 @@ class RemoteEmbeddings:
     items: tuple[RemoteItem, ...]
     checksum: int
     """The hand-off checksum of the items' bytes, in order (:func:`common.kv.digest.digest`)."""
+    scheme: str = ""
+    """Which checksum (:data:`common.kv.digest.SCHEME`; ``""``: code before it had a name)."""
 
     @property
     def nbytes(self) -> int:
@@ -163,7 +166,7 @@ class NixlTransport(KVTransport):
         peer = self.agent.publish(arena.view(offset, (nbytes,), np.uint8), expires_at)
         assert peer is not None  # staged just now
         checksum = digest([arena.view(offset, (nbytes,), np.uint8)])
-        return RemoteEmbeddings(peer, tuple(remote), checksum)
+        return RemoteEmbeddings(peer, tuple(remote), checksum, SCHEME)
 
     def discard(self, out: PrefillOutput) -> None:
         self.agent.unstage(out.kv.keys)
@@ -236,6 +239,8 @@ class NixlTransport(KVTransport):
         sizes = [int(np.prod(i.shape)) * np.dtype(i.dtype).itemsize for i in handle.items]
         flat, free = self._read_flat(handle.peer, [(i.addr, n) for i, n in zip(handle.items, sizes, strict=True)])
         try:
+            if handle.scheme != SCHEME:  # (checked once read: the read is what frees the sender's slot)
+                raise RevisionMismatch(f"embeddings checksummed as {handle.scheme!r}; this replica checks {SCHEME!r}")
             if digest([flat]) != handle.checksum:
                 raise HandoffError("visual embeddings corrupted: their bytes do not match the encoder's checksum")
             items, at = [], 0
