@@ -135,8 +135,8 @@ def _at_full_priority() -> bool:
 def _run(pairs: list[tuple[np.ndarray, np.ndarray | None]], threads: int) -> int:
     segments = _segments(pairs)
     digests = [0] * len(segments)
-    helpers = min(threads, len(segments)) - 1 if _at_full_priority() else 0
-    if helpers <= 0:
+    helpers = min(threads, len(segments)) - 1
+    if helpers <= 0 or not _at_full_priority():  # (the priority's syscalls only when there is work to share)
         return _combine([_do_segment(s) for s in segments])
     claims, lock, errors = itertools.count(), threading.Condition(), []
     busy = [0, 0]  # segments being worked on, segments finished or abandoned
