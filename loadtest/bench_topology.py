@@ -1,13 +1,16 @@
 """``make bench``'s topology session: the same Prism application in each grouped topology (``E/PD``, ``EP/D``,
-``EPD``; ``E/P/D`` is Prism's own session), each against the monolith built from the same stage classes.
+``EPD``, ``MEPD``; ``E/P/D`` is Prism's own session), each against the monolith built from the same stage classes.
+(``ME/P/D`` and ``ME/PD`` are left out for the bench's time: on this machine they differ from ``E/P/D`` and ``E/PD`` by
+the one hop that ``MEPD`` measures against ``EPD``.)
 
 Per topology, one application of its own on this machine (one at a time, as every server of the bench): warm-up, the
 per-hop report (:mod:`loadtest.bench_hops`), the light load of medium images behind the TTFT figure (the same runs,
 seeds and count as ``ttft_ratio_epd_vs_monolith``), then the goodput sweep (:data:`loadtest.sweep.RATES`, until past its
-peak). Two figures come from it:
+peak). Three figures come from it:
 
 * ``ttft_ratio_topology_epd_vs_monolith`` — the ``EPD`` topology's TTFT p50 over the monolith's, run i against run i
   (median of the runs, its spread beside it): what Serve's hops cost when the model's stages share one replica;
+* ``ttft_ratio_topology_mepd_vs_monolith`` — the same for ``MEPD`` (media in that replica too: the ingress's one call);
 * ``peak_goodput_best_topology_vs_monolith`` — the best topology's peak goodput over the swept rates (``E/P/D``
   included) over the monolith's.
 
@@ -29,7 +32,7 @@ from loadtest.bench_sessions import Say, ServerRuns, light, warm_up
 from loadtest.bench_settings import Settings
 from loadtest.figures import record
 
-GROUPED = ("E/PD", "EP/D", "EPD")
+GROUPED = ("E/PD", "EP/D", "EPD", "MEPD")
 PNG = "bench_topology_goodput.png"
 
 
@@ -57,19 +60,12 @@ def session(config: dict[str, Any], model: str, st: Settings, say: Say) -> dict[
 def figures(
     prism: ServerRuns, mono: ServerRuns, grouped: dict[str, ServerRuns], plots_dir: Path
 ) -> tuple[dict[str, Any], Path]:
-    """The two figures, and the plot of every topology's sweep."""
+    """The three figures, and the plot of every topology's sweep."""
     everyone = {"E/P/D": prism, **grouped}
-    epd = grouped["EPD"]
-    pairs = list(zip(epd.cold, mono.cold, strict=False))  # (the monolith's runs are the TTFT figure's: as many)
-    raw_ttft = [
-        {"epd_ttft_p50_s": loads.ttft(e), "monolith_ttft_p50_s": loads.ttft(m), "requests": len(e)} for e, m in pairs
-    ]
-    ttft = record(
-        "ttft_ratio_topology_epd_vs_monolith",
-        [loads.ratio(loads.ttft(e), loads.ttft(m)) for e, m in pairs],
-        raw_ttft,
-        sides={"EPD": [r for run in epd.cold for r in run], "monolith": [r for run in mono.cold for r in run]},
-    )
+    ttft = {
+        f"ttft_ratio_topology_{name.lower()}_vs_monolith": _ttft_figure(name, grouped[name], mono)
+        for name in ("EPD", "MEPD")
+    }
     curves = {name: loads.curve(runs.sweep) for name, runs in {**everyone, "monolith": mono}.items()}
     peaks = {name: curves[name]["peak_goodput_rps"] for name in everyone}
     best = max(peaks, key=peaks.__getitem__)
@@ -97,4 +93,17 @@ def figures(
     )
     rows = {name: c["sweep"] for name, c in curves.items()}
     plot = goodput_vs_rate(plots_dir / PNG, rows, None, "Goodput vs offered load, per topology (mixed workload)")
-    return {"ttft_ratio_topology_epd_vs_monolith": ttft, "peak_goodput_best_topology_vs_monolith": goodput}, plot
+    return {**ttft, "peak_goodput_best_topology_vs_monolith": goodput}, plot
+
+
+def _ttft_figure(name: str, runs: ServerRuns, mono: ServerRuns) -> dict[str, Any]:
+    """``name``'s TTFT p50 over the monolith's, run i against run i."""
+    pairs = list(zip(runs.cold, mono.cold, strict=False))  # (the monolith's runs are the TTFT figure's: as many)
+    key = f"{name.lower()}_ttft_p50_s"
+    raw = [{key: loads.ttft(t), "monolith_ttft_p50_s": loads.ttft(m), "requests": len(t)} for t, m in pairs]
+    return record(
+        f"ttft_ratio_topology_{name.lower()}_vs_monolith",
+        [loads.ratio(loads.ttft(t), loads.ttft(m)) for t, m in pairs],
+        raw,
+        sides={name: [r for run in runs.cold for r in run], "monolith": [r for run in mono.cold for r in run]},
+    )

@@ -31,11 +31,11 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 
-from common.config.topology import deployment_names, group_name, group_of
+from common.config.topology import Topology, deployment_names, group_name, group_of
 from common.media.synthetic import synthetic_image
 
 KEY = "chaos-key"
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--warm", type=float, default=8.0, help="seconds of load before the first kill")
     parser.add_argument("--gap", type=float, default=6.0, help="seconds between kills, and after the last")
-    parser.add_argument("--topology", default="E/P/D", choices=["E/P/D", "E/PD", "EP/D", "EPD"])
+    parser.add_argument("--topology", default="E/P/D", choices=list(get_args(Topology)))
     args = parser.parse_args(argv)
 
     import ray

@@ -36,7 +36,8 @@ class Figure:
     ours: bool = False
     """A yardstick of ours; the others are the targets the issues set (issue 8: the TTFT ratio, the decode speedup,
     the text flood, goodput vs naive; 15: the cache-reach three; 20: the hand-offs; 32: NIXL over UCX's READ; 33: the
-    topology two; 34: the tenant flood; 35: the grammar masks; 37: the roofline and the speedup over batch 1)."""
+    topology two (``MEPD``'s TTFT is held to ``EPD``'s target: ours); 34: the tenant flood; 35: the grammar masks;
+    37: the roofline and the speedup over batch 1)."""
 
     def __post_init__(self) -> None:
         if self.runs < 1 or self.runs % 2 == 0:  # an odd count: the median is one of the runs, the same everywhere
@@ -57,6 +58,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("nixl_vs_ucx_read", ">=", 0.8, runs=5),
     Figure("ttft_ratio_epd_vs_monolith", "<=", 1.10, runs=3),
     Figure("ttft_ratio_topology_epd_vs_monolith", "<=", 1.05, runs=3),
+    Figure("ttft_ratio_topology_mepd_vs_monolith", "<=", 1.05, runs=3, ours=True),
     Figure("encoder_cache_hot_cold_ttft_ratio", "<=", 0.5, runs=3),
     Figure("encoder_hit_rate_2_replicas", ">=", 0.9, runs=3),
     Figure("prefix_reuse_fraction", ">=", 0.8, runs=3),

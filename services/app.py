@@ -1,12 +1,15 @@
 """The one place that turns Prism's plain deployment classes into a Ray Serve application.
 
 ``build_app(args)`` is the ``import_path`` target of every Serve config (``services.app:build_app``); ``args.config``
-is a :class:`PrismConfig` as a dict. Each served model gets a ``Media`` deployment and one deployment per group of its
-``deployments.topology`` (:mod:`common.config.topology`): ``Encode``, ``Prefill``, ``Decode`` for the default
-``E/P/D``; ``Encode`` and ``PrefillDecode`` for ``E/PD``; ``EncodePrefill`` and ``Decode`` for ``EP/D``;
-``EncodePrefillDecode`` for ``EPD`` (a grouped one is :class:`services.stages.group.GroupDeployment`) — suffixed
-``-<served name>`` when the config lists several ``models`` — and one ingress routes to them by the request's
-``model``. With ``routing.affinity`` a group led by encode or prefill gets the cache-affinity request router
+is a :class:`PrismConfig` as a dict. Each served model gets one deployment per group of its ``deployments.topology``
+(:mod:`common.config.topology`), after a ``Media`` deployment of its own unless the topology groups media with encode:
+``Media``, ``Encode``, ``Prefill``, ``Decode`` for the default ``E/P/D``; ``Media``, ``Encode`` and ``PrefillDecode``
+for ``E/PD``; ``Media``, ``EncodePrefill`` and ``Decode`` for ``EP/D``; ``Media`` and ``EncodePrefillDecode`` for
+``EPD``; ``MediaEncode``, ``Prefill`` and ``Decode`` for ``ME/P/D``; ``MediaEncode`` and ``PrefillDecode`` for
+``ME/PD``; ``MediaEncodePrefillDecode`` for ``MEPD`` (a grouped one is :class:`services.stages.group.GroupDeployment`)
+— suffixed ``-<served name>`` when the config lists several ``models`` — and one ingress routes to them by the
+request's ``model``. With ``routing.affinity`` a group led by media, encode or prefill gets the cache-affinity request
+router
 (:mod:`services.routers.affinity`); decode alone always gets the router that sends a request to the replica holding
 its KV reservation (:mod:`services.routers.pinned`). Each deployment gets its own replicas, resources, queue bound and
 — when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth.
@@ -27,7 +30,7 @@ from ray.serve.deployment import Application
 
 from common.config import PrismConfig, RoutingConfig, StageConfig, deployment_suffix
 from common.config.server import DRAIN_MOVE_S, SERVE_GRACEFUL_S
-from common.config.topology import Group, group_name, groups
+from common.config.topology import Group, group_name, groups, media_apart
 from services.ingress.server import IngressApp
 from services.routers.affinity import AffinityRouter
 from services.routers.pinned import PinnedRouter
@@ -41,15 +44,16 @@ from services.stages.prefill import PrefillDeployment
 def _router(group: Group, routing: RoutingConfig) -> dict[str, Any]:
     """The router of a deployment holding ``group``: decode alone gets the router that sends ``generate`` to the
     replica holding the request's KV reservation; otherwise, with ``routing.affinity``, the cache-affinity router keyed
-    by the group's first stage (encode: the media; prefill: the prompt prefix). A group that ends with decode reserves
-    the KV in the replica that prefills, so it needs no pinning; without affinity it still gets the pinned router
-    (routing like Serve's default) so that its replica set reaches the ingress."""
+    by the group's first stage (media or encode: the media, for the encoder's cache; prefill: the prompt prefix). A
+    group that ends with decode reserves the KV in the replica that prefills, so it needs no pinning; without affinity
+    it still gets the pinned router (routing like Serve's default) so that its replica set reaches the ingress."""
     if group == ("decode",) or (group[-1] == "decode" and not routing.affinity):  # (see PinnedRouter)
         return {"request_router_config": RequestRouterConfig(request_router_class=PinnedRouter)}
-    key = {"encode": "media", "prefill": "prefix"}[group[0]]
+    lead = "encode" if group[0] == "media" else group[0]  # (a media stage is grouped with encode: the cache it feeds)
+    key = {"encode": "media", "prefill": "prefix"}[lead]
     if not routing.affinity:
         return {}
-    kwargs: dict[str, Any] = {"stage": group[0], "key": key, "load_factor": routing.load_factor}
+    kwargs: dict[str, Any] = {"stage": lead, "key": key, "load_factor": routing.load_factor}
     if key == "media" and "prefill" in group:  # (a text request has no media: it goes by its prompt's prefix)
         kwargs["fallback"] = "prefix"
     return {
@@ -113,13 +117,15 @@ def build_app(args: dict[str, Any]) -> Application:
     cfg = PrismConfig.model_validate(args.get("config", {}))
     key = cfg.observability.media_hash_key or secrets.token_hex(16)  # one key for every replica of this app
     retry = cfg.server.retry_after_s
-    pipelines: list[list[Application]] = []  # per served model, in the config's order
+    pipelines: list[list[Application | None]] = []  # per served model, in the config's order
     for sub in cfg.served():
         raw = sub.model_dump(mode="json")
         raw["observability"]["media_hash_key"] = key
         suffix = deployment_suffix(sub.model.name) if cfg.models else ""  # one model: plain names, as before
         d = sub.deployments
-        media = serve.deployment(**_options(f"Media{suffix}", d.media, retry))(MediaDeployment).bind(raw)
+        media = None  # (grouped with encode: the group holds it)
+        if media_apart(d.topology):
+            media = serve.deployment(**_options(f"Media{suffix}", d.media, retry))(MediaDeployment).bind(raw)
         groups_ = [_stage_app(g, sub, suffix, retry, raw) for g in groups(d.topology)]
         pipelines.append([media, *groups_])
     raw = cfg.model_dump(mode="json")

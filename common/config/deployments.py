@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.config.base import Strict
 from common.config.topology import Group, Topology
@@ -100,12 +100,23 @@ class ModelStages(Strict):
 
     topology: Topology = "E/P/D"
     """Which stages share a deployment (:mod:`common.config.topology`): ``E/P/D`` (each apart), ``E/PD``, ``EP/D`` or
-    ``EPD``; the media stage is always apart. A grouped deployment is sized by its last stage's entry below, with the
-    CPUs of its stages added up and the most GPUs any of them asks (:meth:`group_stage`)."""
+    ``EPD``, with the media stage apart; ``ME/P/D``, ``ME/PD`` or ``MEPD`` with it in the encoder's group. A grouped
+    deployment is sized by its last stage's entry below, with the CPUs of its stages added up and the most GPUs any of
+    them asks (:meth:`group_stage`)."""
     media: MediaStageConfig = MediaStageConfig()
     encode: EncodeStageConfig = EncodeStageConfig()
     prefill: PrefillStageConfig = PrefillStageConfig()
     decode: DecodeStageConfig = DecodeStageConfig()
+
+    @field_validator("topology", mode="before")
+    @classmethod
+    def _no_media_before_reservation(cls, value: object) -> object:
+        if isinstance(value, str) and value.replace(" ", "") == "MEP/D":
+            raise ValueError(
+                "topology MEP/D is not offered: the ingress reserves the decode KV before its one call to that group, "
+                "so a slow download would hold decode blocks; use EP/D (media apart) or ME/P/D"
+            )
+        return value
 
     def group_stage(self, group: Group) -> StageConfig:
         """The deployment settings of ``group``: its last stage's, with every grouped stage's CPUs (each has threads of

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from common.config import PrismConfig
-from common.config.topology import groups
+from common.config.topology import groups, media_apart
 from loadtest.servers.local_handles import LocalHandle
 
 
@@ -43,10 +43,13 @@ def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
         }
         groups_ = groups(sub.deployments.topology)
         objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g, transport) for g in groups_]
-        pipelines.append([LocalHandle(MediaDeployment(raw)), *(LocalHandle(obj) for obj in objs)])
+        if media_apart(sub.deployments.topology):
+            objs.insert(0, MediaDeployment(raw))
+        handles = [LocalHandle(obj) for obj in objs]
+        pipelines.append(handles if media_apart(sub.deployments.topology) else [None, *handles])
     ingress = IngressDeployment(cfg.model_dump(mode="json"), pipelines)
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
-    app.state.stages = [stage._obj for stages in pipelines for stage in stages]  # for tests: the objects behind
+    app.state.stages = [stage._obj for stages in pipelines for stage in stages if stage is not None]  # (for tests)
     app.state.ingress = ingress
 
     @app.post("/v1/chat/completions")

@@ -15,10 +15,14 @@ media ──► (its items done) ──► encode ─────┐   (encode t
 (the default ``E/P/D``), so pixels, embeddings and KV go replica to replica (the object store, or NIXL) and never
 through the ingress. In a grouped topology each group is one call (:mod:`services.stages.group`): ``E/PD`` is media,
 encode, then one streaming call that reserves the KV in its own replica, prefills and decodes; ``EPD`` is media, then
-that call with encode in it too; ``EP/D`` reserves here, then one call encodes and prefills for the decode stream. The
-decode KV is reserved (:mod:`services.ingress.kv_reserver`) before prefill computes — for a request with media once
+that call with encode in it too; ``EP/D`` reserves here, then one call encodes and prefills for the decode stream.
+Where media is grouped with encode, the request's media references go to that group's call: ``ME/P/D`` is one call
+that fetches, processes and encodes, then the reservation here, prefill and decode; ``ME/PD`` is that call, then the
+streaming one; ``MEPD`` is one streaming call that does it all (its replica reserves the KV once its media is done).
+The decode KV is reserved (:mod:`services.ingress.kv_reserver`) before prefill computes — for a request with media once
 the media stage has finished with its items (fetched, checked, decoded: the ingress waits on the call's result without
-fetching it), while encode works; a slow or hostile download then holds no decode blocks and no decode request slot.
+fetching it; a call that also encodes is waited for whole), while encode works; a slow or hostile download then holds
+no decode blocks and no decode request slot.
 It waits for the stream's start, so every stage's error surfaces before a protocol commits to a status; an attempt that
 fails cancels every response of its chain and gives back a reservation no stream claimed.
 """
@@ -34,7 +38,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from common.config import PrismConfig
-from common.config.topology import Group, groups, hops
+from common.config.topology import Group, groups, hops, media_apart
 from common.errors import HandoffError
 from common.obs.request_trace import RequestTrace
 from common.obs.trace import waited
@@ -74,11 +78,14 @@ Issue = Callable[[tuple[int, ...]], Awaitable[Started]]
 
 
 class Chain:
-    def __init__(self, cfg: PrismConfig, media: DeploymentHandle, *deployments: DeploymentHandle) -> None:
-        """``deployments``: one handle per group of the model's topology, in its order (``E/P/D``: encode, prefill,
+    def __init__(self, cfg: PrismConfig, media: DeploymentHandle | None, *deployments: DeploymentHandle) -> None:
+        """``media``: the model's media deployment (``None`` where the topology groups it with encode);
+        ``deployments``: one handle per group of the model's topology, in its order (``E/P/D``: encode, prefill,
         decode)."""
         self.cfg = cfg
         self.topology = cfg.deployments.topology
+        if (media is None) == media_apart(self.topology):
+            raise ValueError(f"topology {self.topology}: the media handle must be given exactly when media is apart")
         self.media = media
         self.handles = dict(zip(groups(self.topology), deployments, strict=True))
         self.of = {stage: handle for group, handle in self.handles.items() for stage in group}
@@ -122,7 +129,9 @@ class Chain:
         reserved = False
         try:
             if admitted.refs:
-                media = self.media.process.remote(list(admitted.refs), ctx)
+                upstream = list(admitted.refs)  # (the first group's, where media is grouped with encode)
+            if admitted.refs and self.media is not None:
+                media = self.media.process.remote(upstream, ctx)
                 responses.append(media)
                 # Encode and KV only once the media stage has the items: a slow or hostile download holds no encode
                 # call, no decode blocks and no decode request slot while it lasts
@@ -135,6 +144,8 @@ class Chain:
                         upstream = waited("decode.reserve", ctx.sent_at, blocks=admitted.kv_blocks)
                 upstream = self._call(hop, upstream, admitted, ctx)
                 responses.append(upstream)
+                if hop == ("media", "encode"):  # (as above: no KV reserved, no prefill call, until the media is done)
+                    await settled(upstream, ctx.deadline)
             first = await next_event(upstream, ctx.deadline)
             if not isinstance(first, StreamStart):
                 raise HandoffError(f"the decode stream began with {type(first).__name__}, not its start")
@@ -147,7 +158,8 @@ class Chain:
 
     def _call(self, hop: Group, upstream: Any, admitted: AdmittedRequest, ctx: RequestContext) -> Any:
         """Call the deployment that holds ``hop`` with what the stage before it gave: a stage alone by its own method,
-        a group by :meth:`GroupDeployment.run` (or ``run_stream`` when it ends with decode, reserving the KV there)."""
+        a group by :meth:`GroupDeployment.run` (or ``run_stream`` when it ends with decode, reserving the KV there);
+        a group that starts with media is given the request's media references."""
         handle, messages, sampling, tools = self.of[hop[0]], admitted.messages, admitted.sampling, admitted.tools
         if hop[0] not in self.grouped:
             if hop == ("encode",):

@@ -64,9 +64,9 @@ api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
 
 
 class IngressDeployment:
-    def __init__(self, config: dict[str, Any], pipelines: list[list[DeploymentHandle]]) -> None:
-        """``pipelines``: per served model, in the config's order, its media handle and one handle per group of its
-        topology (``E/P/D``: encode, prefill, decode)."""
+    def __init__(self, config: dict[str, Any], pipelines: list[list[DeploymentHandle | None]]) -> None:
+        """``pipelines``: per served model, in the config's order, its media handle (``None`` where its topology groups
+        media with encode) and one handle per group of its topology (``E/P/D``: encode, prefill, decode)."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.keys = KeyStore(self.cfg.server)

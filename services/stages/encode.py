@@ -43,10 +43,12 @@ class EncodeDeployment:
         transport: KVTransport | None = None,
         lm: LoadedModel | None = None,
         grouped: bool = False,
+        pixels_in_process: bool = False,
     ) -> None:
         """``transport``: how the embeddings travel to prefill (the model's by default); ``lm``: the model, when a
         grouped replica loaded it once for its stages; ``grouped``: the stage shares its replica with others
-        (:mod:`services.stages.group`), whom the encoder's priority must not reach — only its own thread is niced."""
+        (:mod:`services.stages.group`), whom the encoder's priority must not reach — only its own thread is niced;
+        ``pixels_in_process``: the media stage is in the same replica (the pixels' hand-off is a call, not a copy)."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.lm = lm or load_model(self.cfg.model)
@@ -73,6 +75,7 @@ class EncodeDeployment:
             executor,
         )
         self.metrics = Metrics("encode")
+        self.pixels_backend = "in_process" if pixels_in_process else "object_store"
         self.transport = transport or make_transport(self.cfg.transport)  # (how the embeddings travel to prefill)
         self.transport.prepare(sends=True, receives=False)  # (not on the first request's time)
         self.releaser = Releaser(self.transport)
@@ -89,8 +92,8 @@ class EncodeDeployment:
         timeline = Timeline.after(media, ctx.sent_at)
         items = unwrap(media)
         nbytes = sum(int(m.pixel_values.nbytes) for m in items)
-        transfer = timeline.mark("encode.transfer", backend="object_store", bytes=nbytes)
-        self.metrics.transfer("object_store", "pixels", nbytes, transfer.duration_s)
+        transfer = timeline.mark("encode.transfer", backend=self.pixels_backend, bytes=nbytes)
+        self.metrics.transfer(self.pixels_backend, "pixels", nbytes, transfer.duration_s)
         if not items:
             return timeline.wrap([])
         ctx.check_deadline("encode")

@@ -1,21 +1,27 @@
 """A grouped deployment: several stages of one model in one replica (``deployments.topology``: ``E/PD``, ``EP/D``,
-``EPD``; :mod:`common.config.topology`).
+``EPD``, ``ME/P/D``, ``ME/PD``, ``MEPD``; :mod:`common.config.topology`).
 
-The replica builds the stage classes it holds — the same :class:`EncodeDeployment`, :class:`PrefillDeployment` and
-:class:`DecodeDeployment` as the split topology's, with their engines, driver threads, budgets, caches, traces and
-metrics — and wires the hops between them in process (:class:`InProcessTransport`: the embeddings as the encoder made
-them, the KV copied once into the decode pool's blocks and checked against its seal there). A hop that leaves the
-group (encode → a prefill elsewhere; prefill → a decode elsewhere) keeps the model's transport.
+The replica builds the stage classes it holds — the same :class:`MediaDeployment`, :class:`EncodeDeployment`,
+:class:`PrefillDeployment` and :class:`DecodeDeployment` as the split topology's, with their engines, thread pools,
+driver threads, budgets, caches, traces and metrics — and wires the hops between them in process: the processed media
+as the media stage made them, then :class:`InProcessTransport` (the embeddings as the encoder made them, the KV copied
+once into the decode pool's blocks and checked against its seal there). A hop that leaves the group (encode → a
+prefill elsewhere; prefill → a decode elsewhere) keeps the model's transport. A stage in a group raises the priority
+of its own worker threads only, never the whole process's (the other stages' threads and the event loop keep theirs).
 
-The ingress calls a group once per request with the stages that request runs (:func:`common.config.topology.hops`):
+The ingress calls a group once per request with the stages that request runs (:func:`common.config.topology.hops`; a
+group that holds media takes the request's media references):
 
-* :meth:`run_stream` for a group that ends with decode (``PD``, ``EPD``): the request's KV is reserved on this
-  replica's own pool first (the same gate and rules as :meth:`DecodeDeployment.reserve`, no call to make: the stream
-  that claims the reservation runs here), while encode works when the group holds it (in ``E/PD`` the call starts
-  once the encode deployment answered: Serve resolves its response first); then prefill, then the decode stream,
-  whose events it yields. A reservation no stream claimed is dropped when the call ends, whatever ended it.
+* :meth:`run_stream` for a group that ends with decode (``PD``, ``EPD``, ``MEPD``): media first when the group holds
+  it, so a download holds no decode blocks; then the request's KV is reserved on this replica's own pool (the same
+  gate and rules as :meth:`DecodeDeployment.reserve`, no call to make: the stream that claims the reservation runs
+  here), while encode works when the group holds it (in ``E/PD`` the call starts once the encode deployment answered:
+  Serve resolves its response first); then prefill, then the decode stream, whose events it yields. A reservation no
+  stream claimed is dropped when the call ends, whatever ended it.
 * :meth:`run` for a group that ends with prefill (``EP``): encode then prefill; the answer is the prefill's handle in
-  the model's transport, for the decode deployment (the ingress reserved its KV there before this call).
+  the model's transport, for the decode deployment (the ingress reserved its KV there before this call). For the
+  ``ME`` group (``ME/P/D``, ``ME/PD``): media then encode; the answer is the embeddings' handle in the model's
+  transport, for the prefill deployment (the ingress reserves the KV once this call has answered).
 
 The model is loaded once per replica and shared by its stages (their forward passes only read it). Serve sizes the
 group as one deployment (:meth:`common.config.ModelStages.group_stage`); for autoscaling see
@@ -40,6 +46,7 @@ from common.protocol.handoff import RequestContext
 from common.protocol.sampling import SamplingParams
 from services.stages.decode import DecodeDeployment
 from services.stages.encode import EncodeDeployment
+from services.stages.media import MediaDeployment
 from services.stages.prefill import PrefillDeployment
 
 
@@ -54,11 +61,15 @@ class GroupDeployment:
         def outer() -> KVTransport:
             return transport or make_transport(self.cfg.transport)
 
+        self.media: MediaDeployment | None = None
         self.encode: EncodeDeployment | None = None
         self.prefill: PrefillDeployment | None = None
         self.decode: DecodeDeployment | None = None
-        if "encode" in group:  # (a group that holds encode holds prefill: its embeddings stay in process)
-            self.encode = EncodeDeployment(config, local, lm=lm, grouped=True)
+        if "media" in group:  # (a group that holds media holds encode: the processed media stay in process)
+            self.media = MediaDeployment(config, grouped=True)
+        if "encode" in group:
+            outbound = local if "prefill" in group else outer()
+            self.encode = EncodeDeployment(config, outbound, lm=lm, grouped=True, pixels_in_process="media" in group)
         if "prefill" in group:
             inbound = local if "encode" in group else outer()
             outbound = local if "decode" in group else outer()
@@ -75,10 +86,20 @@ class GroupDeployment:
         ctx: RequestContext,
         tools: list[dict[str, Any]] | None = None,
     ) -> Traced[Any]:
-        """Encode (when ``hop`` holds it) then prefill: the prefill's handle, for the decode deployment."""
-        assert self.prefill is not None
+        """Media and encode (when ``hop`` holds them) then prefill: the prefill's handle, for the decode deployment —
+        or, for a group that ends with encode, the embeddings' handle, for the prefill deployment."""
+        upstream = await self._media(hop, upstream, ctx)
         embeddings = await self.encode.encode(upstream, ctx) if "encode" in hop and self.encode else upstream
+        if self.prefill is None:
+            return embeddings
         return await self.prefill.prefill(messages, embeddings, sampling, ctx, tools)
+
+    async def _media(self, hop: Group, upstream: Any, ctx: RequestContext) -> Any:
+        """The processed media, when ``hop`` holds the media stage (``upstream``: the request's media references);
+        otherwise ``upstream`` as it came."""
+        if "media" in hop and self.media is not None:
+            return await self.media.process(upstream, ctx)
+        return upstream
 
     async def run_stream(
         self,
@@ -92,6 +113,7 @@ class GroupDeployment:
     ):
         """The request's decode events, its KV reserved here before prefill computes (see the module docstring)."""
         assert self.prefill is not None and self.decode is not None
+        upstream = await self._media(hop, upstream, ctx)  # (before the reservation: a download holds no KV)
         since = ctx.sent_at
         encoding = None
         if "encode" in hop and self.encode is not None:  # (encode works while the KV is reserved)
@@ -139,18 +161,20 @@ class GroupDeployment:
         return replace(ctx, decode_replica=got.replica, reservation=outcome), True
 
     def _stages(self) -> list[Any]:
-        return [s for s in (self.encode, self.prefill, self.decode) if s is not None]
+        return [s for s in (self.media, self.encode, self.prefill, self.decode) if s is not None]
 
     async def stats(self) -> dict[str, Any]:
-        """Every grouped stage's counters in one answer (their names do not overlap)."""
+        """Every grouped stage's counters in one answer (their names do not overlap; the media stage keeps none)."""
         out: dict[str, Any] = {}
         for stage in self._stages():
-            out.update(await stage.stats())
+            if hasattr(stage, "stats"):
+                out.update(await stage.stats())
         return out
 
     def check_health(self) -> None:
         for stage in self._stages():
-            stage.check_health()
+            if hasattr(stage, "check_health"):
+                stage.check_health()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The queue depth of the group's last stage, and of every other stage whose ``target_queue_per_replica`` is

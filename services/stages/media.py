@@ -48,12 +48,15 @@ from services.stages.threads import nice_process, nice_thread, set_threads
 
 
 class MediaDeployment:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], grouped: bool = False) -> None:
+        """``grouped``: the stage shares its replica with others (``ME/…`` topologies, :mod:`services.stages.group`),
+        whom its priority must not reach — only its own threads are niced, when they take up its work."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         set_threads(self.cfg.model.torch_threads)
         self.nice = self.cfg.deployments.media.cpu_nice
-        nice_process(self.nice)
+        if not grouped:
+            nice_process(self.nice)
         self.frontend = load_frontend(self.cfg.model)
         self.stage = MediaStage(self.cfg.media)
         eng = self.cfg.engine

@@ -199,6 +199,9 @@ def test_several_models_each_get_their_stages_on_the_stage_groups():
         ("E/PD", ["media", "encode", "prefill-decode"]),
         ("EP/D", ["media", "encode-prefill", "decode"]),
         ("EPD", ["media", "encode-prefill-decode"]),
+        ("ME/P/D", ["media-encode", "prefill", "decode"]),
+        ("ME/PD", ["media-encode", "prefill-decode"]),
+        ("MEPD", ["media-encode-prefill-decode"]),
     ],
 )
 def test_a_grouped_topology_gets_one_worker_group_per_deployment(topology, groups):
@@ -208,7 +211,9 @@ def test_a_grouped_topology_gets_one_worker_group_per_deployment(topology, group
     from services.app import build_app
     from tests.unit.services.test_ray_configs import _deployments
 
-    docs = render({"topology": topology})
+    # (every stage's default CPUs would not fit one pod of the decode group's 8: the chart refuses that, tested apart)
+    fit = {"stages": {"media": {"serve": {"num_cpus": 2}}}} if topology == "MEPD" else {}
+    docs = render({"topology": topology, **fit})
     spec = one(docs, "RayService")["spec"]["rayClusterConfig"]
     workers = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
     assert list(workers) == groups
@@ -225,7 +230,9 @@ def test_a_grouped_topology_gets_one_worker_group_per_deployment(topology, group
         assert limits == _values()["stages"][last]["workers"]["resources"]["limits"]
     names = {d.name for d in _deployments(build_app(app["args"]))}
     assert names == {"Ingress", *deployment_names(topology)}
-    several = {"topology": topology, "models": [{"name": "prism-tiny-llava"}, {"name": "prism-tiny-qwen2vl"}]}
+    holds_media = next(g for g in groups if "media" in g.split("-"))  # (the ingress runs there)
+    assert cfg.deployments.ingress.resources == {"prism_" + holds_media.replace("-", "_"): 1}
+    several = {"topology": topology, "models": [{"name": "prism-tiny-llava"}, {"name": "prism-tiny-qwen2vl"}], **fit}
     cfg = PrismConfig.model_validate(serve_config(render(several))["applications"][0]["args"]["config"])
     assert {m.deployments.topology for m in cfg.models} == {topology}
 

@@ -226,8 +226,13 @@ def _cpus(topology: str, **per_stage: float) -> dict:
             "a replica of the prefill-decode deployment asks 2 GPUs (serve.num_gpus) but a pod of its worker group "
             "has 1",
         ),
+        (  # (media's CPUs count in the group that holds it)
+            {"topology": "MEPD"},
+            "a replica of the media-encode-prefill-decode deployment asks 10 CPUs (media 4 + encode 2 + prefill 2 + "
+            "decode 2: serve.num_cpus) but a pod of its worker group has 8",
+        ),
     ],
-    ids=["group-cpus", "millicpus", "fractional-gpus", "ingress-on-media", "group-gpus"],
+    ids=["group-cpus", "millicpus", "fractional-gpus", "ingress-on-media", "group-gpus", "media-group-cpus"],
 )
 def test_a_deployment_that_cannot_fit_a_pod_of_its_group_fails_to_render(values, message):
     """Serve would wait for such a replica forever without an error: the chart says which and why instead."""

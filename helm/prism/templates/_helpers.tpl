@@ -126,11 +126,11 @@ tells Ray.
 
 {{/* The worker groups of the topology, in request order, each named after the stages it holds: a JSON list. */}}
 {{- define "prism.groups" -}}
-{{- $all := dict "E/P/D" (list "media" "encode" "prefill" "decode") "E/PD" (list "media" "encode" "prefill-decode") "EP/D" (list "media" "encode-prefill" "decode") "EPD" (list "media" "encode-prefill-decode") -}}
+{{- $all := dict "E/P/D" (list "media" "encode" "prefill" "decode") "E/PD" (list "media" "encode" "prefill-decode") "EP/D" (list "media" "encode-prefill" "decode") "EPD" (list "media" "encode-prefill-decode") "ME/P/D" (list "media-encode" "prefill" "decode") "ME/PD" (list "media-encode" "prefill-decode") "MEPD" (list "media-encode-prefill-decode") -}}
 {{- toJson (index $all .Values.topology) -}}
 {{- end -}}
 
-{{/* The worker group that holds a stage (argument: dict root, stage); the ingress runs on the media (CPU) group. */}}
+{{/* The worker group that holds a stage (argument: dict root, stage); the ingress runs on the group that holds media. */}}
 {{- define "prism.groupOf" -}}
 {{- $stage := ternary "media" .stage (eq .stage "ingress") -}}
 {{- range $g := include "prism.groups" .root | fromJsonArray -}}

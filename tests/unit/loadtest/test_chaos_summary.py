@@ -31,7 +31,7 @@ def test_failures_are_attributed_to_the_last_kill_before_them():
     assert s["migrated"] == {"requests": 1, "complete": 1, "tokens_replayed": 7, "longest_resume_ms": 812.5}
 
 
-@pytest.mark.parametrize("topology", ["E/P/D", "E/PD", "EP/D", "EPD"])
+@pytest.mark.parametrize("topology", ["E/P/D", "E/PD", "EP/D", "EPD", "ME/P/D", "ME/PD", "MEPD"])
 def test_two_replicas_of_every_deployment_fit_the_cpus(topology):
     """Built as Serve would deploy it: two replicas of each deployment of the topology, CPU shares under 2."""
     from services.app import build_app

@@ -60,6 +60,9 @@ def test_local_default_serves_both_families_and_fits_two_cores():
         ("E/PD", {"Media", "Encode", "PrefillDecode"}),
         ("EP/D", {"Media", "EncodePrefill", "Decode"}),
         ("EPD", {"Media", "EncodePrefillDecode"}),
+        ("ME/P/D", {"MediaEncode", "Prefill", "Decode"}),
+        ("ME/PD", {"MediaEncode", "PrefillDecode"}),
+        ("MEPD", {"MediaEncodePrefillDecode"}),
     ],
 )
 def test_each_topology_deploys_its_groups_sized_for_what_they_hold(topology, names):
@@ -68,6 +71,7 @@ def test_each_topology_deploys_its_groups_sized_for_what_they_hold(topology, nam
     from services.app import build_app
 
     stages = {
+        "media": {"num_cpus": 0.05},
         "encode": {"num_cpus": 0.1, "num_gpus": 0.1},
         "prefill": {"num_cpus": 0.2, "num_gpus": 0.2, "max_ongoing_requests": 50},
         "decode": {"num_cpus": 0.3, "num_gpus": 0.3, "min_replicas": 1, "max_replicas": 3, "max_ongoing_requests": 40},
@@ -78,7 +82,7 @@ def test_each_topology_deploys_its_groups_sized_for_what_they_hold(topology, nam
     for group in groups(topology):
         d = built[group_name(group)]
         assert d.ray_actor_options["num_cpus"] == pytest.approx(sum(stages[s]["num_cpus"] for s in group))
-        assert d.ray_actor_options["num_gpus"] == pytest.approx(max(stages[s]["num_gpus"] for s in group))
+        assert d.ray_actor_options["num_gpus"] == pytest.approx(max(stages[s].get("num_gpus", 0) for s in group))
         last = stages[group[-1]]
         assert d.max_ongoing_requests == last.get("max_ongoing_requests", 128)
         assert _replicas(d) == ((1, 3) if group[-1] == "decode" else (1, 1))
@@ -86,6 +90,14 @@ def test_each_topology_deploys_its_groups_sized_for_what_they_hold(topology, nam
         assert router.endswith("PinnedRouter" if group == ("decode",) else "AffinityRouter"), router
         if len(group) > 1:
             assert list(d.init_args)[1] == group
+        if group[0] == "media":  # (routed by the media, for the encoder's cache it feeds)
+            kwargs = d._deployment_config.request_router_config.request_router_kwargs
+            assert kwargs["stage"] == "encode" and kwargs["key"] == "media"
+    ingress = built["Ingress"]
+    (pipeline,) = ingress.init_args[1]
+    assert (pipeline[0] is None) == ("Media" not in names), (
+        "the ingress calls a media deployment only where it is apart"
+    )
 
 
 @pytest.mark.parametrize("affinity", [True, False])

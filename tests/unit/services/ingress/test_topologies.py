@@ -25,7 +25,7 @@ from tests.reference import media_tokens
 from tests.unit.services.ingress.test_inprocess_pipeline import _LosingDecode
 
 LLAVA, QWEN = "prism-tiny-llava", "prism-tiny-qwen2vl"
-GROUPED = ["E/PD", "EP/D", "EPD"]
+GROUPED = ["E/PD", "EP/D", "EPD", "ME/P/D", "ME/PD", "MEPD"]
 IMAGE = "data:image/png;base64," + base64.b64encode(png_bytes(synthetic_image(120, 90, seed=3))).decode()
 VIDEO = "data:video/mp4;base64," + base64.b64encode(video_bytes(1.0, fps=10)).decode()
 TEXT = "Describe it."
@@ -107,15 +107,16 @@ def test_each_topology_gives_the_reference_tokens(app, references):
         assert response.status_code == 200, (topology, model, kind, response.text)
         assert response.json()["choices"][0]["token_ids"] == expected, (topology, model, kind)
         spans = {s["name"]: s for s in response.json()["prism_trace"]["spans"]}
-        grouped = {s for g in groups(topology) if len(g) > 1 for s in g}
-        if {"prefill", "decode"} <= grouped:  # (the KV crossed in process: one copy into the pool)
-            assert spans["decode.transfer"]["attrs"]["backend"] == "in_process"
-        else:
-            assert spans["decode.transfer"]["attrs"]["backend"] == "object_store"
+
+        def backend(a: str, b: str) -> str:  # (a hop within a group is a call; between groups, the transport)
+            return "in_process" if any(a in g and b in g for g in groups(topology)) else "object_store"
+
+        # (the KV crossed in process: one copy into the pool)
+        assert spans["decode.transfer"]["attrs"]["backend"] == backend("prefill", "decode")
         if kind is not None:
-            expected_backend = "in_process" if {"encode", "prefill"} <= grouped else "object_store"
-            assert spans["prefill.transfer"]["attrs"]["backend"] == expected_backend
-        if kind is None and {"prefill", "decode"} <= grouped:
+            assert spans["encode.transfer"]["attrs"]["backend"] == backend("media", "encode")
+            assert spans["prefill.transfer"]["attrs"]["backend"] == backend("encode", "prefill")
+        if kind is None and backend("prefill", "decode") == "in_process":
             assert "decode.reserve" in spans, "a text request's reservation shows in its trace"
     _nothing_held(served)
 
@@ -149,6 +150,48 @@ def test_a_group_reserves_kv_on_its_own_pool_before_prefill_computes(model_cache
         answered = await asyncio.wait_for(waiting, 60)
         assert answered.status_code == 200 and await computed() > before
         await group.decode.unreserve(fillers[1])
+
+    asyncio.run(scenario())
+    _nothing_held(served)
+
+
+@pytest.mark.parametrize("topology", ["ME/P/D", "MEPD"])
+def test_media_in_a_group_holds_no_kv_and_no_prefill_until_it_is_done(model_cache, topology):
+    """With media grouped with encode, a slow download (the group's media stage still working) holds no decode
+    blocks and starts no prefill — whether the ingress reserves the KV (``ME/P/D``) or the group does (``MEPD``); once
+    the media is done the request is answered with the reference pipeline's path (media → encode in process)."""
+    served = build(_config(model_cache, topology))
+    group = served.state.stages[0]  # (LLaVA's: no media deployment of its own, its ME group first)
+    assert type(group).__name__ == "GroupDeployment" and group.group[:2] == ("media", "encode")
+    decode = _decodes(served)[0]
+    prefill = group.prefill or served.state.stages[1]
+    real_process, real_reserve, real_prefill = group.media.process, decode.reserve, prefill.prefill
+    gate, calls = asyncio.Event(), {"reserve": 0, "prefill": 0}
+
+    async def slow_process(*args):
+        await gate.wait()
+        return await real_process(*args)
+
+    async def counted_reserve(*args):
+        calls["reserve"] += 1
+        return await real_reserve(*args)
+
+    async def counted_prefill(*args):
+        calls["prefill"] += 1
+        return await real_prefill(*args)
+
+    group.media.process, decode.reserve, prefill.prefill = slow_process, counted_reserve, counted_prefill
+
+    async def scenario():
+        asking = asyncio.ensure_future(_ask(served, _body(LLAVA, ("image", IMAGE)), **{"x-prism-trace": "1"}))
+        await asyncio.sleep(0.5)  # the media stage is "downloading"
+        assert not asking.done() and calls == {"reserve": 0, "prefill": 0} and decode.engine.num_reserved == 0
+        gate.set()
+        answered = await asyncio.wait_for(asking, 60)
+        assert answered.status_code == 200, answered.text
+        assert calls == {"reserve": 1, "prefill": 1}
+        spans = {s["name"]: s for s in answered.json()["prism_trace"]["spans"]}
+        assert spans["encode.transfer"]["attrs"]["backend"] == "in_process"
 
     asyncio.run(scenario())
     _nothing_held(served)
