@@ -120,11 +120,19 @@ class ModelStages(Strict):
 
     def group_stage(self, group: Group) -> StageConfig:
         """The deployment settings of ``group``: its last stage's, with every grouped stage's CPUs (each has threads of
-        its own) and the most GPUs one of them asks (they share the device: one process, one CUDA context)."""
+        its own) and the most GPUs one of them asks (they share the device: one process, one CUDA context). A group
+        that holds media also has media's ``max_ongoing_requests`` on top of its last stage's: each request's call
+        holds a slot of the group from its first download byte, so downloads (slow or hostile ones too) use media's
+        slots rather than those of the requests whose media is done."""
         stages = [getattr(self, s) for s in group]
         last = stages[-1]
+        ongoing = last.max_ongoing_requests + (self.media.max_ongoing_requests if "media" in group else 0)
         return last.model_copy(
-            update={"num_cpus": sum(s.num_cpus for s in stages), "num_gpus": max(s.num_gpus for s in stages)}
+            update={
+                "num_cpus": sum(s.num_cpus for s in stages),
+                "num_gpus": max(s.num_gpus for s in stages),
+                "max_ongoing_requests": ongoing,
+            }
         )
 
 

@@ -60,8 +60,11 @@ def deployment_names(topology: Topology) -> list[str]:
 
 
 def group_of(topology: Topology, stage: Stage) -> Group:
-    """The group that holds ``stage``."""
-    return next(g for g in groups(topology) if stage in g)
+    """The group that holds ``stage`` (``ValueError`` for media where it is a deployment of its own)."""
+    for group in groups(topology):
+        if stage in group:
+            return group
+    raise ValueError(f"topology {topology}: no group holds {stage} (media apart is the Media deployment)")
 
 
 def hops(topology: Topology, with_media: bool) -> list[Group]:

@@ -22,7 +22,8 @@ streaming one; ``MEPD`` is one streaming call that does it all (its replica rese
 The decode KV is reserved (:mod:`services.ingress.kv_reserver`) before prefill computes — for a request with media once
 the media stage has finished with its items (fetched, checked, decoded: the ingress waits on the call's result without
 fetching it; a call that also encodes is waited for whole), while encode works; a slow or hostile download then holds
-no decode blocks and no decode request slot.
+no decode blocks and no decode request slot (in ``MEPD`` it holds a slot of the group's replica, which has media's
+slots on top of decode's: :meth:`common.config.deployments.ModelStages.group_stage`).
 It waits for the stream's start, so every stage's error surfaces before a protocol commits to a status; an attempt that
 fails cancels every response of its chain and gives back a reservation no stream claimed.
 """
@@ -145,7 +146,7 @@ class Chain:
                 upstream = self._call(hop, upstream, admitted, ctx)
                 responses.append(upstream)
                 if hop == ("media", "encode"):  # (as above: no KV reserved, no prefill call, until the media is done)
-                    await settled(upstream, ctx.deadline)
+                    await settled(upstream, ctx.deadline, "the media and encode stages")
             first = await next_event(upstream, ctx.deadline)
             if not isinstance(first, StreamStart):
                 raise HandoffError(f"the decode stream began with {type(first).__name__}, not its start")

@@ -45,7 +45,7 @@ async def next_event(stream: DeploymentResponseGenerator, deadline: float) -> De
         raise lost from None
 
 
-async def settled(response: Any, deadline: float) -> None:
+async def settled(response: Any, deadline: float, what: str = "the media stage") -> None:
     """Wait until a stage call has finished — its result (or its error) exists, wherever it lies — without fetching it
     here: a media stage's pixels stay where they are. 504 at the deadline. A Serve response is waited on through its
     object (``ObjectRef._ready``: no fetch, no deserialisation); an in-process one (the monolith's
@@ -60,7 +60,7 @@ async def settled(response: Any, deadline: float) -> None:
             if not done:
                 raise TimeoutError
     except TimeoutError:
-        raise DeadlineExceeded("deadline exceeded while the media stage worked") from None
+        raise DeadlineExceeded(f"deadline exceeded while {what} worked") from None
 
 
 def _left(deadline: float) -> float:

@@ -6,8 +6,9 @@ The replica builds the stage classes it holds — the same :class:`MediaDeployme
 driver threads, budgets, caches, traces and metrics — and wires the hops between them in process: the processed media
 as the media stage made them, then :class:`InProcessTransport` (the embeddings as the encoder made them, the KV copied
 once into the decode pool's blocks and checked against its seal there). A hop that leaves the group (encode → a
-prefill elsewhere; prefill → a decode elsewhere) keeps the model's transport. A stage in a group raises the priority
-of its own worker threads only, never the whole process's (the other stages' threads and the event loop keep theirs).
+prefill elsewhere; prefill → a decode elsewhere) keeps the model's transport. A stage in a group lowers the priority
+(raises the niceness) of its own worker threads only, never the whole process's (the other stages' threads and the
+event loop keep theirs).
 
 The ingress calls a group once per request with the stages that request runs (:func:`common.config.topology.hops`; a
 group that holds media takes the request's media references):
@@ -177,18 +178,19 @@ class GroupDeployment:
                 stage.check_health()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """The queue depth of the group's last stage, and of every other stage whose ``target_queue_per_replica`` is
-        set in the config, each scaled to the group's target by its own (``depth × group target / stage target``):
-        the busiest counts, so the group wants another replica as soon as any of them is past its own target. A
-        stage without a target of its own does not count — its depth is in its own unit (prompt tokens, patches),
-        which the default target (4) was never meant for."""
+        """The queue depth of the group's last stage, of its media stage, and of every other stage whose
+        ``target_queue_per_replica`` is set in the config, each scaled to the group's target by its own (``depth ×
+        group target / stage target``): the busiest counts, so the group wants another replica as soon as any of them
+        is past its own target. Media counts by default, as a media deployment of its own scales on its requests in
+        flight; another stage without a target of its own does not count — its depth is in its own unit (prompt
+        tokens, patches), which the default target (4) was never meant for."""
         stages = self.cfg.deployments
         target = stages.group_stage(self.group).target_queue_per_replica
         depth, out = 0.0, {}
         for name, stage in zip(self.group, self._stages(), strict=True):
             got = stage.record_autoscaling_stats()
             own = getattr(stages, name)
-            counts = name == self.group[-1] or "target_queue_per_replica" in own.model_fields_set
+            counts = name in (self.group[-1], "media") or "target_queue_per_replica" in own.model_fields_set
             queued = got.pop("queue_depth", 0.0)
             if counts:
                 depth = max(depth, queued * target / own.target_queue_per_replica)

@@ -231,8 +231,20 @@ def _cpus(topology: str, **per_stage: float) -> dict:
             "a replica of the media-encode-prefill-decode deployment asks 10 CPUs (media 4 + encode 2 + prefill 2 + "
             "decode 2: serve.num_cpus) but a pod of its worker group has 8",
         ),
+        (  # (the ingress runs on the group that holds media: checked against its pods there too)
+            {"topology": "ME/PD", "stages": {"ingress": {"serve": {"num_cpus": 20}}}},
+            "stages.encode.workers: a replica of the ingress deployment asks 20 CPUs",
+        ),
     ],
-    ids=["group-cpus", "millicpus", "fractional-gpus", "ingress-on-media", "group-gpus", "media-group-cpus"],
+    ids=[
+        "group-cpus",
+        "millicpus",
+        "fractional-gpus",
+        "ingress-on-media",
+        "group-gpus",
+        "media-group-cpus",
+        "ingress-on-media-encode",
+    ],
 )
 def test_a_deployment_that_cannot_fit_a_pod_of_its_group_fails_to_render(values, message):
     """Serve would wait for such a replica forever without an error: the chart says which and why instead."""

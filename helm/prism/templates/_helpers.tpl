@@ -61,8 +61,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{/*
 A replica that asks more CPUs or GPUs than a pod of its worker group has is never scheduled, and Serve waits for it
 without an error: refuse to render instead. A grouped deployment asks the CPUs of every stage it holds, summed, and the
-most GPUs one of them asks (PrismConfig's group sizing; an unset num_cpus is PrismConfig's default); the ingress and
-media are apart on the media group. A pod has its container's limits (else requests), CPUs rounded up: what KubeRay
+most GPUs one of them asks (PrismConfig's group sizing; an unset num_cpus is PrismConfig's default); the ingress runs
+on the group that holds media, a replica of its own checked against that group's pods too. A pod has its container's limits (else requests), CPUs rounded up: what KubeRay
 tells Ray.
 */}}
 {{- define "prism.checkGroupsFit" -}}
@@ -74,7 +74,8 @@ tells Ray.
 {{- $pod := merge (deepCopy (default dict $res.limits)) (default dict $res.requests) -}}
 {{- $podCpus := include "prism.cpus" (index $pod "cpu" | default "0") | float64 | ceil -}}{{/* KubeRay: num-cpus rounded up */}}
 {{- $podGpus := index $pod "nvidia.com/gpu" | default 0 | float64 -}}
-{{- $replicas := ternary (list (list "ingress") (list "media")) (list (splitList "-" $group)) (eq $group "media") -}}
+{{- $replicas := list (splitList "-" $group) -}}
+{{- if has "media" (splitList "-" $group) -}}{{- $replicas = prepend $replicas (list "ingress") -}}{{- end -}}
 {{- range $stages := $replicas -}}
 {{- $cpus := 0.0 -}}{{- $gpus := 0.0 -}}{{- $parts := list -}}
 {{- range $stage := $stages -}}

@@ -49,4 +49,8 @@ def test_a_media_group_is_sized_for_both_stages():
     cfg = PrismConfig.model_validate({"deployments": {"topology": "ME/PD", "media": {"num_cpus": 0.3}}})
     stage = cfg.deployments.group_stage(groups("ME/PD")[0])
     assert stage.num_cpus == pytest.approx(0.3 + cfg.deployments.encode.num_cpus)
-    assert stage.max_ongoing_requests == cfg.deployments.encode.max_ongoing_requests
+    d = cfg.deployments
+    assert stage.max_ongoing_requests == d.encode.max_ongoing_requests + d.media.max_ongoing_requests
+    whole = d.group_stage(groups("MEPD")[0])  # (a download holds one of media's slots, not one of decode's)
+    assert whole.max_ongoing_requests == d.decode.max_ongoing_requests + d.media.max_ongoing_requests
+    assert d.group_stage(groups("EPD")[0]).max_ongoing_requests == d.decode.max_ongoing_requests

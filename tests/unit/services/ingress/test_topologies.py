@@ -166,32 +166,77 @@ def test_media_in_a_group_holds_no_kv_and_no_prefill_until_it_is_done(model_cach
     decode = _decodes(served)[0]
     prefill = group.prefill or served.state.stages[1]
     real_process, real_reserve, real_prefill = group.media.process, decode.reserve, prefill.prefill
-    gate, calls = asyncio.Event(), {"reserve": 0, "prefill": 0}
+    entered, gate, order = asyncio.Event(), asyncio.Event(), []
 
     async def slow_process(*args):
+        entered.set()
         await gate.wait()
-        return await real_process(*args)
+        out = await real_process(*args)
+        order.append("media")
+        return out
 
     async def counted_reserve(*args):
-        calls["reserve"] += 1
+        order.append("reserve")
         return await real_reserve(*args)
 
     async def counted_prefill(*args):
-        calls["prefill"] += 1
+        order.append("prefill")
         return await real_prefill(*args)
 
     group.media.process, decode.reserve, prefill.prefill = slow_process, counted_reserve, counted_prefill
 
     async def scenario():
         asking = asyncio.ensure_future(_ask(served, _body(LLAVA, ("image", IMAGE)), **{"x-prism-trace": "1"}))
-        await asyncio.sleep(0.5)  # the media stage is "downloading"
-        assert not asking.done() and calls == {"reserve": 0, "prefill": 0} and decode.engine.num_reserved == 0
+        await asyncio.wait_for(entered.wait(), 30)  # the media stage is "downloading"
+        await asyncio.sleep(0.3)
+        assert not asking.done() and order == [] and decode.engine.num_reserved == 0
         gate.set()
         answered = await asyncio.wait_for(asking, 60)
         assert answered.status_code == 200, answered.text
-        assert calls == {"reserve": 1, "prefill": 1}
+        assert order == ["media", "reserve", "prefill"]
         spans = {s["name"]: s for s in answered.json()["prism_trace"]["spans"]}
         assert spans["encode.transfer"]["attrs"]["backend"] == "in_process"
+
+    asyncio.run(scenario())
+    _nothing_held(served)
+
+
+@pytest.mark.parametrize("topology", ["ME/PD", "MEPD"])
+def test_a_client_that_leaves_while_its_groups_media_downloads_leaves_nothing_held(model_cache, topology):
+    """The client goes away while the group's media stage is downloading: the download stops, the media stage holds
+    nothing (no call in flight, no pixels in its budget), and no KV was reserved or prefill computed."""
+    import threading
+
+    served = build(_config(model_cache, topology))
+    group = served.state.stages[0]
+    media = group.media
+    real_fetch, started = media._fetch, threading.Event()
+
+    def hanging_fetch(refs, timings, stop):  # (a download that never ends, until the caller goes)
+        started.set()
+        while stop.left() is None or stop.left() > 0:
+            stop.check("download")
+            time.sleep(0.01)
+        return real_fetch(refs, timings, stop)
+
+    media._fetch = hanging_fetch
+
+    async def scenario():
+        asking = asyncio.ensure_future(_ask(served, _body(LLAVA, ("image", IMAGE)), **{"x-prism-deadline-ms": "30000"}))
+        for _ in range(500):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert started.is_set() and media.in_flight == 1 and not asking.done()
+        asking.cancel()  # (the client went away)
+        await asyncio.gather(asking, return_exceptions=True)
+        for _ in range(200):
+            if not media.in_flight:
+                break
+            await asyncio.sleep(0.02)
+        assert media.in_flight == 0 and media.admission.gate.used == 0
+        for decode in _decodes(served):
+            assert decode.engine.num_reserved == 0
 
     asyncio.run(scenario())
     _nothing_held(served)
@@ -222,14 +267,14 @@ def test_a_client_that_leaves_a_grouped_stream_frees_its_kv(model_cache):
     _nothing_held(served)
 
 
-@pytest.mark.parametrize("topology", ["E/PD", "EPD"])
+@pytest.mark.parametrize("topology", ["E/PD", "EPD", "ME/PD", "MEPD"])
 def test_a_lost_group_replica_mid_stream_is_migrated_unseen(model_cache, topology):
     """The group's stream dies after its start and four tokens: the ingress issues the chain again with the tokens the
     client has (a new prefill, the decode replaying them), and the answer is the undisturbed one, token for token."""
     served = build(_config(model_cache, topology))
     client = served.state.ingress.clients[LLAVA]
     body = {**_body(LLAVA, ("image", IMAGE), max_tokens=16), "stream": True}
-    group = next(obj for obj in served.state.stages if type(obj).__name__ == "GroupDeployment")
+    group = next(obj for obj in served.state.stages if getattr(obj, "decode", None) is not None)  # (the stream's)
 
     async def calm_then_disturbed():
         calm = await _ask(served, {**body, "stream": False})
@@ -303,6 +348,16 @@ def test_a_group_autoscales_on_the_busiest_stage_that_has_a_target(model_cache):
 
     assert depth({}) == {"kv_used_fraction": 0.5, "queue_depth": 3.0}, "prefill's tokens have no target: not counted"
     assert depth({"target_queue_per_replica": 50}) == {"kv_used_fraction": 0.5, "queue_depth": 8.0}  # 100 × 4 / 50
+
+    # media counts without a target of its own (as a media deployment scales on its requests in flight by default)
+    raw = {"model": {"model": LLAVA, "cache_dir": model_cache, "torch_threads": 1},
+           "deployments": {"decode": {"target_queue_per_replica": 8}}}  # fmt: skip
+    group = GroupDeployment(raw, ("media", "encode", "prefill", "decode"))
+    group.media.record_autoscaling_stats = lambda: {"queue_depth": 6.0}  # downloads in flight (default target 4)
+    group.encode.record_autoscaling_stats = lambda: {"queue_depth": 500.0}  # patches: no target, not counted
+    group.prefill.record_autoscaling_stats = lambda: {"queue_depth": 100.0}
+    group.decode.record_autoscaling_stats = lambda: {"queue_depth": 2.0}
+    assert group.record_autoscaling_stats() == {"queue_depth": 12.0}  # 6 × 8 / 4
 
 
 def test_an_encode_error_is_not_held_back_by_a_waiting_reservation(model_cache):
