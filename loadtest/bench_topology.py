@@ -62,10 +62,7 @@ def figures(
 ) -> tuple[dict[str, Any], Path]:
     """The three figures, and the plot of every topology's sweep."""
     everyone = {"E/P/D": prism, **grouped}
-    ttft = {
-        f"ttft_ratio_topology_{name.lower()}_vs_monolith": _ttft_figure(name, grouped[name], mono)
-        for name in ("EPD", "MEPD")
-    }
+    ttft = dict(_ttft_figure(name, grouped[name], mono) for name in ("EPD", "MEPD"))
     curves = {name: loads.curve(runs.sweep) for name, runs in {**everyone, "monolith": mono}.items()}
     peaks = {name: curves[name]["peak_goodput_rps"] for name in everyone}
     best = max(peaks, key=peaks.__getitem__)
@@ -96,13 +93,14 @@ def figures(
     return {**ttft, "peak_goodput_best_topology_vs_monolith": goodput}, plot
 
 
-def _ttft_figure(name: str, runs: ServerRuns, mono: ServerRuns) -> dict[str, Any]:
-    """``name``'s TTFT p50 over the monolith's, run i against run i."""
+def _ttft_figure(name: str, runs: ServerRuns, mono: ServerRuns) -> tuple[str, dict[str, Any]]:
+    """``name``'s TTFT p50 over the monolith's, run i against run i: the figure's name and its record."""
+    figure = f"ttft_ratio_topology_{name.lower()}_vs_monolith"
     pairs = list(zip(runs.cold, mono.cold, strict=False))  # (the monolith's runs are the TTFT figure's: as many)
     key = f"{name.lower()}_ttft_p50_s"
     raw = [{key: loads.ttft(t), "monolith_ttft_p50_s": loads.ttft(m), "requests": len(t)} for t, m in pairs]
-    return record(
-        f"ttft_ratio_topology_{name.lower()}_vs_monolith",
+    return figure, record(
+        figure,
         [loads.ratio(loads.ttft(t), loads.ttft(m)) for t, m in pairs],
         raw,
         sides={name: [r for run in runs.cold for r in run], "monolith": [r for run in mono.cold for r in run]},

@@ -51,10 +51,9 @@ def render(summary: dict[str, Any]) -> str:
     mono_runs = [r["monolith_ttft_p50_s"] for r in metrics["ttft_ratio_topology_epd_vs_monolith"]["raw"]["runs"]]
     mono_sweep = metrics["goodput_ratio_vs_naive"]["raw"]["sweep"]["monolith"]
     mono_text = summary["per_hop_fixed_cost"]["monolith"]["text"]["ttft_p50_ms"]
-    ran = [t for t in TOPOLOGIES if t in topo]
 
     def cells(cell) -> list[str]:  # (one per topology, "—" where the run did not measure it)
-        return [cell(t) if t in ran else "—" for t in TOPOLOGIES]
+        return [cell(t) if t in topo else "—" for t in TOPOLOGIES]
 
     first = TOPOLOGIES[0]
     ttft = [*cells(lambda t: f"{1000 * _median(topo[t]['ttft_p50_s']):.0f} ms"), f"{1000 * _median(mono_runs):.0f} ms"]

@@ -43,10 +43,8 @@ def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
         }
         groups_ = groups(sub.deployments.topology)
         objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g, transport) for g in groups_]
-        if media_apart(sub.deployments.topology):
-            objs.insert(0, MediaDeployment(raw))
-        handles = [LocalHandle(obj) for obj in objs]
-        pipelines.append(handles if media_apart(sub.deployments.topology) else [None, *handles])
+        media = LocalHandle(MediaDeployment(raw)) if media_apart(sub.deployments.topology) else None  # (else grouped)
+        pipelines.append([media, *(LocalHandle(obj) for obj in objs)])
     ingress = IngressDeployment(cfg.model_dump(mode="json"), pipelines)
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
     app.state.stages = [stage._obj for stages in pipelines for stage in stages if stage is not None]  # (for tests)
