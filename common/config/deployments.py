@@ -74,7 +74,9 @@ class EncodeStageConfig(StageConfig):
     max_ongoing_requests: int = Field(default=128, ge=1)
     """Requests a replica works on at once (the patch budget bounds what encodes)."""
     cpu_nice: int = Field(default=18, ge=0, le=19)
-    """OS niceness: the encoder yields the cores to the latency path (see :class:`StageConfig`)."""
+    """OS niceness: the encoder yields the cores to the latency path (see :class:`StageConfig`). Past capacity that
+    starves requests with images while text keeps its SLO; 0 here and on the prefill's long lane trades flood isolation
+    for their goodput (measured: ``docs/limits.md``, "What the priority costs")."""
 
 
 class PrefillStageConfig(StageConfig):
@@ -82,7 +84,8 @@ class PrefillStageConfig(StageConfig):
     """Requests a replica works on at once (the token budget bounds what computes)."""
     long_lane_nice: int = Field(default=18, ge=0, le=19)
     """OS niceness of the thread that prefills prompts with media or over ``admission.lane_max_prompt_tokens``;
-    the low-latency lane's thread keeps the replica's own (see :class:`StageConfig`)."""
+    the low-latency lane's thread keeps the replica's own (see :class:`StageConfig` and, for what it costs past
+    capacity, ``docs/limits.md``: "What the priority costs")."""
 
 
 class DecodeStageConfig(StageConfig):
