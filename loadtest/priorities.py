@@ -11,10 +11,11 @@ those niceness values, warms it up and then, per run:
 2. the bench's ``text_ttft_p95_flood_vs_idle`` load (text probes idle, then under one tenant's large-image flood);
 3. its ``tenant_ttft_p95_flood_vs_idle`` load (the same, the flood from another API key).
 
-Run ``i`` uses the seeds the bench's figures use for their run ``i`` (the mixed load: the sweep's seed at 4 rps,
-plus ``i``), so settings compare on the same requests. It prints one JSON object per setting: each run's values and
-their medians. The niceness of each stage is a setting of the config (``deployments.<stage>.cpu_nice``,
-``deployments.prefill.long_lane_nice``); ``docs/limits.md`` ("The cores") gives what this measured.
+Run ``i`` uses the seeds the bench's figures use for their run ``i`` (the mixed load: the seed of the sweep's 4-rps
+point plus ``i``, whatever ``--rate``), so settings compare on the same requests. It prints one JSON object per
+setting: each run's values and their medians. The niceness of each stage is a setting of the config
+(``deployments.<stage>.cpu_nice``, ``deployments.prefill.long_lane_nice``); ``docs/limits.md`` ("What the priority
+costs") gives what this measured.
 
     python -m loadtest.priorities [--settings 19-18-18,19-0-0] [--runs 3] [--rate 4] [--duration 20]
 """
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = [parse_setting(s.strip()) for s in args.settings.split(",") if s.strip()]
     except ValueError as exc:
         parser.error(str(exc))
+    if not settings or args.runs < 1 or args.rate <= 0 or args.duration <= 0:
+        parser.error("give at least one setting, --runs ≥ 1, and a --rate and --duration above 0")
     for setting in settings:
         result = measure(setting, args.runs, args.rate, args.duration)
         print(json.dumps({"setting": "-".join(map(str, setting)), "rate_rps": args.rate, **result}), flush=True)

@@ -30,3 +30,10 @@ def test_a_bad_setting_is_refused_before_any_server_starts(bad, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--settings", bad])
     assert exit_.value.code == 2 and f"setting {bad!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--runs", "0"], ["--rate", "0"], ["--duration", "-1"], ["--settings", ","]])
+def test_nothing_to_measure_is_refused_before_any_server_starts(args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2 and "at least one setting" in capsys.readouterr().err
