@@ -27,8 +27,17 @@ import json
 import statistics
 from typing import Any
 
-DEFAULT = "19-18-18"
-"""The config's defaults: media 19, encode 18, the prefill's long lane 18."""
+from common.config.deployments import EncodeStageConfig, MediaStageConfig, PrefillStageConfig
+
+DEFAULT = "-".join(
+    str(stage.model_fields[field].default)
+    for stage, field in (
+        (MediaStageConfig, "cpu_nice"),
+        (EncodeStageConfig, "cpu_nice"),
+        (PrefillStageConfig, "long_lane_nice"),
+    )
+)
+"""The config's own defaults (media 19, encode 18, the prefill's long lane 18), read from its fields."""
 
 
 def parse_setting(text: str) -> tuple[int, int, int]:
@@ -66,18 +75,19 @@ def measure(setting: tuple[int, int, int], runs: int, rate: float, duration: flo
     from loadtest import bench_servers as servers
     from loadtest.bench import app_config
     from loadtest.bench_sessions import warm_up
-    from loadtest.sweep import run_seconds
+    from loadtest.sweep import RATES, run_seconds
 
     model = "prism-small-llava"
+    mixed_seed = loads.seed_of("sweep") + RATES.index(4.0)  # (the bench sweep's seed at its 4-rps point)
+    keys = {"flood_key": servers.ALPHA, "probe_key": servers.BETA}
     out: dict[str, Any] = {"goodput_rps": [], "ttft_p95_s": [], "text_flood_vs_idle": [], "tenant_flood_vs_idle": []}
     with servers.prism_app(configured(app_config(model), setting)) as url:
         warm_up(url, model)
         for i in range(runs):
-            summary, _ = loads.mixed(url, model, rate, run_seconds(rate, duration), seed=loads.seed_of("sweep") + 3 + i)
-            out["goodput_rps"].append(round(summary["goodput_rps"], 3))
+            summary, _ = loads.mixed(url, model, rate, run_seconds(rate, duration), seed=mixed_seed + i)
+            out["goodput_rps"].append(_round(summary["goodput_rps"]))
             out["ttft_p95_s"].append(_round(summary["ttft_s"]["p95"]))
             out["text_flood_vs_idle"].append(_round(loads.flood(url, model, duration, loads.seed_of("flood", i)).ratio))
-            keys = {"flood_key": servers.ALPHA, "probe_key": servers.BETA}
             tenant = loads.flood(url, model, duration, loads.seed_of("tenant_flood", i), **keys)
             out["tenant_flood_vs_idle"].append(_round(tenant.ratio))
     return {"medians": {name: _median(values) for name, values in out.items()}, "runs": out}
