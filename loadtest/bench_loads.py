@@ -9,7 +9,7 @@ from typing import Any
 from loadtest.bench_servers import KEY
 from loadtest.runner import RunSpec, plan, run
 from loadtest.stats import SLO, RequestRecord, outcome_counts, summarize
-from loadtest.sweep import MIN_REQUESTS, RATES, capacity, knee, past_peak, peak, run_seconds
+from loadtest.sweep import MIN_REQUESTS, RATES, capacity, knee, next_rate, peak, run_seconds
 from loadtest.workload import OutputLengths, Workload
 
 SLO_MIXED = SLO(ttft_s=2.0, itl_s=0.2)
@@ -136,13 +136,14 @@ def mixed(url: str, model: str, rate: float, duration: float, seed: int = 21) ->
 def sweep(
     url: str, model: str, duration: float, min_requests: int = MIN_REQUESTS, rates: tuple[float, ...] = RATES
 ) -> dict[float, Run]:
-    """The mixed load at each of ``rates`` (ascending) until the server is past its peak
-    (:func:`loadtest.sweep.past_peak`); fresh images per run, the same seed at a rate for every server."""
+    """The mixed load at the rates :func:`loadtest.sweep.next_rate` picks from ``rates``, in its order; fresh images
+    per run, the same seed at a rate for every server (the rate's index in ``rates``)."""
     out: dict[float, Run] = {}
-    for i, rate in enumerate(rates):
-        out[rate] = mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=seed_of("sweep") + i)
-        if past_peak([(r, s["slo_attainment"], s["goodput_rps"]) for r, (s, _) in out.items()]):
-            break
+    while (
+        rate := next_rate([(r, s["slo_attainment"], s["goodput_rps"]) for r, (s, _) in out.items()], rates)
+    ) is not None:
+        seed = seed_of("sweep") + rates.index(rate)
+        out[rate] = mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=seed)
     return out
 
 

@@ -7,8 +7,9 @@ session the runs of different figures are interleaved — run i of each, then ru
 of its own (:data:`loadtest.bench_loads.SEEDS`): a slow spell of the machine lands on one run of several figures rather
 than on every run of one, and a cold cache stays cold. A ratio's run i pairs the two servers' i-th runs (not two runs at
 the same moment). Every server — the naive one too — first answers a few warm-up requests, so first-request costs stay
-out of the figures. Each server's goodput sweep runs the same rates (:data:`loadtest.sweep.RATES`) until it is past its
-peak.
+out of the figures. Each server's goodput sweep runs the same rates (:data:`loadtest.sweep.RATES`), in the order
+:func:`loadtest.sweep.next_rate` gives: up from 2 rps until it is past its peak, below 2 only where it did not keep up
+there.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ the one hop that ``MEPD`` measures against ``EPD``.)
 
 Per topology, one application of its own on this machine (one at a time, as every server of the bench): warm-up, the
 per-hop report (:mod:`loadtest.bench_hops`), the light load of medium images behind the TTFT figure (the same runs,
-seeds and count as ``ttft_ratio_epd_vs_monolith``), then the goodput sweep (:data:`loadtest.sweep.RATES`, until past its
-peak). Three figures come from it:
+seeds and count as ``ttft_ratio_epd_vs_monolith``), then the goodput sweep (:func:`loadtest.sweep.next_rate`: up from
+2 rps until past its peak). Three figures come from it:
 
 * ``ttft_ratio_topology_epd_vs_monolith`` — the ``EPD`` topology's TTFT p50 over the monolith's, run i against run i
   (median of the runs, its spread beside it): what Serve's hops cost when the model's stages share one replica;

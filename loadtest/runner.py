@@ -47,7 +47,7 @@ def plan(spec: RunSpec, workload: Workload) -> list[tuple[float, str, dict[str, 
     if spec.rate is None:
         raise ValueError("an open loop needs a rate")
     times = arrival_times(spec.process, spec.rate, spec.duration_s, spec.seed, spec.cv)
-    return [(t, *workload.next_request(spec.model)) for t in times]
+    return [(t, *req) for t, req in zip(times, workload.next_requests(spec.model, len(times)), strict=True)]
 
 
 async def run(

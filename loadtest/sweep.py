@@ -4,10 +4,11 @@ A server *keeps up* at an offered rate while at least :data:`KEEP_UP` of the req
 (its SLO attainment — judged on the requests actually sent, since a Poisson run of a nominal rate sends more or fewer
 than rate × duration). Its **knee** is the first rate of an ascending sweep at which it no longer keeps up, its
 **capacity** the last rate before the knee, and its **peak goodput** the most goodput it delivered at any swept rate
-(:func:`peak`). ``make bench`` sweeps every server over the same ascending :data:`RATES` — one step apart, fine enough
-to place both the capacity and the peak of servers of this size on these machines — and stops a server's sweep once it
-is past its peak (:func:`past_peak`: no longer keeping up, and delivering less than at an earlier rate; overload only
-loses more from there). Each run lasts long enough to send about :data:`MIN_REQUESTS` requests
+(:func:`peak`). ``make bench`` sweeps every server over the same :data:`RATES` — one step apart, fine enough to place
+both the capacity and the peak of servers of this size on these machines — in the order :func:`next_rate` gives: up
+from :data:`START` until the server is past its peak (:func:`past_peak`: no longer keeping up, and delivering less
+than at an earlier rate; overload only loses more from there), then down from :data:`START` only while the server
+does not keep up there. Each run lasts long enough to send about :data:`MIN_REQUESTS` requests
 (:func:`run_seconds`).
 """
 
@@ -17,7 +18,12 @@ from collections.abc import Sequence
 
 KEEP_UP = 0.9
 RATES = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
-"""The offered rates (requests/s) every server is swept at, ascending, until it is past its peak."""
+"""The offered rates (requests/s) a server may be swept at (:func:`next_rate` says which, in which order)."""
+START = 2.0
+"""Where a sweep starts. A rate below it runs only where the server does not keep up at it: one that keeps up at
+2 rps delivers about 2 rps of goodput there, more than any lower rate can, and keeps up below, so the lower run would
+place neither its capacity nor its peak (every server of the committed runs kept up at 2 rps; a run at 1 rps cost
+each about 22 s of the bench's wall)."""
 MIN_REQUESTS = 20
 
 
@@ -55,6 +61,29 @@ def past_peak(points: Sequence[tuple[float, float | None, float]]) -> bool:
         return False
     *earlier, (_, attainment, goodput) = points
     return not keeps_up(attainment) and goodput < max(g for _, _, g in earlier)
+
+
+def next_rate(
+    points: Sequence[tuple[float, float | None, float]], rates: Sequence[float] = RATES, start: float = START
+) -> float | None:
+    """The rate to run next, given the runs so far (rate, attainment, goodput; any order); ``None``: the sweep is
+    done. Up from ``start`` (the lowest of ``rates`` if it is not one of them) through ``rates`` until the top rate has
+    run or the highest run is past the peak; then down from ``start``, one rate at a time, while the lowest run does
+    not keep up."""
+    ordered = sorted(rates)
+    first = start if start in ordered else ordered[0]
+    ran = sorted(points)
+    done = {rate for rate, _, _ in ran}
+    if first not in done:
+        return first
+    up = [p for p in ran if p[0] >= first]
+    if not past_peak(up):
+        above = [r for r in ordered if r > up[-1][0]]
+        if above:
+            return above[0]
+    lowest_rate, lowest_attainment, _ = ran[0]
+    below = [r for r in ordered if r < lowest_rate]
+    return below[-1] if below and not keeps_up(lowest_attainment) else None
 
 
 def run_seconds(rate: float, duration: float, min_requests: int = MIN_REQUESTS) -> float:

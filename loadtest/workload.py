@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,6 +25,10 @@ from common.media.synthetic import synthetic_image, video_bytes
 
 BUCKETS: dict[str, tuple[int, int]] = {"small": (224, 224), "medium": (640, 480), "large": (1920, 1440)}
 Kind = Literal["text", "image", "multi_image", "video"]
+RENDER_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
+"""Threads that draw a planned load's unique images (:meth:`Workload.next_requests`): a plan is built before its
+clock starts, while the server is idle, and drawing (numpy, Pillow) releases the GIL — one flood of large images took
+11 s on one thread here, about half that on two."""
 PROMPTS = ("Describe the image.", "What is in the picture?", "Summarise what you see.", "Tell me a short story.")
 
 
@@ -76,6 +82,20 @@ class Workload:
         self._unique = 0
         self._asked = 0
         self._url_cache: dict[tuple[str, int], str] = {}
+        self._deferred: list[tuple[dict[str, str], str, int]] | None = None
+
+    def next_requests(self, model: str, count: int, threads: int = RENDER_THREADS) -> list[tuple[str, dict[str, Any]]]:
+        """The next ``count`` requests: the same as ``count`` calls of :meth:`next_request` (the same draws, in the same
+        order), with the unique images drawn afterwards on ``threads`` threads."""
+        self._deferred = []
+        try:
+            out = [self.next_request(model) for _ in range(count)]
+        finally:
+            deferred, self._deferred = self._deferred, None
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for part, url in zip(deferred, pool.map(lambda d: self._image_url(d[1], d[2]), deferred), strict=True):
+                part[0]["url"] = url
+        return out
 
     def next_request(self, model: str) -> tuple[str, dict[str, Any]]:
         """(kind, OpenAI chat body) of the next request."""
@@ -114,6 +134,10 @@ class Workload:
         else:
             self._unique += 1
             seed = self.seed * 1_000_003 + self._unique
+            if self._deferred is not None:  # (a unique image depends on its seed only: drawn later, in parallel)
+                holder: dict[str, str] = {}
+                self._deferred.append((holder, bucket, seed))
+                return {"type": "image_url", "image_url": holder}
         return {"type": "image_url", "image_url": {"url": self._image_url(bucket, seed)}}
 
     def _hot_seed(self, bucket: str, j: int) -> int:

@@ -15,17 +15,17 @@ from PIL import Image, ImageDraw
 
 def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = np.stack(
-        [
-            255 * (x / max(1, width - 1)),
-            255 * (y / max(1, height - 1)),
-            np.full_like(x, rng.integers(0, 256)),
-        ],
-        axis=-1,
-    )
-    noise = rng.normal(0, 24, size=base.shape)
-    img = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
+    # A horizontal gradient in red, a vertical one in green, a flat blue drawn from the seed, plus Gaussian noise.
+    # Built in place on the noise array, channel by channel (the gradients as one row and one column broadcast):
+    # the same float32 gradients and float64 sums as stacking full-size planes, so the same pixels, in well under
+    # half the time and memory — a large image is drawn before every timed load the bench plans.
+    blue = rng.integers(0, 256)
+    img_f = rng.normal(0, 24, size=(height, width, 3))
+    img_f[..., 0] += 255 * (np.arange(width, dtype=np.float32) / max(1, width - 1))
+    img_f[..., 1] += (255 * (np.arange(height, dtype=np.float32) / max(1, height - 1)))[:, None]
+    img_f[..., 2] += np.float32(blue)
+    np.clip(img_f, 0, 255, out=img_f)
+    img = Image.fromarray(img_f.astype(np.uint8), "RGB")
     draw = ImageDraw.Draw(img)
     for _ in range(4):
         x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))

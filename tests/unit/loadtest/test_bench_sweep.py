@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from loadtest.sweep import RATES, capacity, keeps_up, knee, past_peak, peak, run_seconds
+from loadtest.sweep import RATES, capacity, keeps_up, knee, next_rate, past_peak, peak, run_seconds
 
 
 def test_the_knee_is_the_first_rate_the_server_cannot_carry():
@@ -41,3 +41,30 @@ def test_a_sweep_is_past_the_peak_only_once_the_server_falls_behind_and_delivers
     assert not past_peak([(1.0, 1.0, 0.9), (2.0, 0.85, 1.7)])  # behind, but still more goodput than before
     assert past_peak([(1.0, 1.0, 0.9), (2.0, 0.95, 1.9), (3.0, 0.5, 1.5)])
     assert not past_peak([(1.0, 1.0, 0.9), (2.0, 0.95, 1.9), (3.0, 0.91, 1.5)])  # less, yet keeping up: a noisy run
+
+
+def _sweep(results: dict[float, tuple[float, float]], start: float = 2.0) -> list[float]:
+    """The rates :func:`next_rate` runs, in order, for a server whose run at each rate gives (attainment, goodput)."""
+    points: list[tuple[float, float | None, float]] = []
+    while (rate := next_rate(points, RATES, start)) is not None:
+        assert rate not in [p[0] for p in points], "a rate runs once"
+        points.append((rate, *results[rate]))
+    return [p[0] for p in points]
+
+
+def test_a_sweep_starts_at_two_goes_up_until_past_the_peak_and_runs_one_only_for_a_server_behind_at_two():
+    keeps_up_to_3 = {1.0: (1.0, 0.7), 2.0: (1.0, 2.0), 3.0: (0.95, 2.8), 4.0: (0.6, 2.2), 5.0: (0.3, 1.5)}
+    assert _sweep(keeps_up_to_3) == [2.0, 3.0, 4.0]  # past its peak at 4: nothing above, nothing below 2
+    behind_at_2 = {1.0: (0.95, 0.7), 2.0: (0.7, 1.4), 3.0: (0.4, 1.2), 4.0: (0.1, 0.4)}
+    assert _sweep(behind_at_2) == [2.0, 3.0, 1.0]  # its capacity lies below 2: 1 runs after the climb
+    behind_everywhere = {1.0: (0.5, 0.5), 2.0: (0.2, 0.4), 3.0: (0.1, 0.3)}
+    assert _sweep(behind_everywhere) == [2.0, 3.0, 1.0]
+    assert capacity([(1.0, 0.5), (2.0, 0.2), (3.0, 0.1)]) is None
+    never_falls = {r: (1.0, r) for r in RATES}
+    assert _sweep(never_falls) == [2.0, 3.0, 4.0, 5.0, 6.0]  # the top rate ends the climb
+    assert _sweep(never_falls, start=0.5) == list(RATES)  # a start off the grid: from the lowest rate, as before
+
+
+def test_behind_but_still_delivering_more_the_climb_goes_on():
+    noisy = {2.0: (0.85, 1.7), 3.0: (0.8, 2.4), 4.0: (0.5, 2.0), 1.0: (1.0, 0.7)}
+    assert _sweep(noisy) == [2.0, 3.0, 4.0, 1.0]

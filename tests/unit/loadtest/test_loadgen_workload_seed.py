@@ -30,3 +30,52 @@ def test_a_hot_set_of_several_images_asked_new_questions():
     assert not others & set(urls), "another run's hot set starts cold"
     single = Workload(mix={"image": 1}, sizes={"medium": 1}, cache="hot", seed=seed_of("cache_hot"))
     assert not set(single.hot_set("medium")) & set(urls)
+
+
+def test_a_planned_batch_is_the_same_requests_as_one_at_a_time_whoever_draws_the_images():
+    """``next_requests`` draws the unique images on threads after the rest: the bodies, in order, and the workload's
+    state after them are what single calls give (a plan must not depend on how it was built)."""
+
+    def workload(cache: str) -> Workload:
+        return Workload(
+            mix={"text": 0.3, "image": 0.4, "multi_image": 0.3},
+            sizes={"small": 0.7, "medium": 0.3},
+            cache=cache,  # type: ignore[arg-type]
+            outputs=OutputLengths("uniform:4-16"),
+            seed=7,
+        )
+
+    for cache in ("cold", "hot", "partial"):
+        batched, single = workload(cache), workload(cache)
+        got = batched.next_requests("m", 12, threads=3) + batched.next_requests("m", 3, threads=1)
+        assert got == [single.next_request("m") for _ in range(15)], cache
+        assert batched.next_request("m") == single.next_request("m"), cache
+    contents = [b["messages"][0]["content"] for _, b in got]
+    urls = [p["image_url"]["url"] for c in contents if isinstance(c, list) for p in c if p["type"] == "image_url"]
+    assert urls and all(u.startswith("data:image/jpeg;base64,") for u in urls)
+
+
+def test_the_synthetic_image_is_the_same_pixels_as_its_plain_construction():
+    """``synthetic_image`` builds its planes in place (it is drawn before every planned load): the pixels are the
+    ones of stacking full-size gradient planes and adding the noise, shapes included."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from common.media.synthetic import synthetic_image
+
+    def plain(width: int, height: int, seed: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+        blue = np.full_like(x, rng.integers(0, 256))
+        base = np.stack([255 * (x / max(1, width - 1)), 255 * (y / max(1, height - 1)), blue], axis=-1)
+        img = Image.fromarray(np.clip(base + rng.normal(0, 24, size=base.shape), 0, 255).astype(np.uint8), "RGB")
+        draw = ImageDraw.Draw(img)
+        for _ in range(4):
+            x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+            x1, y1 = x0 + int(rng.integers(8, max(9, width // 2))), y0 + int(rng.integers(8, max(9, height // 2)))
+            color = tuple(int(c) for c in rng.integers(0, 256, size=3))
+            (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
+        return np.asarray(img)
+
+    for (w, h), seed in [((224, 224), 0), ((640, 480), 5), ((1, 1), 3), ((3, 7), 2**40), ((97, 31), 123)]:
+        assert np.array_equal(np.asarray(synthetic_image(w, h, seed)), plain(w, h, seed)), (w, h, seed)
