@@ -1,9 +1,11 @@
 """The monolith baseline: Prism's own ingress and stage classes in one process, no Ray, same HTTP API.
 
 The four stage objects share one event loop and call each other through :mod:`loadtest.servers.local_handles`; each
-engine still steps in its own thread, as in a replica. What is left out is exactly what Prism adds: separate
-processes per stage (so a flood of image work cannot share a core budget with decode), per-stage queues and scaling,
-and the object store between stages. ``python -m loadtest.servers.monolith --port 8101 [--config yaml]``.
+engine still steps in its own thread, as in a replica, at the priority it has there (the stages are built as a
+grouped replica builds them: a stage's niceness reaches its own threads, not the process). What is left out is
+exactly what Prism adds: separate processes per stage (so a flood of image work cannot share a core budget with
+decode), per-stage queues and scaling, and the object store between stages.
+``python -m loadtest.servers.monolith --port 8101 [--config yaml]``.
 """
 
 from __future__ import annotations
@@ -36,14 +38,19 @@ def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
     pipelines = []
     for sub in cfg.served():  # per model: its media stage, then its topology's groups, as Serve would deploy them
         raw = sub.model_dump(mode="json")
+        # Every stage shares the one process, as the stages of a grouped replica share theirs: built ``grouped``, the
+        # media and encode stages nice only their own threads. Built alone, each renices its whole process (right
+        # for a replica of its own), which here put the ingress, the short prefills and decode at niceness 19 too.
         single = {
-            "encode": lambda raw=raw: EncodeDeployment(raw),
+            "encode": lambda raw=raw: EncodeDeployment(raw, grouped=True),
             "prefill": lambda raw=raw: PrefillDeployment(raw, transport),
             "decode": lambda raw=raw: DecodeDeployment(raw, transport),
         }
         groups_ = groups(sub.deployments.topology)
         objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g, transport) for g in groups_]
-        media = LocalHandle(MediaDeployment(raw)) if media_apart(sub.deployments.topology) else None  # (else grouped)
+        media = (
+            LocalHandle(MediaDeployment(raw, grouped=True)) if media_apart(sub.deployments.topology) else None
+        )  # (else grouped)
         pipelines.append([media, *(LocalHandle(obj) for obj in objs)])
     ingress = IngressDeployment(cfg.model_dump(mode="json"), pipelines)
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
