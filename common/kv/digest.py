@@ -6,9 +6,9 @@ segments of :data:`SEGMENT_BYTES` at fixed offsets of that stream: the checksum 
 XXH3-64 digests (little-endian ``uint64``, in order). It is the same whether the bytes sit in one array or in many
 pieces (a sequence's KV as one export, or as runs of blocks in a decode pool), so the receiver checks what *landed*
 against what was sent; and since each segment is hashed on its own, several threads can each take whole segments
-(a single XXH3 stream could only be fed by one). XXH3 (the ``xxhash`` package, vectorised) hashes faster than a
-memcpy copies; a one-thread copy with ordinary stores is the slow part (≈ 6.6 GB/s on a Xeon where one large memcpy
-reaches 12).
+(a single XXH3 stream could only be fed by one). XXH3 (the ``xxhash`` package's C code, vectorised, called without
+the GIL: :mod:`common.kv.xxh3`) hashes faster than a memcpy copies; a one-thread copy with ordinary stores is the
+slow part (≈ 6.6 GB/s on a Xeon where one large memcpy reaches 12).
 
 :func:`copy_digest` copies in chunks small enough to stay in a core's cache and hashes each chunk of the
 *destination* right after writing it: the check costs a pass over cached bytes, not another trip to memory, and it
@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
+
+from common.kv import xxh3
 
 CHUNK_BYTES = 256 << 10
 """Copy-and-hash granularity: small enough to stay in a core's L2 (copy + hash of 256 MB ran at 13.5 GB/s here with
@@ -64,7 +66,7 @@ class SegmentedDigest:
 
     def __init__(self) -> None:
         self._done: list[int] = []
-        self._h = xxhash.xxh3_64()
+        self._h = xxh3.Stream()
         self._fill = 0
 
     def update(self, data: np.ndarray) -> None:
@@ -102,7 +104,7 @@ def _segments(pairs: list[tuple[np.ndarray, np.ndarray | None]]) -> list[list[tu
 
 
 def _do_segment(pieces: list[tuple[np.ndarray, np.ndarray | None]]) -> int:
-    h = xxhash.xxh3_64()
+    h = xxh3.Stream()
     for dst, src in pieces:
         for i in range(0, dst.size, CHUNK_BYTES):
             piece = dst[i : i + CHUNK_BYTES]

@@ -53,6 +53,7 @@ import torch
 
 from common.errors import InvalidRequestError
 from common.fair import FairQueue, Waiter
+from common.kv import aligned
 from common.protocol.vector import choices_blocks
 
 
@@ -91,8 +92,9 @@ class KVPool:
         self.block_size = block_size
         self.kv_shape = kv_shape
         self.dtype = dtype
-        self.keys = torch.zeros(layers, num_blocks, block_size, heads, head_dim, dtype=dtype)
-        self.values = torch.zeros_like(self.keys)
+        # (page-aligned, as every region a hand-off copies between: common/kv/aligned.py says why)
+        self.keys = aligned.tensor((layers, num_blocks, block_size, heads, head_dim), dtype)
+        self.values = aligned.tensor((layers, num_blocks, block_size, heads, head_dim), dtype)
         self.max_lease_blocks = max(1, int(num_blocks * max_lease_fraction))
         self._refs = np.zeros(num_blocks, dtype=np.int64)
         self._is_free = np.ones(num_blocks, dtype=bool)

@@ -14,13 +14,15 @@ import bisect
 
 import numpy as np
 
+from common.kv import aligned
+
 ALIGN = 4096
 
 
 class Arena:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = -(-nbytes // ALIGN) * ALIGN
-        self.buffer = np.zeros(self.nbytes, np.uint8)  # (its pages arrive on first use, once: slots are reused)
+        self.buffer = aligned.zeros(self.nbytes)  # (its pages arrive on first use, once: slots are reused)
         self._free: list[tuple[int, int]] = [(0, self.nbytes)] if self.nbytes else []  # (offset, size), by offset
         self._used: dict[int, int] = {}
 

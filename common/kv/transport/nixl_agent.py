@@ -228,23 +228,33 @@ class Agent:
 
     def read(self, ref: PeerRef, groups: list[tuple[Spans, Spans]], done: Callable[[int], None] | None = None) -> None:
         """READ each group's remote spans into its local ones, one transfer each (each posted before the one before
-        it is waited for); ``done(i)`` as group ``i`` completes, in order; then the sender is told (``done:<id>``: it
-        frees the slot). Returns only when no transfer is in flight any more, whatever happened: the memory must not
-        be handed out while bytes can still arrive in it."""
+        it is waited for); ``done(i)`` as group ``i`` completes, in order, and as soon as it has: UCX's cross-memory
+        attach copies inside the post, so a group is often complete when its post returns, and reporting it then
+        (rather than after the next group's post) lets the caller's work on it overlap the next copy. Then the sender
+        is told (``done:<id>``: it frees the slot). Returns only when no transfer is in flight any more, whatever
+        happened: the memory must not be handed out while bytes can still arrive in it."""
         agent, peer = self.agent, ref.agent_name
         xfers: list[Any] = []
         deadline = time.monotonic() + self.timeout_s
+        reported = 0  # groups reported done, in order
+
+        def report(upto: int, only_finished: bool) -> None:
+            nonlocal reported
+            while reported < upto:
+                if only_finished and agent.check_xfer_state(xfers[reported]) not in ("DONE", "ERR"):
+                    return
+                self._wait(xfers[reported], deadline)  # (ERR raises here)
+                if done is not None:
+                    done(reported)
+                reported += 1
+
         try:
             self._peer(ref)
             for i, (local, remote) in enumerate(groups):
                 xfers.append(self._post(peer, local, remote))
-                if i:
-                    self._wait(xfers[i - 1], deadline)
-                    if done is not None:
-                        done(i - 1)
-            self._wait(xfers[-1], deadline)
-            if done is not None:
-                done(len(xfers) - 1)
+                report(i, only_finished=False)  # (the one before this one: waited for now, as before)
+                report(i + 1, only_finished=True)  # (this one, if its post already moved it)
+            report(len(xfers), only_finished=False)
             agent.send_notif(peer, f"done:{ref.transfer_id}".encode())
         except BaseException as exc:
             self._settle(xfers)

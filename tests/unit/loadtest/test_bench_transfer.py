@@ -84,3 +84,18 @@ def test_payload_geometry():
     assert bt.payload_tokens(256 << 20) % bt.BLOCK == 0
     cache = bt.payload_cache(SMALL)
     assert len(cache.layers) == bt.LAYERS and cache.layers[0].keys.shape == (1, bt.HEADS, 16, bt.HEAD_DIM)
+
+
+def test_nixl_is_compared_with_ucx_at_the_size_ucx_read():
+    """``nixl_vs_ucx_read`` divides the hand-offs of UCX's own size, not NIXL's headline (the worse size)."""
+    from loadtest.bench_engine import nixl_versus_ucx
+
+    nx = {
+        "fractions": [0.2, 0.3],  # (the headline: the 64 MB hand-offs here)
+        "sizes": {str(64 << 20): {"fractions": [0.2, 0.3]}, str(256 << 20): {"fractions": [0.4, 0.6]}},
+        "ucx_read": {"default": {"fraction_of_memcpy": 0.8}},
+    }
+    ucx, versus = nixl_versus_ucx(nx, 256 << 20)
+    assert ucx == 0.8 and versus == pytest.approx([0.5, 0.75])
+    nx["ucx_read"] = {"default": {"error": "no UCX"}}
+    assert nixl_versus_ucx(nx, 256 << 20) == (None, [None, None])
