@@ -25,7 +25,12 @@ def synthetic_image(width: int, height: int, seed: int = 0) -> Image.Image:
     img_f[..., 1] += (255 * (np.arange(height, dtype=np.float32) / max(1, height - 1)))[:, None]
     img_f[..., 2] += np.float32(blue)
     np.clip(img_f, 0, 255, out=img_f)
-    img = Image.fromarray(img_f.astype(np.uint8), "RGB")
+    return draw_shapes(Image.fromarray(img_f.astype(np.uint8), "RGB"), rng)
+
+
+def draw_shapes(img: Image.Image, rng: np.random.Generator) -> Image.Image:
+    """Four ellipses or rectangles of random colours drawn on ``img`` (in place; returned), from ``rng``."""
+    width, height = img.size
     draw = ImageDraw.Draw(img)
     for _ in range(4):
         x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))

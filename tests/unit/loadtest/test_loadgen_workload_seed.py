@@ -59,9 +59,9 @@ def test_the_synthetic_image_is_the_same_pixels_as_its_plain_construction():
     """``synthetic_image`` builds its planes in place (it is drawn before every planned load): the pixels are the
     ones of stacking full-size gradient planes and adding the noise, shapes included."""
     import numpy as np
-    from PIL import Image, ImageDraw
+    from PIL import Image
 
-    from common.media.synthetic import synthetic_image
+    from common.media.synthetic import draw_shapes, synthetic_image
 
     def plain(width: int, height: int, seed: int) -> np.ndarray:
         rng = np.random.default_rng(seed)
@@ -69,13 +69,7 @@ def test_the_synthetic_image_is_the_same_pixels_as_its_plain_construction():
         blue = np.full_like(x, rng.integers(0, 256))
         base = np.stack([255 * (x / max(1, width - 1)), 255 * (y / max(1, height - 1)), blue], axis=-1)
         img = Image.fromarray(np.clip(base + rng.normal(0, 24, size=base.shape), 0, 255).astype(np.uint8), "RGB")
-        draw = ImageDraw.Draw(img)
-        for _ in range(4):
-            x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
-            x1, y1 = x0 + int(rng.integers(8, max(9, width // 2))), y0 + int(rng.integers(8, max(9, height // 2)))
-            color = tuple(int(c) for c in rng.integers(0, 256, size=3))
-            (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([x0, y0, x1, y1], fill=color)
-        return np.asarray(img)
+        return np.asarray(draw_shapes(img, rng))
 
     for (w, h), seed in [((224, 224), 0), ((640, 480), 5), ((1, 1), 3), ((3, 7), 2**40), ((97, 31), 123)]:
         assert np.array_equal(np.asarray(synthetic_image(w, h, seed)), plain(w, h, seed)), (w, h, seed)
