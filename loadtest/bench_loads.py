@@ -139,9 +139,11 @@ def sweep(
     """The mixed load at the rates :func:`loadtest.sweep.next_rate` picks from ``rates``, in its order; fresh images
     per run, the same seed at a rate for every server (the rate's index in ``rates``)."""
     out: dict[float, Run] = {}
-    while (
-        rate := next_rate([(r, s["slo_attainment"], s["goodput_rps"]) for r, (s, _) in out.items()], rates)
-    ) is not None:
+
+    def points() -> list[tuple[float, float | None, float]]:
+        return [(r, s["slo_attainment"], s["goodput_rps"]) for r, (s, _) in out.items()]
+
+    while (rate := next_rate(points(), rates)) is not None:
         seed = seed_of("sweep") + rates.index(rate)
         out[rate] = mixed(url, model, rate, run_seconds(rate, duration, min_requests), seed=seed)
     return out

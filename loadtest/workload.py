@@ -92,9 +92,10 @@ class Workload:
             out = [self.next_request(model) for _ in range(count)]
         finally:
             deferred, self._deferred = self._deferred, None
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            for part, url in zip(deferred, pool.map(lambda d: self._image_url(d[1], d[2]), deferred), strict=True):
-                part[0]["url"] = url
+        if deferred:  # (text-only loads defer nothing: no pool to start)
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                for part, url in zip(deferred, pool.map(lambda d: self._image_url(d[1], d[2]), deferred), strict=True):
+                    part[0]["url"] = url
         return out
 
     def next_request(self, model: str) -> tuple[str, dict[str, Any]]:

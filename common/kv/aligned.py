@@ -13,6 +13,8 @@ regions — a slot of an arena, a block of a pool — line up.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -29,10 +31,6 @@ def zeros(nbytes: int) -> np.ndarray:
 def tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed tensor of ``shape`` and ``dtype`` starting on a page, its pages touched now (a pool's memory is
     committed when the pool is made, as ``torch.zeros`` commits it)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for n in shape:
-        numel *= n
-    buf = zeros(numel * itemsize)
+    buf = zeros(math.prod(shape) * dtype.itemsize)
     buf.fill(0)
     return torch.from_numpy(buf).view(dtype).view(shape)

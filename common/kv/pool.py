@@ -93,8 +93,8 @@ class KVPool:
         self.kv_shape = kv_shape
         self.dtype = dtype
         # (page-aligned, as every region a hand-off copies between: common/kv/aligned.py says why)
-        self.keys = aligned.tensor((layers, num_blocks, block_size, heads, head_dim), dtype)
-        self.values = aligned.tensor((layers, num_blocks, block_size, heads, head_dim), dtype)
+        shape = (layers, num_blocks, block_size, heads, head_dim)
+        self.keys, self.values = aligned.tensor(shape, dtype), aligned.tensor(shape, dtype)
         self.max_lease_blocks = max(1, int(num_blocks * max_lease_fraction))
         self._refs = np.zeros(num_blocks, dtype=np.int64)
         self._is_free = np.ones(num_blocks, dtype=bool)

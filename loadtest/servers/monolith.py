@@ -48,9 +48,8 @@ def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
         }
         groups_ = groups(sub.deployments.topology)
         objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g, transport) for g in groups_]
-        media = (
-            LocalHandle(MediaDeployment(raw, grouped=True)) if media_apart(sub.deployments.topology) else None
-        )  # (else grouped)
+        apart = media_apart(sub.deployments.topology)  # (else the first group holds the media stage)
+        media = LocalHandle(MediaDeployment(raw, grouped=True)) if apart else None
         pipelines.append([media, *(LocalHandle(obj) for obj in objs)])
     ingress = IngressDeployment(cfg.model_dump(mode="json"), pipelines)
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)

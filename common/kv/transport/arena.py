@@ -16,7 +16,7 @@ import numpy as np
 
 from common.kv import aligned
 
-ALIGN = 4096
+ALIGN = aligned.PAGE
 
 
 class Arena:
