@@ -50,6 +50,7 @@ from common.config import ModelConfig
 from common.engine.decode import DecodeEngine
 from common.kv.pool import KVPool
 from common.media.synthetic import synthetic_image
+from common.model.linear import PackedLinear
 from common.model.loader import LoadedModel, load_model
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode_stream
@@ -244,8 +245,9 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
     print(f"prefilling 32 requests on {lm.served_name} ({lm.dtype}) …", flush=True)
     requests = _requests(lm, 32, tokens)
     memcpy, read = memcpy_bytes_per_s(), read_bytes_per_s()
-    gemm_ms = 1000 * weight_gemm_seconds(lm, 32)
-    peak = 512 * gemm_flops_per_token(lm) / weight_gemm_seconds(lm, 512, 3)
+    gemm_ms, gemm_ms_torch = (1000 * weight_gemm_seconds(lm, 32, stock=stock) for stock in (False, True))
+    # The peak: the faster of the model's own path (oneDNN, packed) and PyTorch's F.linear on 512 rows.
+    peak = 512 * gemm_flops_per_token(lm) / min(weight_gemm_seconds(lm, 512, 3, stock) for stock in (False, True))
     gen = bench_generate(lm, requests[:sequential_requests], tokens)
     engine = {b: bench_engine(lm, requests, b) for b in (1, 8)}
     # The headline's sides, run ``repeats`` times, interleaved (a slow spell of the machine hits every side): the
@@ -294,6 +296,9 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         # the b32 step's weight GEMMs alone, and the rate they run at on 32 rows (the peak is on 512)
         "b32_weight_gemm_ms": gemm_ms,
         "b32_weight_gemm_flops_per_s": 32 * gemm_flops_per_token(lm) / (gemm_ms / 1000),
+        # the same GEMMs through PyTorch's own F.linear (MKL in fp32): what packing for oneDNN buys
+        "b32_weight_gemm_ms_torch": gemm_ms_torch,
+        "linear_path": "onednn" if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else "torch",
         "attention_paths_b32_step_ms": {
             "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,
             "pytorch": (torch_path or engine[32])["median_step_ms"],

@@ -4,10 +4,11 @@ A decode step must read the language model's weights once (embedding table exclu
 running sequence's KV, and compute its GEMMs (weights × rows, plus attention over the KV). Per step its **memory floor**
 is those bytes at ``read_bytes_per_s`` — a read probe on the engine's own torch threads (a sum over 256 MB), measured in
 the same run — and its **compute floor** those FLOPs at ``gemm_flops_per_s``, the same weight GEMMs on 512 rows (the
-peak the machine's GEMMs reach here); the step's floor is the larger (``decode_roofline_fraction_b32``: that floor over
-the mean b32 step). Until 2026-12-03 the floor was the bytes at a one-thread copy's bandwidth (``copy_floor_fraction``,
-kept beside it): a copy also writes, and the engine reads on all its threads, so that bandwidth was well below what the
-engine can read (12.2 vs 21.4 GB/s in the committed run) and the floor too high.
+peak the machine's GEMMs reach here: the faster of the model's own path and PyTorch's ``F.linear``); the step's floor is
+the larger (``decode_roofline_fraction_b32``: that floor over the mean b32 step). Until 2026-12-03 the floor was the
+bytes at a one-thread copy's bandwidth (``copy_floor_fraction``, kept beside it): a copy also writes, and the engine
+reads on all its threads, so that bandwidth was well below what the engine can read (12.2 vs 21.4 GB/s in the committed
+run) and the floor too high.
 
 Lifecycle: :mod:`loadtest.bench_decode` measures the probes once per dtype (``read_bytes_per_s``, the weight GEMMs
 on 32 and 512 rows), then places each engine run with :func:`roofline`. The copy probe
@@ -45,9 +46,11 @@ def read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / min(timed(lambda: x.sum()) for _ in range(repeats))
 
 
-def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5) -> float:
-    """The language model's own weight GEMMs (every linear layer and lm_head, as the model calls them) on ``rows``
-    input rows, alone: a b32 step's compute floor, and (with many rows) the GEMM peak its prefill can reach."""
+def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5, stock: bool = False) -> float:
+    """The language model's own weight GEMMs (every linear layer and lm_head, as the model calls them — oneDNN on
+    their packed weights by default, :mod:`common.model.linear`) on ``rows`` input rows, alone: a b32 step's compute
+    floor, and (with many rows) the GEMM peak its prefill can reach. ``stock``: the same products through PyTorch's
+    own ``F.linear`` on the dense weights (MKL in fp32), the path the model had before packing."""
     layers = [m for m in lm.adapter.language_model(lm.model).modules() if isinstance(m, torch.nn.Linear)]
     layers.append(lm.model.lm_head)
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=lm.dtype) for m in layers}
@@ -55,7 +58,11 @@ def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5) -> float:
     def run() -> None:
         with torch.inference_mode():
             for m in layers:
-                m(inputs[m.in_features])
+                x = inputs[m.in_features]
+                if stock:
+                    torch.nn.functional.linear(x, m.weight, m.bias)
+                else:
+                    m(x)
 
     run()
     return min(timed(run) for _ in range(repeats))

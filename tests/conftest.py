@@ -39,11 +39,15 @@ def tiny_model(request, tiny_llava, tiny_qwen):
 def _reference(name: str, cache: str):
     """A model object of the requesting module's own, for comparisons with ``model.generate()``. The session
     fixtures are shared with engine tests, and a decode engine switches its model's attention to Prism's paged
-    implementation; were that object used as the reference, a bug there would run on both sides and hide."""
+    implementation; were that object used as the reference, a bug there would run on both sides and hide. Its
+    linear layers are PyTorch's own (``cpu_linear: torch``), not the oneDNN-packed ones the stages load: the
+    reference is transformers as a user runs it."""
     from common.kv.paged_attention import IMPLEMENTATION
+    from common.model.linear import PackedLinear
 
-    lm = _load(name, cache)
+    lm = _load(name, cache, cpu_linear="torch")
     assert lm.text_config._attn_implementation != IMPLEMENTATION
+    assert not any(isinstance(m, PackedLinear) for m in lm.model.modules())
     return lm
 
 

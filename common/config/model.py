@@ -24,6 +24,10 @@ class ModelConfig(Strict):
     """Weights/activation dtype; ``auto`` takes the checkpoint's own dtype."""
     torch_threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads for this process; set it to the replica's CPU share so replicas don't fight."""
+    cpu_linear: Literal["onednn", "torch"] = "onednn"
+    """How the model's linear layers compute on the CPU: ``onednn`` packs each fp32/bf16 weight once at load into
+    oneDNN's blocked layout and computes through it (about 2× PyTorch's fp32 path on a batch-32 decode step's GEMMs
+    here; every such weight is then held twice: :mod:`common.model.linear`); ``torch``: PyTorch's own ``F.linear``."""
     transport: Literal["object_store", "nixl"] | None = None
     """How this model's visual embeddings (encode → prefill) and KV (prefill → decode) move; ``None``: the
     application's ``server.transport``. Each model of a several-model application may choose its own."""

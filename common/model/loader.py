@@ -3,7 +3,8 @@
 Lifecycle: :func:`load_frontend` resolves the directory (building an embedded model on first use), picks the family
 adapter from ``config.json`` and loads what request handling needs without weights — config, tokenizer, PIL image
 processor, chat template, generation settings — and hashes the directory into a :class:`ModelContract`. The media
-stage and the ingress stop there. :func:`load_model` adds the weights (the encode, prefill and decode stages). Both
+stage and the ingress stop there. :func:`load_model` adds the weights (the encode, prefill and decode stages) and,
+on the CPU, packs the linear layers' weights for oneDNN (:mod:`common.model.linear`). Both
 results are read-only afterwards and shared by every stage in the process; stages run under
 ``torch.inference_mode()``.
 """
@@ -24,6 +25,7 @@ from common.errors import UnsupportedModelError
 from common.model.builder import resolve_model_dir
 from common.model.contract import ModelContract, build_contract
 from common.model.families.base import FamilyAdapter
+from common.model.linear import pack_linears
 from common.model.registry import family_for_dir
 from common.model.token_bytes import TokenBytes
 from common.protocol.handoff import Modality
@@ -148,5 +150,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     adapter = family_for_dir(model_dir)
     dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
     model = adapter.model_class.from_pretrained(model_dir, dtype=dtype).eval()
+    if cfg.cpu_linear == "onednn":
+        pack_linears(model)
     front = load_frontend(cfg, config=model.config, dtype=str(model.dtype))
     return LoadedModel(**{f: getattr(front, f) for f in front.__dataclass_fields__}, model=model)

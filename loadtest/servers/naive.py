@@ -7,7 +7,9 @@ processed in that thread too, never on the event loop), torch at one thread as P
 ``generate`` produces it (:class:`TokenStreamer`; transformers' ``TextIteratorStreamer`` would hold text back to word
 boundaries and make the baseline's inter-token latency look burstier than its model is), the usage chunk counting
 tokens, not chunks; the tokens reach the event loop from the generating thread directly (no thread pool reads them).
-Images come as data URLs. No caches, no admission control. ``make bench`` warms it up like the other servers.
+Images come as data URLs. No caches, no admission control. ``make bench`` warms it up like the other servers. Its
+linear layers compute as Prism's stages do (oneDNN, weights packed once: :mod:`common.model.linear`), so the two
+differ in how they serve, not in their GEMM library.
 ``python -m loadtest.servers.naive --model prism-small-llava --port 8102``.
 """
 
@@ -33,12 +35,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.generation.streamers import BaseStreamer
 
 from common.model.builder import resolve_model_dir
+from common.model.linear import pack_linears
 
 
 def load(model: str, cache_dir: str) -> tuple[Any, Any]:
     path = resolve_model_dir(model, cache_dir)
     processor = AutoProcessor.from_pretrained(path)
     lm = AutoModelForImageTextToText.from_pretrained(path).eval()
+    pack_linears(lm)  # (the same GEMM path as Prism's stages and the monolith: the comparison is of the serving)
     cfg = lm.config
     # The embedded checkpoints do not write these processor settings; a hub checkpoint carries them.
     if getattr(processor, "patch_size", 1) is None:

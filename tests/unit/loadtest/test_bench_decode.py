@@ -30,6 +30,7 @@ def test_bench_decode_reports_each_dtype_and_fp32_is_token_exact(model_cache, tm
             assert row["bound"] == ("memory" if floor == row["memory_floor_ms"] else "compute")
         assert figures["prefill"]["flops_per_s"] > 0 and figures["b32_weight_gemm_ms"] > 0
         assert figures["read_bytes_per_s"] > 0 and figures["decode_speedup_32_vs_engine_b1"] > 0
+        assert figures["linear_path"] == "onednn" and figures["b32_weight_gemm_ms_torch"] > 0  # (both paths timed)
     fp32 = result["dtypes"]["float32"]
     assert fp32["attention_paths_b32_step_ms"]["native"] > 0 and fp32["attention_paths_b32_step_ms"]["pytorch"] > 0
     for pair in ("b32_vs_generate", "b32_vs_b1", "b1_vs_generate"):

@@ -70,18 +70,19 @@ def _reference(lm, media, content):
 
 
 @pytest.mark.parametrize("n_frames", [4, 5])  # 5 → padded to 6 by repeating the last frame
-def test_video_matches_generate(reference_qwen, n_frames):
+def test_video_matches_generate(tiny_qwen, reference_qwen, n_frames):
+    """The stages on the model as they load it (oneDNN-packed linears); ``generate()`` on a stock one."""
     content = [{"type": "video"}, {"type": "text", "text": "What happens in the clip?"}]
-    prompt_ids, out, media = _staged(reference_qwen, [_video(n_frames)], content)
+    prompt_ids, out, media = _staged(tiny_qwen, [_video(n_frames)], content)
     assert media[0].grid_thw[0] == -(-n_frames // 2)
     ref_prompt, ref_out = _reference(reference_qwen, media, content)
     assert prompt_ids == ref_prompt and out == ref_out
     assert len(set(out)) > 3
 
 
-def test_image_and_video_in_one_request_match_generate(reference_qwen):
+def test_image_and_video_in_one_request_match_generate(tiny_qwen, reference_qwen):
     content = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Compare the picture and the clip."}]
-    prompt_ids, out, media = _staged(reference_qwen, [_image(), _video(4)], content)
+    prompt_ids, out, media = _staged(tiny_qwen, [_image(), _video(4)], content)
     assert [m.modality for m in media] == ["image", "video"]
     ref_prompt, ref_out = _reference(reference_qwen, media, content)
     assert prompt_ids == ref_prompt and out == ref_out

@@ -17,6 +17,7 @@ from common.engine.decode import DecodeEngine
 from common.engine.prefill import PrefillEngine
 from common.kv.pool import KVPool
 from common.media.synthetic import synthetic_image
+from common.model.linear import PackedLinear
 from common.protocol.sampling import SamplingParams
 from common.reference.pipeline import run_request
 from common.stages.encode import encode_media
@@ -28,13 +29,20 @@ MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
-def llava(reference_llava):
-    return reference_llava
+def llava(tiny_llava):
+    """The model as the stages load it (linear layers packed for oneDNN: :mod:`common.model.linear`)."""
+    return tiny_llava
 
 
 @pytest.fixture(scope="module")
-def qwen(reference_qwen):
-    return reference_qwen
+def qwen(tiny_qwen):
+    return tiny_qwen
+
+
+@pytest.fixture(scope="module")
+def stock(reference_llava, reference_qwen):
+    """``generate()``'s side: model objects of this module's own, with PyTorch's own linear layers."""
+    return {"llava": reference_llava, "qwen": reference_qwen}
 
 
 @pytest.fixture(params=["llava", "qwen"])
@@ -75,9 +83,11 @@ def _reference_qwen(lm, messages, images):
     return inputs
 
 
-def _generate(lm, inputs) -> tuple[list[int], list[int]]:
+def _generate(ref, inputs) -> tuple[list[int], list[int]]:
+    """``generate()`` of ``ref``, a stock model object (``stock``), never the one the staged side runs."""
+    assert not any(isinstance(m, PackedLinear) for m in ref.model.modules())
     with torch.inference_mode():
-        out = lm.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        out = ref.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
     n = inputs["input_ids"].shape[1]
     return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
 
@@ -91,12 +101,12 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("family", ["llava", "qwen"])
-def test_staged_equals_generate(case, family, llava, qwen):
+def test_staged_equals_generate(case, family, llava, qwen, stock):
     lm = llava if family == "llava" else qwen
     images = [synthetic_image(w, h, seed=i + 7) for i, (w, h) in enumerate(CASES[case])]
     messages = _messages(len(images))
     reference = _reference_llava if family == "llava" else _reference_qwen
-    ref_prompt, ref_out = _generate(lm, reference(lm, messages, images))
+    ref_prompt, ref_out = _generate(stock[family], reference(lm, messages, images))
 
     got = run_request(lm, messages, images, SamplingParams(max_tokens=MAX_NEW))
     assert list(got.prompt_token_ids) == ref_prompt
@@ -104,7 +114,7 @@ def test_staged_equals_generate(case, family, llava, qwen):
     assert len(set(ref_out)) > 3, "degenerate model output would make this comparison meaningless"
 
 
-def test_multi_turn_conversation_matches_generate(llava):
+def test_multi_turn_conversation_matches_generate(llava, stock):
     lm = llava
     images = [synthetic_image(300, 200, seed=3)]
     messages = [
@@ -112,13 +122,13 @@ def test_multi_turn_conversation_matches_generate(llava):
         {"role": "assistant", "content": "A red circle."},
         {"role": "user", "content": "And what colour is the sky?"},
     ]
-    ref_prompt, ref_out = _generate(lm, _reference_llava(lm, messages, images))
+    ref_prompt, ref_out = _generate(stock["llava"], _reference_llava(lm, messages, images))
     got = run_request(lm, messages, images, SamplingParams(max_tokens=MAX_NEW))
     assert list(got.prompt_token_ids) == ref_prompt
     assert list(got.output.token_ids) == ref_out
 
 
-def test_qwen_two_dynamic_resolutions(qwen):
+def test_qwen_two_dynamic_resolutions(qwen, stock):
     """Two images whose processed grids differ: each gets its own token count and M-RoPE positions."""
     lm = qwen
     images = [synthetic_image(448, 224, seed=1), synthetic_image(84, 140, seed=2)]
@@ -126,7 +136,7 @@ def test_qwen_two_dynamic_resolutions(qwen):
     inputs = _reference_qwen(lm, messages, images)
     grids = [tuple(g.tolist()) for g in inputs["image_grid_thw"]]
     assert grids[0] != grids[1]
-    ref_prompt, ref_out = _generate(lm, inputs)
+    ref_prompt, ref_out = _generate(stock["qwen"], inputs)
     got = run_request(lm, messages, images, SamplingParams(max_tokens=MAX_NEW))
     assert list(got.prompt_token_ids) == ref_prompt
     assert list(got.output.token_ids) == ref_out
@@ -134,7 +144,7 @@ def test_qwen_two_dynamic_resolutions(qwen):
     # Each resolution alone also matches (the rope delta differs per resolution).
     for image in images:
         inputs = _reference_qwen(lm, _messages(1), [image])
-        ref_prompt, ref_out = _generate(lm, inputs)
+        ref_prompt, ref_out = _generate(stock["qwen"], inputs)
         got = run_request(lm, _messages(1), [image], SamplingParams(max_tokens=MAX_NEW))
         assert list(got.output.token_ids) == ref_out
 
@@ -147,11 +157,11 @@ def test_different_images_give_different_answers(any_model):
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen"])
-def test_logprobs_are_log_softmax_of_generates_logits(family, llava, qwen, tiny_llava, tiny_qwen):
+def test_logprobs_are_log_softmax_of_generates_logits(family, llava, qwen, stock):
     """The engines' log-probabilities (prefill's first token through its hand-off, then decode's, batched with a
     sequence that asks for none) equal ``log_softmax`` of the logits ``generate()`` saw at each position, within
     1e-4, and the top alternatives are its true top 5."""
-    ref, lm = (llava, tiny_llava) if family == "llava" else (qwen, tiny_qwen)  # (generate on its own model object)
+    ref, lm = stock[family], (llava if family == "llava" else qwen)  # (generate on its own model object)
     images = [synthetic_image(320, 240, seed=7)]
     messages = _messages(1)
     inputs = (_reference_llava if family == "llava" else _reference_qwen)(ref, messages, images)
