@@ -54,6 +54,7 @@ from typing import Literal
 import llguidance
 import torch
 
+from common.engine.decode_forward import DecodeForward
 from common.engine.paged_step import build_step_context
 from common.engine.reservations import Reservations
 from common.errors import HandoffError
@@ -126,6 +127,7 @@ class DecodeEngine(Reservations):
         clock: Callable[[], float] = time.monotonic,
         prefer_contiguous: bool = True,
         native_attention: bool = True,
+        lean_forward: bool = True,
     ) -> None:
         if pool.kv_shape != lm.kv_shape or pool.dtype != lm.dtype:
             raise ValueError("KV pool geometry/dtype does not match the model")
@@ -133,6 +135,9 @@ class DecodeEngine(Reservations):
         # The native kernel reads fp32 pools on the CPU; anything else (or no compiler) keeps PyTorch's path.
         native = native_attention and pool.dtype == torch.float32 and pool.keys.device.type == "cpu"
         self.kernel = load_decode_kernel() if native else None
+        # The step's forward without transformers' module stack (the same ops: decode_forward.py); None keeps the
+        # model's own forward (a decoder it does not know, or ``lean_forward=False``).
+        self.forward = DecodeForward.shared(lm.adapter.language_model(lm.model)) if lean_forward else None
         self.lm = lm
         self.pool = pool
         self.max_batch = max_batch
@@ -506,16 +511,16 @@ class DecodeEngine(Reservations):
                 seq.table.extend(self.pool.allocate(seq.lease, 1))
         lengths = [s.length for s in batch]
         ctx = build_step_context(self.pool, [s.table for s in batch], lengths, self.kernel)
+        input_ids = torch.tensor([[s.last_token] for s in batch])
+        positions = self.lm.adapter.decode_positions(torch.tensor(lengths), torch.tensor([s.rope_delta for s in batch]))
         with torch.inference_mode():
-            out = self.lm.adapter.language_model(self.lm.model)(
-                input_ids=torch.tensor([[s.last_token] for s in batch]),
-                position_ids=self.lm.adapter.decode_positions(
-                    torch.tensor(lengths), torch.tensor([s.rope_delta for s in batch])
-                ),
-                use_cache=False,
-                prism_paged=ctx,
-            )
-            logits = self.lm.model.lm_head(out.last_hidden_state[:, -1:, :])[:, -1]
+            if self.forward is not None:
+                hidden = self.forward(input_ids, positions, ctx)
+            else:
+                lang = self.lm.adapter.language_model(self.lm.model)
+                hidden = lang(input_ids=input_ids, position_ids=positions, use_cache=False, prism_paged=ctx)
+                hidden = hidden.last_hidden_state
+            logits = self.lm.model.lm_head(hidden[:, -1:, :])[:, -1]
             # (the raw distribution, before the grammar's mask; only the rows that report it, not replaying: one pass)
             asking = [i for i, s in enumerate(batch) if s.sampling.logprobs is not None and not s.forced]
             raw = dict(zip(asking, log_probs(logits[asking]), strict=True)) if asking else {}

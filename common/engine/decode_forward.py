@@ -1,0 +1,159 @@
+"""A batched decode step's forward pass through the language model, without transformers' module stack.
+
+Why: a batch-32 decode step of ``prism-small-llava`` computes its weight GEMMs in about 9 ms and attends in about 4,
+yet took about 19 ms through the model's ``forward``: the rest was the stack around the arithmetic — about a
+thousand module calls per step, each through ``nn.Module.__call__`` and transformers' decorators (kwarg deprecation,
+output capture), a mask built and ignored, per-projection GEMMs. For one new token per sequence the decoder is a
+short fixed sequence of tensor ops, and this module runs exactly that sequence.
+
+Exactness: every op is the one transformers runs, on the same operands in the same order (RMSNorm in fp32 then back,
+rotary embedding as ``(x * cos) + (rotate_half(x) * sin)`` with the model's own ``rotary_emb``, the residual adds,
+``act(gate) * up``), so the hidden states are bit for bit the model's — tested against the model's forward for both
+families, in fp32 and bf16. Two things are fused, both bit-identical (tested): with oneDNN-packed linears
+(:mod:`common.model.linear`) each layer's q, k and v projections are one GEMM on their concatenated weights, and so
+are its gate and up projections (oneDNN's packed product of a column does not depend on the other columns), and the
+rotary embedding rotates the query and key heads in one pass over the fused output.
+
+Lifecycle: :meth:`DecodeForward.build` runs once per model object, when its first decode engine starts
+(:meth:`DecodeForward.shared`); it returns ``None`` for a
+language model whose layers are not a known Llama-style decoder (LLaVA's Llama, Qwen2-VL's text model) or that uses
+sliding-window attention, and the engine keeps the model's own forward. The fused weights are packed copies made
+then (q, k, v, gate and up once more: 67 MB for ``prism-small-llava`` in fp32) and read-only afterwards, as the
+model's weights are.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.kv.paged_attention import PagedContext, paged_attention_forward
+from common.model.linear import BATCH_HINT, PackedLinear
+
+_built: weakref.WeakKeyDictionary[Any, DecodeForward | None] = weakref.WeakKeyDictionary()
+
+DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2VLDecoderLayer"})
+"""Decoder layer classes whose forward this module reproduces: pre-norm RMSNorm, q/k/v projections (with or
+without bias), rotary embedding from the model's ``rotary_emb``, attention, o projection, gated MLP."""
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` / ``Qwen2VLRMSNorm`` forward, op for op."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary_pos_emb``'s arithmetic on one tensor (``[B, heads, 1, dim]``; cos/sin ``[B, 1, 1, dim]``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+class Fused:
+    """One GEMM over several projections' concatenated weights (and biases), packed for oneDNN."""
+
+    def __init__(self, layers: list[torch.nn.Linear]):
+        weight = torch.cat([m.weight.detach() for m in layers])
+        biases = [m.bias for m in layers]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        self.sizes = [m.out_features for m in layers]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _attention(layer: Any) -> list[torch.nn.Linear]:
+    attn = layer.self_attn
+    return [attn.q_proj, attn.k_proj, attn.v_proj]
+
+
+@dataclass
+class _Layer:
+    module: Any
+    qkv: Fused | None
+    gate_up: Fused | None
+
+
+class DecodeForward:
+    """The decode step of one language model: ``input_ids`` ``[B, 1]`` and ``position_ids`` (the family's
+    ``decode_positions``) with a :class:`PagedContext` → the final-normed hidden states ``[B, 1, hidden]``, exactly
+    what ``language_model(..., prism_paged=ctx).last_hidden_state`` returns."""
+
+    def __init__(self, lang: Any, fuse: bool):
+        self.lang = lang
+        self.layers = [
+            _Layer(
+                layer,
+                Fused(_attention(layer)) if fuse else None,
+                Fused([layer.mlp.gate_proj, layer.mlp.up_proj]) if fuse else None,
+            )
+            for layer in lang.layers
+        ]
+        attn = lang.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        config = lang.config
+        self.q_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    @classmethod
+    def shared(cls, lang: Any) -> DecodeForward | None:
+        """:meth:`build`'s result for ``lang``, built once per model object: every engine on one model shares its
+        fused weights (tests and benchmarks start many engines on one model)."""
+        if lang not in _built:
+            _built[lang] = cls.build(lang)
+        return _built[lang]
+
+    @classmethod
+    def build(cls, lang: Any) -> DecodeForward | None:
+        """The lean forward for ``lang``, or ``None`` where it would not be the model's own (see the module
+        docstring). Fused GEMMs where every projection is a oneDNN-packed linear."""
+        layers = getattr(lang, "layers", None)
+        if not layers or any(type(layer).__name__ not in DECODER_LAYERS for layer in layers):
+            return None
+        if not all(hasattr(lang, name) for name in ("embed_tokens", "norm", "rotary_emb")):
+            return None
+        if getattr(lang.config, "use_sliding_window", False):
+            return None
+        projections = [m for layer in layers for m in (*_attention(layer), layer.mlp.gate_proj, layer.mlp.up_proj)]
+        return cls(lang, fuse=all(isinstance(m, PackedLinear) for m in projections))
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+        lang = self.lang
+        h = lang.embed_tokens(input_ids)
+        if position_ids.ndim == 3 and position_ids.shape[0] == 4:  # (Qwen2-VL's text row first, as its forward drops)
+            position_ids = position_ids[1:]
+        cos, sin = lang.rotary_emb(h, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for layer in self.layers:
+            h = self._layer(layer, h, cos, sin, ctx)
+        return rms_norm(lang.norm, h)
+
+    def _layer(self, layer: _Layer, h: torch.Tensor, cos, sin, ctx: PagedContext) -> torch.Tensor:
+        attn, mlp = layer.module.self_attn, layer.module.mlp
+        batch, dim, q_heads, kv_heads = h.shape[0], self.head_dim, self.q_heads, self.kv_heads
+        x = rms_norm(layer.module.input_layernorm, h)
+        if layer.qkv is not None:
+            heads = layer.qkv(x).view(batch, 1, q_heads + 2 * kv_heads, dim).transpose(1, 2)
+            rotated = rotate(heads[:, : q_heads + kv_heads], cos, sin)  # (q and k in one pass: elementwise)
+            q, k, v = rotated[:, :q_heads], rotated[:, q_heads:], heads[:, q_heads + kv_heads :]
+        else:
+            q = attn.q_proj(x).view(batch, 1, -1, dim).transpose(1, 2)
+            k = attn.k_proj(x).view(batch, 1, -1, dim).transpose(1, 2)
+            v = attn.v_proj(x).view(batch, 1, -1, dim).transpose(1, 2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out, _ = paged_attention_forward(attn, q, k, v, None, scaling=self.scaling, prism_paged=ctx)
+        h = h + attn.o_proj(out.reshape(batch, 1, -1))
+        x = rms_norm(layer.module.post_attention_layernorm, h)
+        if layer.gate_up is not None:
+            gate, up = layer.gate_up(x).split(layer.gate_up.sizes, dim=-1)
+        else:
+            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        return h + mlp.down_proj(mlp.act_fn(gate) * up)
