@@ -15,7 +15,8 @@ are its gate and up projections (oneDNN's packed product of a column does not de
 rotary embedding rotates the query and key heads in one pass over the fused output.
 
 Lifecycle: :meth:`DecodeForward.build` runs once per model object, when its first decode engine starts
-(:meth:`DecodeForward.shared`); it returns ``None`` for a
+(:meth:`DecodeForward.shared`: kept on the language model module, so it lives and dies with the model); it checks the
+fusion bit for bit on the first layer's weights (else the projections stay separate) and returns ``None`` for a
 language model whose layers are not a known Llama-style decoder (LLaVA's Llama, Qwen2-VL's text model) or that uses
 sliding-window attention, and the engine keeps the model's own forward. The fused weights are packed copies made
 then (q, k, v, gate and up once more: 67 MB for ``prism-small-llava`` in fp32) and read-only afterwards, as the
@@ -24,18 +25,17 @@ model's weights are.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
 
 from common.kv.paged_attention import PagedContext, paged_attention_forward
 from common.model.linear import BATCH_HINT, PackedLinear
 
-_built: weakref.WeakKeyDictionary[Any, DecodeForward | None] = weakref.WeakKeyDictionary()
-
-DECODER_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2VLDecoderLayer"})
+DECODER_LAYERS = (LlamaDecoderLayer, Qwen2VLDecoderLayer)
 """Decoder layer classes whose forward this module reproduces: pre-norm RMSNorm, q/k/v projections (with or
 without bias), rotary embedding from the model's ``rotary_emb``, attention, o projection, gated MLP."""
 
@@ -75,6 +75,21 @@ def _attention(layer: Any) -> list[torch.nn.Linear]:
     return [attn.q_proj, attn.k_proj, attn.v_proj]
 
 
+def _fusion_is_exact(layer: Any) -> bool:
+    """Fused and separate projections agree bit for bit on this layer's own weights, at 1 and 32 rows, on this
+    machine and thread count (oneDNN's blocking is the same whatever the columns here; were it not on another CPU,
+    the step would keep the separate GEMMs rather than round differently from the model)."""
+    with torch.inference_mode():
+        for projections in (_attention(layer), [layer.mlp.gate_proj, layer.mlp.up_proj]):
+            fused = Fused(projections)
+            for rows in (1, BATCH_HINT):
+                x = torch.randn(rows, projections[0].in_features, generator=torch.Generator().manual_seed(rows))
+                x = x.to(projections[0].weight.dtype)
+                if not torch.equal(fused(x), torch.cat([m(x) for m in projections], dim=-1)):
+                    return False
+    return True
+
+
 @dataclass
 class _Layer:
     module: Any
@@ -107,23 +122,25 @@ class DecodeForward:
     def shared(cls, lang: Any) -> DecodeForward | None:
         """:meth:`build`'s result for ``lang``, built once per model object: every engine on one model shares its
         fused weights (tests and benchmarks start many engines on one model)."""
-        if lang not in _built:
-            _built[lang] = cls.build(lang)
-        return _built[lang]
+        # (kept on the module itself: a cache keyed by the module would hold it alive through its value)
+        if "_prism_decode_forward" not in vars(lang):
+            vars(lang)["_prism_decode_forward"] = cls.build(lang)
+        return vars(lang)["_prism_decode_forward"]
 
     @classmethod
     def build(cls, lang: Any) -> DecodeForward | None:
         """The lean forward for ``lang``, or ``None`` where it would not be the model's own (see the module
         docstring). Fused GEMMs where every projection is a oneDNN-packed linear."""
         layers = getattr(lang, "layers", None)
-        if not layers or any(type(layer).__name__ not in DECODER_LAYERS for layer in layers):
+        if not layers or any(type(layer) not in DECODER_LAYERS for layer in layers):
             return None
         if not all(hasattr(lang, name) for name in ("embed_tokens", "norm", "rotary_emb")):
             return None
         if getattr(lang.config, "use_sliding_window", False):
             return None
         projections = [m for layer in layers for m in (*_attention(layer), layer.mlp.gate_proj, layer.mlp.up_proj)]
-        return cls(lang, fuse=all(isinstance(m, PackedLinear) for m in projections))
+        fuse = all(isinstance(m, PackedLinear) for m in projections) and _fusion_is_exact(layers[0])
+        return cls(lang, fuse=fuse)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
         lang = self.lang

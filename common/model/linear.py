@@ -8,10 +8,13 @@ packed path also gives each row the same result whatever the batch size (MKL's 3
 differently from its 1-row kernel), so a batched step computes what the same sequence alone would.
 
 Lifecycle: :func:`pack_linears` runs once in :func:`common.model.loader.load_model`, after the weights are loaded and
-before any stage sees the model. Each ``nn.Linear`` whose weight is fp32 or bf16 on the CPU becomes a
-:class:`PackedLinear` (its class is swapped in place: the same module, parameters, ``state_dict`` and hooks) holding
-the packed copy beside its weight; its ``forward`` runs oneDNN's linear on that copy. The weights are read-only from
-then on (the loader's contract already): a weight changed afterwards would not reach the packed copy. Cost: every
+before any stage sees the model. Each plain ``nn.Linear`` (subclasses are left alone) whose weight is fp32 or bf16 on
+the CPU becomes a :class:`PackedLinear` (its class is swapped in place: the same module, parameters, ``state_dict``
+and hooks) holding the packed copy beside its weight; its ``forward`` runs oneDNN's linear on that copy. The weights
+are read-only from then on (the loader's contract already); a module moved or cast (``.to()``) or given a state dict
+packs again (or, off the CPU or in another dtype, becomes a plain ``nn.Linear`` again), and a call with autograd
+recording or an input of another dtype takes ``F.linear`` (oneDNN's op records no gradient and does not check
+dtypes). Cost: every
 packed layer's weight is held twice (dense and blocked) — 97 MB more for ``prism-small-llava``'s language model in
 fp32. ``model.cpu_linear: torch`` keeps PyTorch's own path (and the memory); so do a build without oneDNN, other
 devices and other dtypes. A layer whose weight is tied to another module (an embedding) is packed too: the packed
@@ -38,9 +41,27 @@ class PackedLinear(torch.nn.Linear):
     packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
         # (contiguous: oneDNN reads a 2-D input with transposed strides as if it were row-major — checked, wrong
         # products — and it is a no-op on the contiguous activations a model passes)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+    def _apply(self, fn, recurse=True):  # (.to(), .float(), .cpu(), …: the packed copy follows the weight)
+        out = super()._apply(fn, recurse)
+        self.repack()
+        return out
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.repack()
+
+    def repack(self) -> None:
+        """Pack the weight as it is now, or become a plain ``nn.Linear`` where it can no longer be packed."""
+        del self.packed
+        self.__class__ = torch.nn.Linear
+        if packable(self):
+            pack(self)
 
 
 def available() -> bool:
@@ -71,17 +92,14 @@ def pack(module: torch.nn.Linear) -> PackedLinear:
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Pack every packable linear layer of ``model`` (see the module docstring); returns how many. Does nothing
-    (returns 0, logged once) where oneDNN's packed ops are missing or fail their check on this machine."""
+    """Pack every packable linear layer of ``model`` (see the module docstring); returns how many. Layers of a dtype
+    whose packed op is missing or fails its check on this machine keep PyTorch's linear (a warning per call)."""
     layers = [m for m in model.modules() if packable(m)]
-    if not layers:
-        return 0
-    if not available() or not _works(layers[0].weight.dtype):
-        log.warning("oneDNN's packed linear is not usable here; the model keeps PyTorch's linear (MKL on fp32)")
-        return 0
-    for m in layers:
-        pack(m)
-    return len(layers)
+    usable = {dtype for dtype in {m.weight.dtype for m in layers} if available() and _works(dtype)}
+    if len(usable) < len({m.weight.dtype for m in layers}):
+        log.warning("oneDNN's packed linear is not usable here for some layers; they keep PyTorch's linear")
+    packed = [pack(m) for m in layers if m.weight.dtype in usable]
+    return len(packed)
 
 
 def _works(dtype: torch.dtype) -> bool:

@@ -150,6 +150,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     adapter = family_for_dir(model_dir)
     dtype = "auto" if cfg.dtype == "auto" else _DTYPES[cfg.dtype]
     model = adapter.model_class.from_pretrained(model_dir, dtype=dtype).eval()
+    model.requires_grad_(False)  # (inference only: no op records a graph, and packed linears keep their fast path)
     if cfg.cpu_linear == "onednn":
         pack_linears(model)
     front = load_frontend(cfg, config=model.config, dtype=str(model.dtype))

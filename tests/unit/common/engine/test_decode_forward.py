@@ -62,6 +62,16 @@ def test_engines_on_one_model_share_its_lean_forward(tiny_llava):
     assert DecodeEngine(tiny_llava, pool, lean_forward=False).forward is None
 
 
+def test_a_fusion_that_would_round_differently_keeps_the_projections_apart(tiny_llava, monkeypatch):
+    from common.engine import decode_forward
+
+    lang = tiny_llava.adapter.language_model(tiny_llava.model)
+    assert decode_forward._fusion_is_exact(lang.layers[0])  # (on this machine: fused = separate, bit for bit)
+    monkeypatch.setattr(decode_forward, "_fusion_is_exact", lambda layer: False)
+    forward = DecodeForward.build(lang)
+    assert forward is not None and forward.layers[0].qkv is None and forward.layers[0].gate_up is None
+
+
 def test_an_unknown_decoder_or_sliding_windows_keep_the_models_forward(tiny_qwen):
     lang = tiny_qwen.adapter.language_model(tiny_qwen.model)
     other = types.SimpleNamespace(**{name: getattr(lang, name) for name in ("embed_tokens", "norm", "rotary_emb")})

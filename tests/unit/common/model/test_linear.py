@@ -102,3 +102,33 @@ def test_the_loader_packs_by_default_and_not_when_told(tiny_llava, reference_lla
         a = tiny_llava.model(input_ids=ids).logits
         b = reference_llava.model(input_ids=ids).logits
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_packed_layer_follows_its_weight_when_moved_cast_or_loaded():
+    stock, packed = _layer(64, 48, True)
+    x = torch.randn(4, 64)
+    packed.to(torch.bfloat16)
+    assert type(packed) is PackedLinear and packed.packed.dtype == torch.bfloat16
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x.bfloat16()).float(), stock(x), rtol=3e-2, atol=3e-2)
+    packed.float()
+    other = torch.nn.Linear(64, 48)
+    packed.load_state_dict(other.state_dict())
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), other(x), rtol=1e-5, atol=1e-5)  # (the new weights, not the old)
+    packed.half()  # (no packed fp16 path: a plain linear again)
+    assert type(packed) is torch.nn.Linear and not hasattr(packed, "packed")
+
+
+def test_autograd_and_a_mismatched_dtype_take_f_linear():
+    """oneDNN's op records no gradient and does not check dtypes: those calls go to ``F.linear``, which does."""
+    _, packed = _layer(64, 48, True)
+    x = torch.randn(4, 64, requires_grad=True)
+    packed(x).sum().backward()
+    assert packed.weight.grad is not None and x.grad is not None
+    with pytest.raises(RuntimeError):
+        packed(torch.randn(4, 64, dtype=torch.float64))
+
+
+def test_loaded_models_record_no_gradients(tiny_llava):
+    assert not any(p.requires_grad for p in tiny_llava.model.parameters())
