@@ -22,13 +22,14 @@ the rate the weight GEMMs reach on 32 rows. The speedup against Prism's own engi
 interleaved with the headline's two sides.
 
 Per dtype (``--dtypes``, default fp32 then bf16; the headline figures are the first's): step time, bytes read per step,
-its memory and compute floors and fraction of the roofline, and speedup over sequential at batch 1/8/32; in fp32 the
-batch-32 step again on PyTorch's per-sequence attention (``native_attention`` off: what :mod:`common.kv.native` buys;
-one run of its own, after the headline's, beside the median headline run's step); the greedy tokens' agreement of the
-engine at batch 32 with ``generate()`` and with the engine at batch 1 (fp32: must be 1.0 — the tests hold it; bf16: GEMM
-blocking changes with batch size, so it is reported, not promised); and prefill: the reference ``prefill()`` of each
-whole prompt (288 tokens: one forward pass, as one engine chunk of ≤ 512 tokens computes it; its KV export included)
-timed against its FLOPs (weights + causal attention) and the GEMM rate ``gemm_flops_per_s``.
+its memory and compute floors and fraction of the roofline, and speedup over sequential at batch 1/8/32; where the
+native kernel takes the dtype (fp32, bf16), the batch-32 step again on PyTorch's per-sequence attention
+(``native_attention`` off: what :mod:`common.kv.native` buys; one run of its own, after the headline's, beside the
+median headline run's step); the greedy tokens' agreement of the engine at batch 32 with ``generate()`` and with the
+engine at batch 1 (fp32: must be 1.0 — the tests hold it; bf16: GEMM blocking changes with batch size, so it is
+reported, not promised); and prefill: the reference ``prefill()`` of each whole prompt (288 tokens: one forward pass, as
+one engine chunk of ≤ 512 tokens computes it; its KV export included) timed against its FLOPs (weights + causal
+attention) and the GEMM rate ``gemm_flops_per_s``.
 
 Usage: ``python -m loadtest.bench_decode [--model prism-small-llava] [--tokens 32] [--repeats 3] [--dtypes
 float32,bfloat16] [--out PATH]``.
@@ -68,6 +69,7 @@ from loadtest.roofline import (
     memcpy_bytes_per_s,
     read_bytes_per_s,
     roofline,
+    step_floor_ms,
     timed,
     weight_gemm_seconds,
 )
@@ -95,7 +97,9 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
     e2e_start = time.perf_counter()
     for rid, pre, sampling, *_ in requests[:batch]:
         engine.submit(rid, pre, sampling)
+    attending = _AttentionClock(engine)
     first = engine.step()  # imports, emits the prefill's first tokens (and may decode one more each)
+    attending.seconds = 0.0  # (the timed steps' attention only)
     e2e_produced = sum(e.token_id is not None for e in first) - batch  # the first tokens are prefill's
     for e in first:
         tokens[e.request_id].append(e.token_id)
@@ -113,6 +117,7 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
                 lengths[e.request_id] += 1
                 tokens[e.request_id].append(e.token_id)
     e2e = time.perf_counter() - e2e_start
+    attending.stop()
     pool.check_no_leaks()
     total = sum(step_times)
     weights = lm_weight_bytes(lm) * len(step_times)
@@ -133,8 +138,35 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
         "e2e_tokens": e2e_produced + produced,
         "e2e_seconds": e2e,
         "e2e_tokens_per_s": (e2e_produced + produced) / e2e,
+        # the attention kernel's share: its mean time per step and the rate it reads the step's KV at
+        "attention_ms_per_step": 1000 * attending.seconds / len(step_times) if engine.kernel else None,
+        "attention_kv_bytes_per_s": kv_read * kv_bytes_per_token(lm) / attending.seconds if engine.kernel else None,
         "_tokens": tokens,
     }
+
+
+class _AttentionClock:
+    """Times the native attention kernel's calls of one engine (its ``attend``, wrapped on the shared kernel object
+    until :meth:`stop`)."""
+
+    def __init__(self, engine: DecodeEngine):
+        self.kernel, self.seconds = engine.kernel, 0.0
+        if self.kernel is None:
+            return
+        attend = self.kernel.attend
+
+        def timed_attend(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return attend(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        self.kernel.attend = timed_attend
+
+    def stop(self) -> None:
+        if self.kernel is not None:
+            del self.kernel.attend  # (the class's method again)
 
 
 def bench_sequential(lm: LoadedModel, requests) -> dict:
@@ -290,6 +322,8 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
                 **roofline(r, read, peak),
                 "copy_floor_fraction": r["bytes_per_s"] / memcpy,  # (the figure's definition before 2026-12-03)
                 "speedup_vs_sequential": r["e2e_tokens_per_s"] / seq["e2e_tokens_per_s"],
+                "attention_ms_per_step": r["attention_ms_per_step"],
+                "attention_kv_bytes_per_s": r["attention_kv_bytes_per_s"],
             }
             for b, r in engine.items()
         },
@@ -298,6 +332,12 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         "b32_weight_gemm_flops_per_s": 32 * gemm_flops_per_token(lm) / (gemm_ms / 1000),
         # the same GEMMs through PyTorch's own F.linear (MKL in fp32): what packing for oneDNN buys
         "b32_weight_gemm_ms_torch": gemm_ms_torch,
+        # What the roofline fraction could be if the step did nothing but its weight GEMMs (each layer on its own, as
+        # timed above) and its attention kernel (as timed in the step), one after the other: the evidence for how
+        # far the rest of the step (norms, rotary, residuals, KV writes, sampling, dispatch) keeps it from the target.
+        "b32_gemm_plus_attention_ms": gemm_ms + (engine[32]["attention_ms_per_step"] or 0.0),
+        "b32_fraction_if_nothing_else": step_floor_ms(engine[32], read, peak)
+        / (gemm_ms + (engine[32]["attention_ms_per_step"] or 0.0)),
         "linear_path": "onednn" if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else "torch",
         "attention_paths_b32_step_ms": {
             "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,

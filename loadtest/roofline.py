@@ -47,9 +47,10 @@ def read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5, stock: bool = False) -> float:
-    """The language model's own weight GEMMs (every linear layer and lm_head, as the model calls them — oneDNN on
-    their packed weights by default, :mod:`common.model.linear`) on ``rows`` input rows, alone: a b32 step's compute
-    floor, and (with many rows) the GEMM peak its prefill can reach. ``stock``: the same products through PyTorch's
+    """The language model's own weight GEMMs (every linear layer and lm_head, each on its own as the model's forward
+    calls them — oneDNN on their packed weights by default, :mod:`common.model.linear`; the decode step fuses q/k/v
+    and gate/up, :mod:`common.engine.decode_forward`) on ``rows`` input rows, alone: a b32 step's compute floor, and
+    (with many rows) the GEMM peak its prefill can reach. ``stock``: the same products through PyTorch's
     own ``F.linear`` on the dense weights (MKL in fp32), the path the model had before packing."""
     layers = [m for m in lm.adapter.language_model(lm.model).modules() if isinstance(m, torch.nn.Linear)]
     layers.append(lm.model.lm_head)
@@ -82,6 +83,12 @@ def kv_bytes_per_token(lm: LoadedModel) -> int:
 
 def gemm_flops_per_token(lm: LoadedModel) -> int:
     return 2 * lm_weight_bytes(lm) // lm.dtype.itemsize
+
+
+def step_floor_ms(run: dict, read: float, peak: float) -> float:
+    """The larger of a run's memory and compute floors per step (:func:`roofline`), in ms."""
+    line = roofline(run, read, peak)
+    return max(line["memory_floor_ms"], line["compute_floor_ms"])
 
 
 def roofline(run: dict, read: float, peak: float) -> dict:

@@ -132,8 +132,8 @@ class DecodeEngine(Reservations):
         if pool.kv_shape != lm.kv_shape or pool.dtype != lm.dtype:
             raise ValueError("KV pool geometry/dtype does not match the model")
         enable_paged_attention(lm.text_config)
-        # The native kernel reads fp32 pools on the CPU; anything else (or no compiler) keeps PyTorch's path.
-        native = native_attention and pool.dtype == torch.float32 and pool.keys.device.type == "cpu"
+        # The native kernel reads fp32 and bf16 pools on the CPU; anything else (or no compiler) keeps PyTorch's path.
+        native = native_attention and pool.dtype in (torch.float32, torch.bfloat16) and pool.keys.device.type == "cpu"
         self.kernel = load_decode_kernel() if native else None
         # The step's forward without transformers' module stack (the same ops: decode_forward.py); None keeps the
         # model's own forward (a decoder it does not know, or ``lean_forward=False``).

@@ -6,7 +6,7 @@ function, bit for bit. A batched decode step passes ``prism_paged=PagedContext(.
 then, per layer, the new token's key/value are written into each sequence's slot in the pool and attention reads the
 sequence's blocks: the pool is the cache, nothing is concatenated or re-built per step.
 
-Two ways to read the blocks, chosen per engine: on the CPU in fp32, the native kernel
+Two ways to read the blocks, chosen per engine: on the CPU in fp32 or bf16, the native kernel
 (:mod:`common.kv.native`) attends every sequence of the step in one call per layer, through the block tables; on
 the PyTorch path, a sequence whose blocks are one contiguous run (the usual case: its whole lease is allocated as a
 run at admission) is attended through a view of the pool — its KV is never copied — one SDPA call per sequence, and

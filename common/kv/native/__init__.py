@@ -18,9 +18,9 @@ against ``crtfastmath.o``, whose constructor turns on flush-to-zero for the thre
 PyTorch op in that thread, and the threads it starts, would then round denormals differently; linking without the
 flag keeps the process's floating-point mode untouched (tested). Without a compiler, with
 ``PRISM_NATIVE_ATTENTION=0``, or if no cache folder can take the library, it returns ``None`` and the engine keeps
-PyTorch's per-sequence path (logged once) — the same tokens in fp32 up to float rounding, slower. The kernel is fp32
-only; other dtypes, non-CPU pools and shapes it does not take (query heads not a multiple of KV heads, …) use the
-PyTorch path.
+PyTorch's per-sequence path (logged once) — the same tokens in fp32 up to float rounding, slower. The kernel takes
+fp32 and bf16 (bf16 widened to fp32, computed in fp32, the output rounded once); other dtypes, non-CPU pools and
+shapes it does not take (query heads not a multiple of KV heads, …) use the PyTorch path.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ class DecodeKernel:
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._fn = library.paged_decode_attention
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
-        self._fn.argtypes += [ctypes.c_int]
+        self._fns = {torch.float32: library.paged_decode_attention, torch.bfloat16: library.paged_decode_attention_bf16}
+        for fn in self._fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
+            fn.argtypes += [ctypes.c_int]
 
     def attend(
         self,
@@ -73,7 +74,8 @@ class DecodeKernel:
         batch, q_heads, _, dim = query.shape
         _, block_size, kv_heads, kv_dim = keys.shape
         if not (
-            query.dtype == keys.dtype == values.dtype == torch.float32
+            query.dtype == keys.dtype == values.dtype
+            and query.dtype in self._fns
             and tables.dtype == lengths.dtype == torch.int64
             and keys.shape == values.shape
             and kv_dim == dim
@@ -88,7 +90,7 @@ class DecodeKernel:
             return None
         query = query.contiguous()
         out = torch.empty_like(query)
-        status = self._fn(
+        status = self._fns[query.dtype](
             query.data_ptr(),
             keys.data_ptr(),
             values.data_ptr(),

@@ -62,6 +62,34 @@ def test_kernel_is_sdpa_over_any_block_table(q_heads, kv_heads, dim, block_size,
     torch.testing.assert_close(got, _reference(query, keys, values, tables, lengths, scale), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim", "block_size"), [(8, 4, 64, 16), (6, 2, 40, 5)])
+def test_bf16_kernel_rounds_where_pytorchs_bf16_attention_does(q_heads, kv_heads, dim, block_size):
+    """In bf16 the kernel widens its inputs and sums in fp32, rounds each exp to bf16 before it weights the values
+    and divides by the fp32 sum after (the order of PyTorch's CPU flash attention): that computation done in torch
+    to within one bf16 step, and close to PyTorch's own bf16 SDPA."""
+    kernel = load_decode_kernel()
+    gen = torch.Generator().manual_seed(dim)
+    keys = torch.randn(64, block_size, kv_heads, dim, generator=gen).bfloat16()
+    values = torch.randn(64, block_size, kv_heads, dim, generator=gen).bfloat16()
+    lengths = torch.tensor([1, block_size + 1, 37, 150])
+    width = max(-(-n // block_size) for n in lengths.tolist())
+    tables = torch.tensor([[(11 * i + 5 * j) % 64 for j in range(width)] for i in range(len(lengths))])
+    query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen).bfloat16()
+    got = kernel.attend(query, keys, values, tables, lengths, 0.3)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == query.shape
+    group = q_heads // kv_heads
+    for i, n in enumerate(lengths.tolist()):
+        blocks = tables[i, : -(-n // block_size)]
+        k = keys[blocks].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(group, 1)  # [n, q_heads, dim]
+        v = values[blocks].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", query[i, :, 0].float(), k) * 0.3
+        exps = torch.exp(scores - scores.amax(-1, keepdim=True))
+        want = torch.einsum("hn,nhd->hd", exps.bfloat16().float(), v) / exps.sum(-1, keepdim=True)
+        torch.testing.assert_close(got[i, :, 0].float(), want.bfloat16().float(), rtol=8e-3, atol=8e-3)
+    pytorch = _reference(query, keys, values, tables, lengths, 0.3)
+    torch.testing.assert_close(got.float(), pytorch.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_more_threads_than_sequences_still_attend_every_sequence_once():
     kernel = load_decode_kernel()
     gen = torch.Generator().manual_seed(5)
@@ -86,6 +114,8 @@ def test_inputs_the_kernel_does_not_take_are_left_to_pytorch():
     assert kernel.attend(query, strided, strided, tables, lengths, 1.0) is None  # not a contiguous pool layer
     assert kernel.attend(torch.randn(1, 3, 1, 8), keys, keys, tables, lengths, 1.0) is None  # 3 heads over 2
     assert kernel.attend(query.double(), keys.double(), keys.double(), tables, lengths, 1.0) is None
+    assert kernel.attend(query.half(), keys.half(), keys.half(), tables, lengths, 1.0) is None
+    assert kernel.attend(query.bfloat16(), keys, keys, tables, lengths, 1.0) is None  # (one dtype for all three)
     assert kernel.attend(query, keys, keys, tables.int(), lengths, 1.0) is None
 
 
@@ -122,14 +152,29 @@ def test_without_the_kernel_the_loader_says_why_and_returns_none(tmp_path, monke
     assert message in caplog.text
 
 
-def test_engine_uses_the_kernel_only_for_fp32_pools(tiny_llava, model_cache):
+def test_engine_uses_the_kernel_for_fp32_and_bf16_pools(tiny_llava, model_cache):
     from tests.conftest import _load
 
     lm = tiny_llava
     assert DecodeEngine(lm, KVPool(8, 16, lm.kv_shape, lm.dtype)).kernel is not None
     assert DecodeEngine(lm, KVPool(8, 16, lm.kv_shape, lm.dtype), native_attention=False).kernel is None
     bf16 = _load("prism-tiny-llava", model_cache, dtype="bfloat16")
-    assert DecodeEngine(bf16, KVPool(8, 16, bf16.kv_shape, bf16.dtype)).kernel is None
+    assert DecodeEngine(bf16, KVPool(8, 16, bf16.kv_shape, bf16.dtype)).kernel is not None
+    fp16 = _load("prism-tiny-llava", model_cache, dtype="float16")
+    assert DecodeEngine(fp16, KVPool(8, 16, fp16.kv_shape, fp16.dtype)).kernel is None
+
+
+def test_bf16_engine_batched_equals_alone(model_cache):
+    """bf16 on the kernel: a batch of mixed requests gives each the tokens it gets decoded alone (the packed GEMMs
+    and the kernel both compute a row independently of the others)."""
+    from tests.conftest import _load
+
+    lm = _load("prism-tiny-llava", model_cache, dtype="bfloat16")
+    requests = _mixed_requests(lm, 6)
+    batched = _run(DecodeEngine(lm, KVPool(512, 16, lm.kv_shape, lm.dtype), max_batch=8), requests)
+    for rid, pre, sampling in requests:
+        alone = _run(DecodeEngine(lm, KVPool(512, 16, lm.kv_shape, lm.dtype), max_batch=1), [(rid, pre, sampling)])
+        assert batched[rid] == alone[rid], rid
 
 
 def test_a_step_the_kernel_cannot_run_takes_pytorchs_path_with_the_same_tokens(tiny_qwen, monkeypatch):
