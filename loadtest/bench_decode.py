@@ -297,6 +297,7 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
     rooflines = [roofline(e, read, peak)["floor_fraction"] for _, _, e in runs]
     seq, alone, engine[32] = runs[median_index(speedups)]
     torch_path = bench_engine(lm, requests, 32, native=False) if engine[32]["native_attention"] else None
+    gemm_and_attention_ms = gemm_ms + (engine[32]["attention_ms_per_step"] or 0.0)
     _say(engine, seq, gen, torch_path, read, peak)
     return {
         "dtype": str(lm.dtype).removeprefix("torch."),
@@ -335,9 +336,8 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         # What the roofline fraction could be if the step did nothing but its weight GEMMs (each layer on its own, as
         # timed above) and its attention kernel (as timed in the step), one after the other: the evidence for how
         # far the rest of the step (norms, rotary, residuals, KV writes, sampling, dispatch) keeps it from the target.
-        "b32_gemm_plus_attention_ms": gemm_ms + (engine[32]["attention_ms_per_step"] or 0.0),
-        "b32_fraction_if_nothing_else": step_floor_ms(engine[32], read, peak)
-        / (gemm_ms + (engine[32]["attention_ms_per_step"] or 0.0)),
+        "b32_gemm_plus_attention_ms": gemm_and_attention_ms,
+        "b32_fraction_if_nothing_else": step_floor_ms(engine[32], read, peak) / gemm_and_attention_ms,
         "linear_path": "onednn" if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else "torch",
         "attention_paths_b32_step_ms": {
             "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,

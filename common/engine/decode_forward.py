@@ -33,7 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
 
 from common.kv.paged_attention import PagedContext, paged_attention_forward
-from common.model.linear import BATCH_HINT, PackedLinear
+from common.model.linear import BATCH_HINT, PackedLinear, pack_weight, packed_product
 
 DECODER_LAYERS = (LlamaDecoderLayer, Qwen2VLDecoderLayer)
 """Decoder layer classes whose forward this module reproduces: pre-norm RMSNorm, q/k/v projections (with or
@@ -63,11 +63,11 @@ class Fused:
         weight = torch.cat([m.weight.detach() for m in layers])
         biases = [m.bias for m in layers]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        self.packed = pack_weight(weight)
         self.sizes = [m.out_features for m in layers]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_product(x, self.packed, self.bias)
 
 
 def _attention(layer: Any) -> list[torch.nn.Linear]:
@@ -75,12 +75,16 @@ def _attention(layer: Any) -> list[torch.nn.Linear]:
     return [attn.q_proj, attn.k_proj, attn.v_proj]
 
 
+def _mlp(layer: Any) -> list[torch.nn.Linear]:
+    return [layer.mlp.gate_proj, layer.mlp.up_proj]
+
+
 def _fusion_is_exact(layer: Any) -> bool:
     """Fused and separate projections agree bit for bit on this layer's own weights, at 1 and 32 rows, on this
     machine and thread count (oneDNN's blocking is the same whatever the columns here; were it not on another CPU,
     the step would keep the separate GEMMs rather than round differently from the model)."""
     with torch.inference_mode():
-        for projections in (_attention(layer), [layer.mlp.gate_proj, layer.mlp.up_proj]):
+        for projections in (_attention(layer), _mlp(layer)):
             fused = Fused(projections)
             for rows in (1, BATCH_HINT):
                 x = torch.randn(rows, projections[0].in_features, generator=torch.Generator().manual_seed(rows))
@@ -108,7 +112,7 @@ class DecodeForward:
             _Layer(
                 layer,
                 Fused(_attention(layer)) if fuse else None,
-                Fused([layer.mlp.gate_proj, layer.mlp.up_proj]) if fuse else None,
+                Fused(_mlp(layer)) if fuse else None,
             )
             for layer in lang.layers
         ]
@@ -138,7 +142,7 @@ class DecodeForward:
             return None
         if getattr(lang.config, "use_sliding_window", False):
             return None
-        projections = [m for layer in layers for m in (*_attention(layer), layer.mlp.gate_proj, layer.mlp.up_proj)]
+        projections = [m for layer in layers for m in (*_attention(layer), *_mlp(layer))]
         fuse = all(isinstance(m, PackedLinear) for m in projections) and _fusion_is_exact(layers[0])
         return cls(lang, fuse=fuse)
 

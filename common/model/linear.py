@@ -43,9 +43,7 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        # (contiguous: oneDNN reads a 2-D input with transposed strides as if it were row-major — checked, wrong
-        # products — and it is a no-op on the contiguous activations a model passes)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return packed_product(x, self.packed, self.bias)
 
     def _apply(self, fn, recurse=True):  # (.to(), .float(), .cpu(), …: the packed copy follows the weight)
         out = super()._apply(fn, recurse)
@@ -62,6 +60,18 @@ class PackedLinear(torch.nn.Linear):
         self.__class__ = torch.nn.Linear
         if packable(self):
             pack(self)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]``) reordered once into oneDNN's blocked layout for :func:`packed_product`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through oneDNN on the weight's :func:`pack_weight` copy."""
+    # (contiguous: oneDNN reads a 2-D input with transposed strides as if it were row-major — checked, wrong
+    # products — and it is a no-op on the contiguous activations a model passes)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def available() -> bool:
@@ -85,7 +95,7 @@ def packable(module: torch.nn.Module) -> bool:
 
 def pack(module: torch.nn.Linear) -> PackedLinear:
     """Swap ``module`` to a :class:`PackedLinear` in place (and return it)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), BATCH_HINT)
+    packed = pack_weight(module.weight)
     module.__class__ = PackedLinear
     module.packed = packed
     return module  # type: ignore[return-value]
@@ -95,8 +105,9 @@ def pack_linears(model: torch.nn.Module) -> int:
     """Pack every packable linear layer of ``model`` (see the module docstring); returns how many. Layers of a dtype
     whose packed op is missing or fails its check on this machine keep PyTorch's linear (a warning per call)."""
     layers = [m for m in model.modules() if packable(m)]
-    usable = {dtype for dtype in {m.weight.dtype for m in layers} if available() and _works(dtype)}
-    if len(usable) < len({m.weight.dtype for m in layers}):
+    dtypes = {m.weight.dtype for m in layers}
+    usable = {dtype for dtype in dtypes if available() and _works(dtype)}
+    if usable != dtypes:
         log.warning("oneDNN's packed linear is not usable here for some layers; they keep PyTorch's linear")
     packed = [pack(m) for m in layers if m.weight.dtype in usable]
     return len(packed)
@@ -108,9 +119,7 @@ def _works(dtype: torch.dtype) -> bool:
     try:
         w = torch.linspace(-1, 1, 64 * 48).view(48, 64).to(dtype)
         x = torch.linspace(1, -1, 3 * 64).view(3, 64).to(dtype)
-        got = torch.ops.mkldnn._linear_pointwise(
-            x, torch.ops.mkldnn._reorder_linear_weight(w, BATCH_HINT), None, "none", [], ""
-        )
+        got = packed_product(x, pack_weight(w), None)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return bool(torch.allclose(got.float(), torch.nn.functional.linear(x, w).float(), rtol=tol, atol=tol))
     except RuntimeError:

@@ -19,7 +19,8 @@ PyTorch op in that thread, and the threads it starts, would then round denormals
 flag keeps the process's floating-point mode untouched (tested). Without a compiler, with
 ``PRISM_NATIVE_ATTENTION=0``, or if no cache folder can take the library, it returns ``None`` and the engine keeps
 PyTorch's per-sequence path (logged once) — the same tokens in fp32 up to float rounding, slower. The kernel takes
-fp32 and bf16 (bf16 widened to fp32, computed in fp32, the output rounded once); other dtypes, non-CPU pools and
+fp32 and bf16 (bf16 widened to fp32 and summed in fp32, rounded where PyTorch's CPU attention rounds: each exp, and
+the output once — ``paged_decode_attention.c``); other dtypes, non-CPU pools and
 shapes it does not take (query heads not a multiple of KV heads, …) use the PyTorch path.
 """
 
