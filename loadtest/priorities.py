@@ -1,7 +1,7 @@
 """What the throughput stages' OS priority trades: ``python -m loadtest.priorities``.
 
 Not part of ``make test`` or ``make bench`` (about nine minutes per setting at three runs). For each setting of
-``media.cpu_nice``-``encode.cpu_nice``-``prefill.long_lane_nice`` (``19-18-18`` is the default), it starts the
+``media.cpu_nice``-``encode.cpu_nice``-``prefill.long_lane_nice`` (``19-18-0`` is the default), it starts the
 bench's Prism application (:func:`loadtest.bench.app_config`, E/P/D, on a local Ray cluster of this process) with
 those niceness values, warms it up and then, per run:
 
@@ -17,7 +17,7 @@ setting: each run's values and their medians. The niceness of each stage is a se
 (``deployments.<stage>.cpu_nice``, ``deployments.prefill.long_lane_nice``); ``docs/limits.md`` ("What the priority
 costs") gives what this measured.
 
-    python -m loadtest.priorities [--settings 19-18-18,19-0-0] [--runs 3] [--rate 4] [--duration 20]
+    python -m loadtest.priorities [--settings 19-18-0,19-18-18] [--runs 3] [--rate 4] [--duration 20]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ DEFAULT = "-".join(
         (PrefillStageConfig, "long_lane_nice"),
     )
 )
-"""The config's own defaults (media 19, encode 18, the prefill's long lane 18), read from its fields."""
+"""The config's own defaults (media 19, encode 18, the prefill's long lane 0), read from its fields."""
 
 
 def parse_setting(text: str) -> tuple[int, int, int]:
@@ -96,7 +96,7 @@ def measure(setting: tuple[int, int, int], runs: int, rate: float, duration: flo
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.priorities", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--settings", default=f"{DEFAULT},19-0-0", help="MEDIA-ENCODE-LONGLANE niceness, comma-separated"
+        "--settings", default=f"{DEFAULT},19-18-18", help="MEDIA-ENCODE-LONGLANE niceness, comma-separated"
     )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s of the mixed load")

@@ -74,18 +74,21 @@ class EncodeStageConfig(StageConfig):
     max_ongoing_requests: int = Field(default=128, ge=1)
     """Requests a replica works on at once (the patch budget bounds what encodes)."""
     cpu_nice: int = Field(default=18, ge=0, le=19)
-    """OS niceness: the encoder yields the cores to the latency path (see :class:`StageConfig`). Past capacity that
-    starves requests with images while text keeps its SLO; 0 here and on the prefill's long lane trades flood isolation
-    for their goodput (measured: ``docs/limits.md``, "What the priority costs")."""
+    """OS niceness: the encoder yields the cores to the latency path (see :class:`StageConfig`): a flood of large
+    images is mostly media and encoder work, and this is what keeps it off the text path's cores. Past capacity it
+    slows requests with images too (``docs/limits.md``, "What the priority costs")."""
 
 
 class PrefillStageConfig(StageConfig):
     max_ongoing_requests: int = Field(default=128, ge=1)
     """Requests a replica works on at once (the token budget bounds what computes)."""
-    long_lane_nice: int = Field(default=18, ge=0, le=19)
-    """OS niceness of the thread that prefills prompts with media or over ``admission.lane_max_prompt_tokens``;
-    the low-latency lane's thread keeps the replica's own (see :class:`StageConfig` and, for what it costs past
-    capacity, ``docs/limits.md``: "What the priority costs")."""
+    long_lane_nice: int = Field(default=0, ge=0, le=19)
+    """OS niceness of the thread that prefills prompts with media or over ``admission.lane_max_prompt_tokens``
+    (the low-latency lane's thread keeps the replica's own). 0 by default: a prompt with an image is latency work too
+    (its TTFT is the request's), and a long lane at 18 (under ``SCHED_IDLE``) waited on the run queue behind every
+    wake-up of the Ray and Serve threads that share its cores, even with a core idle — on a 2-core machine the mixed
+    load's goodput at 4 rps fell from 3.66 to 2.0 rps, while the large-image floods' effect on text stayed about the
+    same: that flood is media and encoder work (``docs/limits.md``, "What the priority costs")."""
 
 
 class DecodeStageConfig(StageConfig):

@@ -1,9 +1,10 @@
 """The OS priority Prism's Ray workers start at, set in the environment of every ``ray start`` Prism makes.
 
 Ray starts its worker processes at niceness 15 (``RAY_worker_niceness``) so that its own daemons keep the cores.
-A stage lowers the priority of its throughput work further — media decoding, the vision tower, long prefills
-(``cpu_nice`` 18–19, :mod:`services.stages.threads`) — so that where stages share cores a flood of large images
-cannot take them from the latency path (the proxy, the ingress, short prefills, decode steps). From 15, that is
+A stage lowers the priority of its throughput work further — media decoding, the vision tower (``cpu_nice``
+18–19, :mod:`services.stages.threads`; long prefills too where ``long_lane_nice`` says so) — so that where stages
+share cores a flood of large images cannot take them from the latency path (the proxy, the ingress, prefills,
+decode steps). From 15, that is
 almost no difference: CFS weighs niceness 15 at 36 and 19 at 15, so the latency path got ~2× the throughput work's
 share of a contended core. Measured with ``make serve``'s config, two API keys and no quota, 48 clients sending
 1920×1440 JPEGs: the other tenant's text TTFT p95 went from 38 ms idle to 803 ms (21×). Started at 0, the

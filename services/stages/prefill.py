@@ -9,9 +9,10 @@ low-latency lane: a text prompt or a prefix-cache hit is not held behind a large
 behind interactive), and drops queued prompts whose deadline passed (504).
 
 Two lanes, each an engine with its own driver thread and budget: text-only prompts up to
-``admission.lane_max_prompt_tokens`` run on the low-latency lane, everything else on the long lane, whose thread
-runs at a lower OS priority (``long_lane_nice``). A short prompt therefore never waits for a large image prompt's
-chunk to finish, and gets the cores first when both compute (the trace's ``prefill.queue`` names the lane).
+``admission.lane_max_prompt_tokens`` run on the low-latency lane, everything else on the long lane. A short prompt
+therefore never waits for a large image prompt's chunk to finish: the two compute side by side (the trace's
+``prefill.queue`` names the lane). The long lane's thread can run at a lower OS priority (``long_lane_nice``; the
+replica's own by default, since an image prompt's TTFT is latency too: ``docs/limits.md``).
 
 The visual embeddings arrive through the model's transport (``model.transport``, else ``server.transport``): by value
 or as the encode replica's object-store result, or as a NIXL descriptor that is read into this replica's registered

@@ -1,5 +1,5 @@
 """OS threads and priorities of a stage replica: torch's thread count, and the niceness that keeps throughput work
-(media decoding, the vision tower, long prefills) off the cores the latency path needs.
+(media decoding, the vision tower; long prefills where so configured) off the cores the latency path needs.
 
 On Linux niceness belongs to each thread, and a new thread inherits its creator's: a stage renices its process once at
 start (:func:`nice_process`) and its worker threads again when they run its work (:func:`nice_thread`). Niceness is
@@ -31,12 +31,16 @@ def set_threads(n: int | None) -> None:
 
 IDLE_FROM = 18
 """From this niceness on, a thread also runs under Linux's ``SCHED_IDLE`` policy (media decoding at 19; the vision
-tower, long prefills and grammar compiles at 18): the scheduler then preempts it at once whenever a thread of the
-latency path wakes up, where a nice-19 thread may keep the core for the rest of its time slice (a few ms, paid at
-every one of a request's many wake-ups across its hops). Measured with ``python -m loadtest.tenants`` (make serve's
-app, 48 clients of 1920×1440 JPEGs, no quota): the other tenant's text TTFT p95 under the flood 101–156 ms over four
-runs at nice 18–19 alone, 81–89 ms over three with ``SCHED_IDLE`` (30–33 ms idle); the flood alone answered 17.8 vs
-18.5 requests/s (96 %). Like a raised niceness it needs no privilege, and is never undone."""
+tower and grammar compiles at 18; long prefills only where ``long_lane_nice`` is set that high): the scheduler then
+preempts it at once whenever a thread of the latency path wakes up, where a nice-19 thread may keep the core for the
+rest of its time slice (a few ms, paid at every one of a request's many wake-ups across its hops). Measured with
+``python -m loadtest.tenants`` (make serve's app, 48 clients of 1920×1440 JPEGs, no quota): the other tenant's text
+TTFT p95 under the flood 101–156 ms over four runs at nice 18–19 alone, 81–89 ms over three with ``SCHED_IDLE``
+(30–33 ms idle); the flood alone answered 17.8 vs 18.5 requests/s (96 %). Like a raised niceness it needs no
+privilege, and is never undone. The price: such a thread also waits on its run queue while a Ray or Serve thread that
+woke on its core runs, even when the other core is idle — a long prefill lane at 18 spent 6.4 s of a 21 s mixed load
+waiting so (10 s on the CPU; the monolith's lane, with far fewer threads beside it, 2.2 s), which is why that lane
+now stays at the replica's own priority by default."""
 
 
 def nice_thread(nice: int, tid: int | None = None) -> None:

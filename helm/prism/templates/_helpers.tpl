@@ -201,7 +201,7 @@ server.max_body_bytes, or base64 of the media request bytes + 8 bytes per text c
 
 {{/*
 Environment of every Ray container: its workers start at niceness 0 (services/platform/priority.py: at Ray's 15 the
-stages' own lower priority for media, encoder and long prefills barely reached the cores). Each node runs a Serve
+stages' own lower priority for media and the encoder barely reached the cores). Each node runs a Serve
 proxy, and the proxy guards the front door before the
 ingress sees a byte (services/platform/proxy_guard.py: GuardSettings.of, computed here from the same values) — body
 bounds and clocks, the gRPC call cap, and the application's key file (mounted in every pod, since every pod runs a

@@ -1,5 +1,6 @@
 """The monolith's OS priorities are a grouped replica's: its media and encode stages nice only their own threads, so
-its ingress and decode run at the process's niceness, as Prism's do. Run in a fresh interpreter: a renice cannot be
+its ingress, decode and prefill lanes run at the process's niceness (the long lane at its configured one), as Prism's
+do. Run in a fresh interpreter: a renice cannot be
 undone, and a regression must not leave this test process at niceness 19."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def prio(tid):
     return [os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)]
 threads = {t.name: t.native_id for t in threading.enumerate()}
 print(json.dumps({"status": status, "main": prio(threading.get_native_id()),
-                  "encode": prio(threads["prism-encode_0"]), "decode": prio(threads["prism-decode_0"])}))
+                  "encode": prio(threads["prism-encode_0"]), "decode": prio(threads["prism-decode_0"]),
+                  "long_lane": prio(threads["prism-prefill-long_0"])}))
 """
 
 
@@ -51,3 +53,7 @@ def test_the_monolith_nices_its_throughput_threads_not_its_process(model_cache):
     assert got["main"] == [base, os.SCHED_OTHER] and got["decode"] == [base, os.SCHED_OTHER], got
     expected_policy = os.SCHED_IDLE if encode_nice >= IDLE_FROM else os.SCHED_OTHER
     assert got["encode"] == [max(base, encode_nice), expected_policy], got
+    # The long prefill lane (the image prompt's) at its configured niceness: the replica's own by default
+    long_nice = DeploymentsConfig().prefill.long_lane_nice
+    expected_policy = os.SCHED_IDLE if long_nice >= IDLE_FROM else os.SCHED_OTHER
+    assert got["long_lane"] == [max(base, long_nice), expected_policy], got
