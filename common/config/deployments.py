@@ -87,8 +87,9 @@ class PrefillStageConfig(StageConfig):
     (the low-latency lane's thread keeps the replica's own). 0 by default: a prompt with an image is latency work too
     (its TTFT is the request's), and a long lane at 18 (under ``SCHED_IDLE``) waited on the run queue behind every
     wake-up of the Ray and Serve threads that share its cores, even with a core idle — on a 2-core machine the mixed
-    load's goodput at 4 rps fell from 3.66 to 2.0 rps, while the large-image floods' effect on text stayed about the
-    same: that flood is media and encoder work (``docs/limits.md``, "What the priority costs")."""
+    load's goodput at 4 rps read 2.29 rps against 3.66 at 0 (medians of three runs). The price is paid by text under
+    large-image floods: its p95 over idle rose 1.28 → 1.34, another tenant's 1.42 → 1.83; that flood is mostly media
+    and encoder work, which keep their priority (``docs/limits.md``, "What the priority costs")."""
 
 
 class DecodeStageConfig(StageConfig):

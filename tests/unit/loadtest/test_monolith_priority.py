@@ -51,9 +51,10 @@ def test_the_monolith_nices_its_throughput_threads_not_its_process(model_cache):
     encode_nice = DeploymentsConfig().encode.cpu_nice
     assert got["status"] == 200
     assert got["main"] == [base, os.SCHED_OTHER] and got["decode"] == [base, os.SCHED_OTHER], got
-    expected_policy = os.SCHED_IDLE if encode_nice >= IDLE_FROM else os.SCHED_OTHER
-    assert got["encode"] == [max(base, encode_nice), expected_policy], got
+
+    def niced(nice):
+        return [max(base, nice), os.SCHED_IDLE if nice >= IDLE_FROM else os.SCHED_OTHER]
+
+    assert got["encode"] == niced(encode_nice), got
     # The long prefill lane (the image prompt's) at its configured niceness: the replica's own by default
-    long_nice = DeploymentsConfig().prefill.long_lane_nice
-    expected_policy = os.SCHED_IDLE if long_nice >= IDLE_FROM else os.SCHED_OTHER
-    assert got["long_lane"] == [max(base, long_nice), expected_policy], got
+    assert got["long_lane"] == niced(DeploymentsConfig().prefill.long_lane_nice), got
