@@ -11,10 +11,11 @@ the GIL: :mod:`common.kv.xxh3`) hashes faster than a memcpy copies; a one-thread
 slow part (≈ 6.6 GB/s on a Xeon where one large memcpy reaches 12).
 
 :func:`copy_digest` copies in chunks small enough to stay in a core's cache and hashes each chunk of the
-*destination* right after writing it: the check costs a pass over cached bytes, not another trip to memory, and it
-covers the copy itself (a bad write shows). A payload of several segments is shared between the calling thread and
-the module's landing threads (:data:`THREADS` in all), each taking the next segment not yet taken; the call returns
-once every segment is done (no thread of ours touches the destination after that) and raises what any of them raised.
+*destination* right after writing it (:meth:`common.kv.xxh3.Stream.copy_update`, outside the GIL): the check costs a
+pass over cached bytes, not another trip to memory, and it covers the copy itself (a bad write shows). A payload of
+several segments is shared between the calling thread and the module's landing threads (:data:`THREADS` in all),
+each taking the next segment not yet taken; the call returns once every segment is done (no thread of ours touches
+the destination after that) and raises what any of them raised.
 A caller at a lowered priority (throughput work) does its segments alone.
 :class:`SegmentedDigest` is the same checksum fed in order, one piece at a time (the export, a NIXL landing).
 """
@@ -106,11 +107,10 @@ def _segments(pairs: list[tuple[np.ndarray, np.ndarray | None]]) -> list[list[tu
 def _do_segment(pieces: list[tuple[np.ndarray, np.ndarray | None]]) -> int:
     h = xxh3.Stream()
     for dst, src in pieces:
-        for i in range(0, dst.size, CHUNK_BYTES):
-            piece = dst[i : i + CHUNK_BYTES]
-            if src is not None:
-                np.copyto(piece, src[i : i + CHUNK_BYTES])
-            h.update(piece)
+        if src is None:
+            h.update(dst)  # (a hash alone reads at memory speed: no chunks to keep in cache)
+        else:
+            h.copy_update(dst, src, CHUNK_BYTES)
     return h.intdigest()
 
 

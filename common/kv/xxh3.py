@@ -11,6 +11,13 @@ the same digest, and two threads hash in parallel (5.6 against 9.3 ms for the tw
 that streaming state; where the module does not export them (another build of the package), it is the package's own,
 GIL and all — same digests, slower beside a transfer. ``xxhash`` is pinned (``pyproject.toml``), and a unit test
 compares both paths.
+
+:meth:`Stream.copy_update` is a hand-off's land (:func:`common.kv.digest.copy_digest`): a piece copied in chunks that
+stay in a core's cache, each chunk hashed right after it is written, with two foreign calls per chunk on raw
+addresses (``ctypes.memmove``, then the hash), both outside the GIL. Per chunk, numpy's ``copyto`` on two fresh slices
+and the checked ``update`` cost a few microseconds of Python each under the GIL, and two landing threads queued for
+it: 256 MB landed at 11.6 GB/s on two threads that way, 16.2 this way, against 19.8 for two threads' plain copy (2-core
+AMD EPYC Zen 4).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ def _load() -> _Lib | None:
 
 
 _LIB = _load()
+_memmove = ctypes.memmove
 GIL_FREE = _LIB is not None
 """Whether :class:`Stream` hashes outside the GIL here."""
 
@@ -76,6 +84,28 @@ class Stream:
             raise ValueError("Stream.update takes flat C-contiguous uint8 arrays")
         if data.size:  # (``data`` stays referenced for the call: its memory cannot go away under the hash)
             _LIB.update(self._state, data.ctypes.data, data.size)
+
+    def copy_update(self, dst: np.ndarray, src: np.ndarray, chunk: int) -> None:
+        """Copy ``src`` into ``dst`` (flat C-contiguous ``uint8``, the same size; ``dst`` writable) ``chunk`` bytes
+        at a time, and hash each chunk of ``dst`` right after it is written: the stream then holds ``dst``'s bytes."""
+        for a in (dst, src):
+            if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
+                raise ValueError("Stream.copy_update takes flat C-contiguous uint8 arrays")
+        if dst.size != src.size:
+            raise ValueError(f"copy of {src.size} bytes into {dst.size}")
+        if not dst.flags.writeable:  # (a raw copy would not ask: a read-only mapping would fault, not raise)
+            raise ValueError("assignment destination is read-only")
+        if self._py is not None:
+            for i in range(0, dst.size, chunk):
+                np.copyto(dst[i : i + chunk], src[i : i + chunk])
+                self._py.update(dst[i : i + chunk])
+            return
+        to, size = dst.ctypes.data, dst.size  # (both arrays stay referenced for the calls: their memory stays)
+        offset = src.ctypes.data - to
+        for at in range(to, to + size, chunk):
+            n = min(chunk, to + size - at)
+            _memmove(at, at + offset, n)
+            _LIB.update(self._state, at, n)
 
     def intdigest(self) -> int:
         return int(self._py.intdigest() if self._py is not None else _LIB.digest(self._state))

@@ -57,3 +57,29 @@ def test_streams_on_several_threads_agree_with_the_package():
 def test_only_flat_bytes_are_hashed():
     with pytest.raises(ValueError):
         xxh3.Stream().update(DATA[:16].view(np.uint16))
+
+
+@pytest.mark.parametrize("chunk", [1, 4096, 1 << 20, 8 << 20])
+def test_a_copy_update_copies_every_byte_and_hashes_what_it_wrote(chunk, monkeypatch):
+    src = DATA[: (1 << 20) + 77] if chunk == 1 else DATA  # (byte chunks: a small piece keeps the loop short)
+    for lib in (xxh3._LIB, None):
+        monkeypatch.setattr(xxh3, "_LIB", lib)
+        dst = np.zeros_like(src)
+        s = xxh3.Stream()
+        s.update(DATA[:9])  # (a stream already fed goes on from where it was)
+        s.copy_update(dst, src, chunk)
+        np.testing.assert_array_equal(dst, src)
+        assert s.intdigest() == xxhash.xxh3_64_intdigest(DATA[:9].tobytes() + src.tobytes())
+
+
+def test_a_copy_update_refuses_before_it_writes():
+    dst = np.zeros(4096, np.uint8)
+    with pytest.raises(ValueError, match="copy of"):
+        xxh3.Stream().copy_update(dst, DATA[:4095], 1024)
+    with pytest.raises(ValueError, match="flat"):
+        xxh3.Stream().copy_update(dst.view(np.uint16), DATA[:4096].view(np.uint16), 1024)
+    frozen = np.zeros(4096, np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        xxh3.Stream().copy_update(frozen, DATA[:4096], 1024)
+    assert not dst.any() and not frozen.any()
