@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from common.config import PrismConfig
-from common.engine.decode import DecodeEngine, TokenEvent
+from common.engine.decode import DecodeEngine
 from common.engine.prefill import PrefillEngine
+from common.engine.sequence import TokenEvent
 from common.errors import InvalidRequestError, PrismError
 from common.grammar.compiler import compiler_for
 from common.grammar.formats import guide_from_request

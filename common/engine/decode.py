@@ -13,9 +13,11 @@ which may admit waiting sequences. Sequences join and leave the batch at every s
 **Reservations** (KV before prefill, :mod:`common.engine.reservations`): the decode stage may take a sequence's
 lease before prefill computes it; the sequence's :meth:`submit` (or :meth:`claim`) then claims it.
 
-A step writes each sequence's new key/value straight into its pool slot and attends over its block table
-(:mod:`common.kv.paged_attention`); a sequence takes a new block only when its last one is full, always inside its
-lease (reserved for prompt + ``max_tokens`` at submit), so a running sequence can never run out of KV.
+Each running sequence's state is a :class:`common.engine.sequence.RunningSequence`. A step
+(:func:`common.engine.decode_logits.step_logits`) writes each sequence's new key/value straight into its pool slot and
+attends over its block table (:mod:`common.kv.paged_attention`); a sequence takes a new block only when its last one
+is full, always inside its lease (reserved for prompt + ``max_tokens`` at submit), so a running sequence can never run
+out of KV.
 Each token is sampled with the request's ``(seed, step)`` rule, so batching never changes what a sequence says.
 
 **Replay** (decode migration): a sequence whose first replica died mid-generation is submitted again, on a live
@@ -46,76 +48,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
 import llguidance
 import torch
 
 from common.engine.decode_forward import DecodeForward
-from common.engine.paged_step import build_step_context
+from common.engine.decode_logits import StepMasks, step_logits
 from common.engine.reservations import Reservations
+from common.engine.sequence import EngineFinish, RunningSequence, TokenEvent
 from common.errors import HandoffError
 from common.grammar.compiler import compiler_for
-from common.grammar.masks import MaskBuffer, apply_masks
 from common.kv.blocks import check_prefill, to_torch
 from common.kv.native import load_decode_kernel
 from common.kv.paged_attention import enable_paged_attention
 from common.kv.pool import KVPool, Lease
 from common.model.loader import LoadedModel
-from common.protocol.handoff import FinishReason, Prefilled, PrefillOutput, TokenLogprob
+from common.protocol.handoff import Prefilled, PrefillOutput, TokenLogprob
 from common.protocol.sampling import SamplingParams
-from common.stages.sampler import log_probs, sample_token, token_logprob
+from common.stages.sampler import sample_token, token_logprob
 from common.stages.stops import StopChecker
 
-EngineFinish = FinishReason | Literal["timeout", "error"]
 log = logging.getLogger("prism.engine.decode")
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    request_id: str
-    token_id: int | None
-    """``None`` only on a ``timeout`` / ``error`` event, which carries no token."""
-    finish_reason: EngineFinish | None
-    """``None`` while the sequence goes on. Cancel emits nothing: it is the caller's own act."""
-    logprob: TokenLogprob | None = None
-    """The token's log-probabilities, when its request asks for them."""
-    index: int = 0
-    """The request's choice the token belongs to (``n`` > 1)."""
-
-
-@dataclass
-class _Sequence:
-    request_id: str
-    sampling: SamplingParams
-    """The choice's own (:meth:`SamplingParams.for_choice`)."""
-    lease: Lease
-    """The request's (shared by its choices)."""
-    table: list[int]
-    """The sequence's blocks in order (shared prompt blocks, then its own)."""
-    rope_delta: int
-    length: int
-    """Tokens whose KV is in the pool."""
-    last_token: int
-    """Sampled but not yet fed to the model."""
-    step: int
-    stops: StopChecker
-    deadline: float | None
-    counts: Counter[int] = field(default_factory=Counter)
-    """Tokens generated so far (kept only when the request sets a frequency/presence penalty)."""
-    matcher: llguidance.LLMatcher | None = None
-    """The output grammar's state (``None``: unconstrained), advanced by every emitted or replayed token."""
-    forced: deque[int] = field(default_factory=deque)
-    """Replayed tokens still to feed (the client already has them): taken instead of sampled, never emitted."""
-    diverged: bool = False
-    index: int = 0
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.request_id, self.index
 
 
 class DecodeEngine(Reservations):
@@ -153,7 +108,7 @@ class DecodeEngine(Reservations):
         self._pending: OrderedDict[str, tuple[PrefillOutput, SamplingParams, float | None, tuple[int, ...]]] = (
             OrderedDict()
         )
-        self._running: OrderedDict[tuple[str, int], _Sequence] = OrderedDict()
+        self._running: OrderedDict[tuple[str, int], RunningSequence] = OrderedDict()
         """Sequences by (request id, choice index)."""
         self._live: Counter[str] = Counter()
         """Running sequences per request: its lease goes back when the last one ends."""
@@ -162,13 +117,8 @@ class DecodeEngine(Reservations):
         """Sequences :meth:`claim` gave blocks whose KV is on its way into them (not yet started: :meth:`start`)."""
         self._reserved: dict[str, float | None] = {}
         """Reservations not yet claimed by a submit (granted or waiting in the pool's queue) → their deadline."""
-        self._masks: MaskBuffer | None = None
-        self.mask_s = 0.0
-        """Seconds spent filling and applying grammar masks (the structured-output overhead of the steps)."""
-        self.masked_rows = 0
-        """Logits rows masked (one per constrained sequence per step)."""
-        self.masked_steps = 0
-        """Steps with at least one constrained sequence."""
+        self.masks = StepMasks(max_batch)
+        """The steps' grammar masks and their cost (:attr:`mask_s`, :attr:`masked_rows`, :attr:`masked_steps`)."""
 
     # ---- queue management -----------------------------------------------------------------------------------
     def submit(
@@ -384,10 +334,10 @@ class DecodeEngine(Reservations):
         sampling: SamplingParams,
         deadline: float | None,
         matcher: llguidance.LLMatcher | None,
-    ) -> _Sequence:
+    ) -> RunningSequence:
         """Choice ``index``'s running sequence."""
         own = sampling.for_choice(index)
-        seq = _Sequence(
+        seq = RunningSequence(
             request_id=request_id,
             sampling=own,
             lease=lease,
@@ -410,7 +360,7 @@ class DecodeEngine(Reservations):
             return None
         return compiler_for(self.lm).matcher(sampling.guide)
 
-    def _advance(self, seq: _Sequence, token: int) -> bool:
+    def _advance(self, seq: RunningSequence, token: int) -> bool:
         """Feed ``token`` to the sequence's grammar; False (the sequence is aborted) if the grammar refuses it or has
         failed (a parser limit met at a step: its mask then allows only EOS, which must not end a reply as ``stop``)."""
         if seq.matcher is None or (seq.matcher.consume_token(token) and not seq.matcher.is_error()):
@@ -420,7 +370,7 @@ class DecodeEngine(Reservations):
         self._abort(seq.request_id, "error")
         return False
 
-    def _emit(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
+    def _emit(self, seq: RunningSequence, token: int, logprob: TokenLogprob | None = None) -> None:
         if not self._advance(seq, token):
             return
         if seq.sampling.penalised:
@@ -436,7 +386,7 @@ class DecodeEngine(Reservations):
                 del self._live[seq.request_id]
                 self._release(seq.request_id)
 
-    def _replay(self, seq: _Sequence, sampled: int) -> None:
+    def _replay(self, seq: RunningSequence, sampled: int) -> None:
         """Take the next forced token in place of ``sampled``: the state advances as :meth:`_emit` would advance
         it, but nothing is emitted (the client has the token already)."""
         token = seq.forced.popleft()
@@ -505,26 +455,12 @@ class DecodeEngine(Reservations):
             self._events.append(TokenEvent(request_id, None, reason))
             self._release(request_id)
 
-    def _decode(self, batch: list[_Sequence]) -> None:
+    def _decode(self, batch: list[RunningSequence]) -> None:
         for seq in batch:
             if seq.length == len(seq.table) * self.pool.block_size:
                 seq.table.extend(self.pool.allocate(seq.lease, 1))
-        lengths = [s.length for s in batch]
-        ctx = build_step_context(self.pool, [s.table for s in batch], lengths, self.kernel)
-        input_ids = torch.tensor([[s.last_token] for s in batch])
-        positions = self.lm.adapter.decode_positions(torch.tensor(lengths), torch.tensor([s.rope_delta for s in batch]))
-        with torch.inference_mode():
-            if self.forward is not None:
-                hidden = self.forward(input_ids, positions, ctx)
-            else:
-                lang = self.lm.adapter.language_model(self.lm.model)
-                hidden = lang(input_ids=input_ids, position_ids=positions, use_cache=False, prism_paged=ctx)
-                hidden = hidden.last_hidden_state
-            logits = self.lm.model.lm_head(hidden[:, -1:, :])[:, -1]
-            # (the raw distribution, before the grammar's mask; only the rows that report it, not replaying: one pass)
-            asking = [i for i, s in enumerate(batch) if s.sampling.logprobs is not None and not s.forced]
-            raw = dict(zip(asking, log_probs(logits[asking]), strict=True)) if asking else {}
-            self._mask(batch, logits)
+        logits, raw = step_logits(self.lm, self.forward, self.pool, self.kernel, batch)
+        self.masks.apply(batch, logits)
         for i, seq in enumerate(batch):
             if seq.key not in self._running:  # (another choice of its request aborted them all in this loop)
                 continue
@@ -540,15 +476,17 @@ class DecodeEngine(Reservations):
                     seq, sampled, None if row is None else token_logprob(row, sampled, seq.sampling.logprobs or 0)
                 )
 
-    def _mask(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
-        """Constrain the logits rows of the batch's guided sequences (in place; other rows untouched)."""
-        rows = [i for i, seq in enumerate(batch) if seq.matcher is not None]
-        if not rows:
-            return
-        started = time.perf_counter()
-        if self._masks is None:
-            self._masks = MaskBuffer(logits.shape[-1], self.max_batch)
-        apply_masks(logits, rows, self._masks.fill([batch[i].matcher for i in rows]))
-        self.mask_s += time.perf_counter() - started
-        self.masked_rows += len(rows)
-        self.masked_steps += 1
+    @property
+    def mask_s(self) -> float:
+        """Seconds spent filling and applying grammar masks (the structured-output overhead of the steps)."""
+        return self.masks.seconds
+
+    @property
+    def masked_rows(self) -> int:
+        """Logits rows masked (one per constrained sequence per step)."""
+        return self.masks.rows
+
+    @property
+    def masked_steps(self) -> int:
+        """Steps with at least one constrained sequence."""
+        return self.masks.steps

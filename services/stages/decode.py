@@ -45,7 +45,8 @@ from common.admission.kv import KVAdmission, KVGate
 from common.admission.record import AdmissionRecorder
 from common.admission.stage import StageAdmission
 from common.config import PrismConfig
-from common.engine.decode import DecodeEngine, TokenEvent
+from common.engine.decode import DecodeEngine
+from common.engine.sequence import TokenEvent
 from common.errors import Overloaded
 from common.kv.blocks import check_key, check_landed, verify_handoff
 from common.kv.landing import Landing
