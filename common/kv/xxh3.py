@@ -62,8 +62,9 @@ GIL_FREE = _LIB is not None
 
 
 class Stream:
-    """An XXH3-64 stream (seed 0): ``update`` with flat ``uint8`` C-contiguous arrays, in order; ``intdigest``; the
-    same digest as ``xxhash.xxh3_64`` fed the same bytes."""
+    """An XXH3-64 stream (seed 0): ``update`` with flat ``uint8`` C-contiguous arrays, in order (or ``copy_update``:
+    a copy whose written bytes it takes in); ``intdigest``; the same digest as ``xxhash.xxh3_64`` fed the same
+    bytes."""
 
     def __init__(self) -> None:
         self._state: int | None = None
@@ -93,6 +94,8 @@ class Stream:
                 raise ValueError("Stream.copy_update takes flat C-contiguous uint8 arrays")
         if dst.size != src.size:
             raise ValueError(f"copy of {src.size} bytes into {dst.size}")
+        if chunk <= 0:
+            raise ValueError(f"chunks of {chunk} bytes")
         if not dst.flags.writeable:  # (a raw copy would not ask: a read-only mapping would fault, not raise)
             raise ValueError("assignment destination is read-only")
         if self._py is not None:

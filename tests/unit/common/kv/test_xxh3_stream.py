@@ -61,7 +61,7 @@ def test_only_flat_bytes_are_hashed():
 
 @pytest.mark.parametrize("chunk", [1, 4096, 1 << 20, 8 << 20])
 def test_a_copy_update_copies_every_byte_and_hashes_what_it_wrote(chunk, monkeypatch):
-    src = DATA[: (1 << 20) + 77] if chunk == 1 else DATA  # (byte chunks: a small piece keeps the loop short)
+    src = DATA[:4099] if chunk == 1 else DATA  # (byte chunks: a small piece keeps the loop short)
     for lib in (xxh3._LIB, None):
         monkeypatch.setattr(xxh3, "_LIB", lib)
         dst = np.zeros_like(src)
@@ -76,8 +76,16 @@ def test_a_copy_update_refuses_before_it_writes():
     dst = np.zeros(4096, np.uint8)
     with pytest.raises(ValueError, match="copy of"):
         xxh3.Stream().copy_update(dst, DATA[:4095], 1024)
-    with pytest.raises(ValueError, match="flat"):
-        xxh3.Stream().copy_update(dst.view(np.uint16), DATA[:4096].view(np.uint16), 1024)
+    for bad_dst, bad_src in (
+        (dst.view(np.uint16), DATA[:4096].view(np.uint16)),  # not bytes
+        (dst, DATA[:4096][::-1]),  # a reversed source: its address is its last byte
+        (dst, DATA[: 2 * 4096 : 2]),  # a strided source
+        (dst.reshape(64, 64), DATA[:4096].reshape(64, 64)),  # not flat
+    ):
+        with pytest.raises(ValueError, match="flat"):
+            xxh3.Stream().copy_update(bad_dst, bad_src, 1024)
+    with pytest.raises(ValueError, match="chunks"):
+        xxh3.Stream().copy_update(dst, DATA[:4096], 0)
     frozen = np.zeros(4096, np.uint8)
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
