@@ -74,7 +74,7 @@ def engine_steps(lm: LoadedModel, batch: int, steps: int, guided: bool) -> dict:
         times.append(time.perf_counter() - start)
     out = {"median_step_ms": 1000 * statistics.median(times)}
     if guided:
-        out["mask_ms_per_step"] = 1000 * engine.mask_s / engine.masked_steps
+        out["mask_ms_per_step"] = 1000 * engine.masks.seconds / engine.masks.steps
     return out
 
 

@@ -118,7 +118,7 @@ class DecodeEngine(Reservations):
         self._reserved: dict[str, float | None] = {}
         """Reservations not yet claimed by a submit (granted or waiting in the pool's queue) → their deadline."""
         self.masks = StepMasks(max_batch)
-        """The steps' grammar masks and their cost (:attr:`mask_s`, :attr:`masked_rows`, :attr:`masked_steps`)."""
+        """The steps' grammar masks and their cost (its ``seconds``, ``rows`` and ``steps``)."""
 
     # ---- queue management -----------------------------------------------------------------------------------
     def submit(
@@ -475,18 +475,3 @@ class DecodeEngine(Reservations):
                 self._emit(
                     seq, sampled, None if row is None else token_logprob(row, sampled, seq.sampling.logprobs or 0)
                 )
-
-    @property
-    def mask_s(self) -> float:
-        """Seconds spent filling and applying grammar masks (the structured-output overhead of the steps)."""
-        return self.masks.seconds
-
-    @property
-    def masked_rows(self) -> int:
-        """Logits rows masked (one per constrained sequence per step)."""
-        return self.masks.rows
-
-    @property
-    def masked_steps(self) -> int:
-        """Steps with at least one constrained sequence."""
-        return self.masks.steps

@@ -61,6 +61,13 @@ GIL_FREE = _LIB is not None
 """Whether :class:`Stream` hashes outside the GIL here."""
 
 
+def _check_flat(method: str, *arrays: np.ndarray) -> None:
+    """Refuse anything but flat C-contiguous ``uint8`` arrays: the C calls take a start address and a byte count."""
+    for a in arrays:
+        if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
+            raise ValueError(f"Stream.{method} takes flat C-contiguous uint8 arrays")
+
+
 class Stream:
     """An XXH3-64 stream (seed 0): ``update`` with flat ``uint8`` C-contiguous arrays, in order (or ``copy_update``:
     a copy whose written bytes it takes in); ``intdigest``; the same digest as ``xxhash.xxh3_64`` fed the same
@@ -81,17 +88,14 @@ class Stream:
         if self._py is not None:
             self._py.update(data)
             return
-        if data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
-            raise ValueError("Stream.update takes flat C-contiguous uint8 arrays")
+        _check_flat("update", data)
         if data.size:  # (``data`` stays referenced for the call: its memory cannot go away under the hash)
             _LIB.update(self._state, data.ctypes.data, data.size)
 
     def copy_update(self, dst: np.ndarray, src: np.ndarray, chunk: int) -> None:
         """Copy ``src`` into ``dst`` (flat C-contiguous ``uint8``, the same size; ``dst`` writable) ``chunk`` bytes
         at a time, and hash each chunk of ``dst`` right after it is written: the stream then holds ``dst``'s bytes."""
-        for a in (dst, src):
-            if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
-                raise ValueError("Stream.copy_update takes flat C-contiguous uint8 arrays")
+        _check_flat("copy_update", dst, src)
         if dst.size != src.size:
             raise ValueError(f"copy of {src.size} bytes into {dst.size}")
         if chunk <= 0:

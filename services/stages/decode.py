@@ -328,7 +328,7 @@ class DecodeDeployment:
         self.metrics.load(len(self.queues), running + waiting + self.engine.num_reserved)
         self.metrics.set("prism_kv_blocks_used", self.pool.used_blocks)
         self.metrics.set("prism_kv_blocks_free", self.pool.free_blocks)
-        self.metrics.grammar(self.engine.mask_s, self.engine.masked_steps)
+        self.metrics.grammar(self.engine.masks.seconds, self.engine.masks.steps)
 
     async def stats(self) -> dict[str, int | str]:
         return {

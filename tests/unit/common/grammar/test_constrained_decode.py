@@ -109,7 +109,7 @@ def test_guided_and_free_sequences_batch_together_and_match_each_alone(tiny_mode
         stopped += got[rid][-1][1] == "stop"
         assert ids != list(free[rid].token_ids)  # (the grammar did constrain: random weights never say JSON)
     assert stopped >= 6
-    assert engine.masked_rows > 0 and engine.mask_s > 0
+    assert engine.masks.rows > 0 and engine.masks.seconds > 0
     pool.check_no_leaks()
 
 
