@@ -33,8 +33,10 @@ def _reference(query, keys, values, tables, lengths, scale):
 
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "dim", "block_size"),
-    [(8, 4, 64, 16), (4, 4, 128, 16), (6, 2, 40, 5), (2, 1, 16, 1)],
-    ids=["gqa2-d64", "mha-d128", "gqa3-d40", "mqa-d16-bs1"],
+    [(8, 4, 64, 16), (4, 4, 128, 16), (16, 2, 64, 5), (8, 2, 128, 7), (6, 2, 40, 5), (2, 1, 16, 1)],
+    # (the AVX-512 path takes head sizes 64 and 128 with up to 8 query heads per KV head, its 16-token tiles across
+    # blocks of any size and its value sums in passes of a few heads; the others take the portable loops)
+    ids=["gqa2-d64", "mha-d128", "gqa8-d64-bs5", "gqa4-d128-bs7", "gqa3-d40", "mqa-d16-bs1"],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_is_sdpa_over_any_block_table(q_heads, kv_heads, dim, block_size, threads):
@@ -62,7 +64,7 @@ def test_kernel_is_sdpa_over_any_block_table(q_heads, kv_heads, dim, block_size,
     torch.testing.assert_close(got, _reference(query, keys, values, tables, lengths, scale), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("q_heads", "kv_heads", "dim", "block_size"), [(8, 4, 64, 16), (6, 2, 40, 5)])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim", "block_size"), [(8, 4, 64, 16), (8, 2, 128, 7), (6, 2, 40, 5)])
 def test_bf16_kernel_rounds_where_pytorchs_bf16_attention_does(q_heads, kv_heads, dim, block_size):
     """In bf16 the kernel widens its inputs and sums in fp32, rounds each exp to bf16 before it weights the values
     and divides by the fp32 sum after (the order of PyTorch's CPU flash attention): that computation done in torch
