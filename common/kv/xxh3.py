@@ -13,20 +13,32 @@ GIL and all — same digests, slower beside a transfer. ``xxhash`` is pinned (``
 compares both paths.
 
 :meth:`Stream.copy_update` is a hand-off's land (:func:`common.kv.digest.copy_digest`): a piece copied in chunks that
-stay in a core's cache, each chunk hashed right after it is written, with two foreign calls per chunk on raw
-addresses (``ctypes.memmove``, then the hash), both outside the GIL. Per chunk, numpy's ``copyto`` on two fresh slices
-and the checked ``update`` cost a few microseconds of Python each under the GIL, and two landing threads queued for
-it: :func:`common.kv.digest.copy_digest` of 256 MB on two threads ran at 11.6 GB/s that way, 15.2 this way (two
-threads' plain ``memcpy`` of the same bytes: 14.5–19.8 GB/s over the same runs; 2-core AMD EPYC Zen 4).
+stay in a core's cache, each chunk hashed right after it is written — one foreign call for the whole piece
+(``common/kv/native/copy_hash.c``, built on first use like the attention kernel: :mod:`common.kv.native.build`),
+which loops over the chunks in C and calls the package's update by address. Without a compiler it is the same loop
+in Python, two foreign calls per chunk on raw addresses (``ctypes.memmove``, then the hash), both outside the GIL
+but each landing thread taking it back between them. Measured on a 2-core AMD EPYC Zen 4, 256 MB landed by
+:func:`common.kv.digest.copy_digest` on two threads: numpy's ``copyto`` and the checked ``update`` per chunk (a few
+microseconds of Python under the GIL each) 11.6 GB/s, the ctypes loop 15.2. On a 2-core Intel Xeon (AVX-512, AMX),
+64 MB in a Ray actor (the transfer bench's receiver): the ctypes loop 7.5–10.7 ms on two threads, hardly better than
+9.4–10.5 on one — the two threads queued for the GIL at every 256 KiB chunk — the C loop 5.5–8.0 ms; in one process,
+two threads each landing half: 15.2 → 20.1 GB/s.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
+
+from common.kv.native.build import compiler, load_library
+
+log = logging.getLogger("prism.kv.xxh3")
 
 
 class _Lib:
@@ -59,6 +71,33 @@ _LIB = _load()
 _memmove = ctypes.memmove
 GIL_FREE = _LIB is not None
 """Whether :class:`Stream` hashes outside the GIL here."""
+
+
+COPY_HASH_SOURCE = Path(__file__).with_name("native") / "copy_hash.c"
+
+
+@functools.cache
+def _copy_hash() -> Any | None:
+    """The land's loop in C (``copy_hash.c``), built on first use (once per process; the build once per machine), or
+    ``None`` — no compiler, or no C functions of the package to call — where :meth:`Stream.copy_update` loops here."""
+    cc = compiler() if _LIB is not None else None
+    if cc is None:
+        return None
+    try:
+        library, _ = load_library(COPY_HASH_SOURCE, cc)
+    except RuntimeError as exc:
+        log.warning("the land's C loop is unavailable (%s): it loops in Python, two calls per chunk", exc)
+        return None
+    ptr, size = ctypes.c_void_p, ctypes.c_size_t
+    loop = _typed(library.copy_hash, ctypes.c_int, [ptr, ptr, size, size, ptr, ptr])
+    update = ctypes.cast(_LIB.update, ctypes.c_void_p).value  # (the package's function, by address)
+    return functools.partial(_call_loop, loop, update)
+
+
+def _call_loop(loop: Any, update: int, state: int, dst: np.ndarray, src: np.ndarray, chunk: int) -> None:
+    status = loop(dst.ctypes.data, src.ctypes.data, dst.size, chunk, state, update)
+    if status:
+        raise RuntimeError(f"XXH3's update failed ({status})")
 
 
 def _check_flat(method: str, *arrays: np.ndarray) -> None:
@@ -106,6 +145,10 @@ class Stream:
             for i in range(0, dst.size, chunk):
                 np.copyto(dst[i : i + chunk], src[i : i + chunk])
                 self._py.update(dst[i : i + chunk])
+            return
+        native = _copy_hash()
+        if native is not None:  # (both arrays stay referenced for the call: their memory stays)
+            native(self._state, dst, src, chunk)
             return
         to, size = dst.ctypes.data, dst.size  # (both arrays stay referenced for the calls: their memory stays)
         offset = src.ctypes.data - to

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import threading
 
 import numpy as np
@@ -59,20 +61,40 @@ def test_only_flat_bytes_are_hashed():
         xxh3.Stream().update(DATA[:16].view(np.uint16))
 
 
-@pytest.mark.parametrize("chunk", [1, 4096, 1 << 20, 8 << 20])
-def test_a_copy_update_copies_every_byte_and_hashes_what_it_wrote(chunk, monkeypatch):
+LOOPS = {
+    "c-loop": (xxh3._LIB, xxh3._copy_hash),  # one call: the chunks looped in C (copy_hash.c)
+    "ctypes-loop": (xxh3._LIB, lambda: None),  # no compiler: two foreign calls per chunk
+    "package": (None, lambda: None),  # no C functions exported: the package's own hash, under the GIL
+}
+
+
+def test_the_land_loops_in_c_here():
+    """A C compiler is on these machines: the land's loop must build (else every landing thread takes the GIL back
+    at every chunk)."""
+    assert xxh3._copy_hash() is not None
+
+
+@pytest.mark.parametrize("chunk", [1, 4096, 1000003, 1 << 20, 8 << 20])
+@pytest.mark.parametrize("loop", LOOPS, ids=list(LOOPS))
+def test_a_copy_update_copies_every_byte_and_hashes_what_it_wrote(chunk, loop, monkeypatch):
     src = DATA[:4099] if chunk == 1 else DATA  # (byte chunks: a small piece keeps the loop short)
-    for lib in (xxh3._LIB, None):
-        monkeypatch.setattr(xxh3, "_LIB", lib)
-        dst = np.zeros_like(src)
+    lib, native = LOOPS[loop]
+    monkeypatch.setattr(xxh3, "_LIB", lib)
+    monkeypatch.setattr(xxh3, "_copy_hash", native)
+    for piece in (src, src[:0], src[:7]):  # (empty, and shorter than any chunk)
+        dst = np.zeros_like(piece)
         s = xxh3.Stream()
         s.update(DATA[:9])  # (a stream already fed goes on from where it was)
-        s.copy_update(dst, src, chunk)
-        np.testing.assert_array_equal(dst, src)
-        assert s.intdigest() == xxhash.xxh3_64_intdigest(DATA[:9].tobytes() + src.tobytes())
+        s.copy_update(dst, piece, chunk)
+        np.testing.assert_array_equal(dst, piece)
+        assert s.intdigest() == xxhash.xxh3_64_intdigest(DATA[:9].tobytes() + piece.tobytes())
 
 
-def test_a_copy_update_refuses_before_it_writes():
+@pytest.mark.parametrize("loop", LOOPS, ids=list(LOOPS))
+def test_a_copy_update_refuses_before_it_writes(loop, monkeypatch):
+    lib, native = LOOPS[loop]
+    monkeypatch.setattr(xxh3, "_LIB", lib)
+    monkeypatch.setattr(xxh3, "_copy_hash", native)
     dst = np.zeros(4096, np.uint8)
     with pytest.raises(ValueError, match="copy of"):
         xxh3.Stream().copy_update(dst, DATA[:4095], 1024)
@@ -91,3 +113,27 @@ def test_a_copy_update_refuses_before_it_writes():
     with pytest.raises(ValueError, match="read-only"):
         xxh3.Stream().copy_update(frozen, DATA[:4096], 1024)
     assert not dst.any() and not frozen.any()
+
+
+def test_without_a_compiler_the_land_loops_in_python(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PRISM_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")  # (a compiler that fails: no library can be built)
+    with caplog.at_level(logging.WARNING, logger="prism.kv.xxh3"):
+        assert xxh3._copy_hash.__wrapped__() is None
+    assert "loops in Python" in caplog.text
+    monkeypatch.setattr(xxh3, "_copy_hash", xxh3._copy_hash.__wrapped__)  # (every call without the C loop)
+    dst = np.zeros(1 << 20, np.uint8)
+    s = xxh3.Stream()
+    s.copy_update(dst, DATA[: 1 << 20], 4096)
+    assert s.intdigest() == xxhash.xxh3_64_intdigest(DATA[: 1 << 20]) and (dst == DATA[: 1 << 20]).all()
+
+
+def test_a_failed_update_in_the_c_loop_raises_and_stops():
+    """The C loop stops at the update's first nonzero status (XXH3's own fails only on a null input; an update that
+    fails is given here in its place) and the call says so: nothing after that chunk is copied."""
+    loop = xxh3._copy_hash().args[0]
+    failing = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(lambda *_: 1)
+    dst = np.zeros(32, np.uint8)
+    with pytest.raises(RuntimeError, match="update failed"):
+        xxh3._call_loop(loop, ctypes.cast(failing, ctypes.c_void_p).value, 0, dst, DATA[:32], 8)
+    assert (dst[:8] == DATA[:8]).all() and not dst[8:].any()

@@ -1,0 +1,91 @@
+"""Builds and loads Prism's C sources (this folder) with the machine's C compiler: once per machine, cached.
+
+Lifecycle: :func:`load_library` compiles a source with the system C compiler (``cc -O3 -march=native -ffast-math
+-fopenmp``: built for the CPU it runs on, so the cache key holds the CPU's flags, the source and the flags) into
+``$PRISM_NATIVE_CACHE`` (default ``~/.cache/prism/native``, else the temp dir), through a temporary file renamed into
+place, so concurrent builders on one host (or sharing a mounted cache) never load a half-written library; later
+calls, and later processes, load the cached build. Compiled and linked in two steps: ``-ffast-math`` lets loops
+vectorise (glibc's vector ``expf`` included), but GCC < 13 *links* a shared library built with it against
+``crtfastmath.o``, whose constructor turns on flush-to-zero for the thread that loads it — every later PyTorch op in
+that thread, and the threads it starts, would then round denormals differently; linking without the flag keeps the
+process's floating-point mode untouched (tested). It raises ``RuntimeError`` (saying why, per cache folder) when no
+folder can build and load it; each caller decides what runs instead (:mod:`common.kv.native`, :mod:`common.kv.xxh3`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+COMPILE = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LINK = ("-shared", "-fopenmp")  # (no -ffast-math here: see the module docstring)
+
+
+def compiler() -> str | None:
+    """``$CC``, else ``cc`` or ``gcc`` on the path; ``None`` when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def load_library(source: Path, compiler: str) -> tuple[ctypes.CDLL, Path]:
+    """``source`` built (or found built) in the first cache folder that can hold and load it: the library and its
+    path. Raises ``RuntimeError`` when none can."""
+    name = f"{source.stem}-{_digest(source)}.so"
+    errors = []
+    for folder in _cache_dirs():
+        try:
+            path = _build_in(folder, compiler, source, name)
+            return ctypes.CDLL(str(path)), path  # (a noexec mount fails here: try the next folder)
+        except (OSError, subprocess.SubprocessError) as exc:
+            errors.append(f"{folder}: {(getattr(exc, 'stderr', None) or str(exc)).strip()}")
+    raise RuntimeError("; ".join(errors))
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+def _cache_dirs() -> list[Path]:
+    configured = os.environ.get("PRISM_NATIVE_CACHE")
+    if configured:
+        return [Path(configured)]
+    return [Path.home() / ".cache" / "prism" / "native", Path(tempfile.gettempdir()) / "prism-native"]
+
+
+def _digest(source: Path) -> str:
+    material = source.read_bytes() + " ".join(COMPILE + LINK).encode() + platform.machine().encode()
+    return hashlib.sha256(material + _cpu_key().encode()).hexdigest()[:16]
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+
+
+def _build_in(folder: Path, compiler: str, source: Path, name: str) -> Path:
+    """The library in ``folder``, built there first if it is not; raises ``OSError`` / ``SubprocessError``."""
+    target = folder / name
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".so")  # unique, even across hosts
+    os.close(fd)
+    obj = partial[: -len(".so")] + ".o"
+    try:
+        _run([compiler, *COMPILE, "-c", "-o", obj, str(source)])
+        _run([compiler, *LINK, "-o", partial, obj, "-lm"])
+        os.replace(partial, target)  # atomic: another process sees no library or a whole one
+        return target
+    finally:
+        for leftover in (partial, obj):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
