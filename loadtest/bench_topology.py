@@ -1,7 +1,7 @@
-"""``make bench``'s topology session: the same Prism application in each grouped topology (``E/PD``, ``EP/D``,
-``EPD``, ``MEPD``; ``E/P/D`` is Prism's own session), each against the monolith built from the same stage classes.
-(``ME/P/D`` and ``ME/PD`` are left out for the bench's time: on this machine they differ from ``E/P/D`` and ``E/PD`` by
-the one hop that ``MEPD`` measures against ``EPD``.)
+"""``make bench``'s topology session: the same Prism application in each grouped topology (``E/PD``, ``EP/D``, ``EPD``,
+``MEPD``, and ``MEPD`` in the ingress replica; ``E/P/D`` is Prism's own session), each against the monolith built from
+the same stage classes. (``ME/P/D`` and ``ME/PD`` are left out for the bench's time: on this machine they differ from
+``E/P/D`` and ``E/PD`` by the one hop that ``MEPD`` measures against ``EPD``.)
 
 Per topology, one application of its own on this machine (one at a time, as every server of the bench): warm-up, the
 per-hop report (:mod:`loadtest.bench_hops`), the light load of medium images behind the TTFT figure (the same runs,
@@ -11,6 +11,8 @@ seeds and count as ``ttft_ratio_epd_vs_monolith``), then the goodput sweep (:fun
 * ``ttft_ratio_topology_epd_vs_monolith`` — the ``EPD`` topology's TTFT p50 over the monolith's, run i against run i
   (median of the runs, its spread beside it): what Serve's hops cost when the model's stages share one replica;
 * ``ttft_ratio_topology_mepd_vs_monolith`` — the same for ``MEPD`` (media in that replica too: the ingress's one call);
+* ``ttft_ratio_topology_mepd_in_ingress_vs_monolith`` — the same for ``MEPD`` inside the ingress replica
+  (``deployments.in_ingress``: no Serve hop after the proxy);
 * ``peak_goodput_best_topology_vs_monolith`` — the best topology's peak goodput over the swept rates (``E/P/D``
   included) over the monolith's.
 
@@ -32,13 +34,24 @@ from loadtest.bench_sessions import Say, ServerRuns, light, warm_up
 from loadtest.bench_settings import Settings
 from loadtest.figures import record
 
-GROUPED = ("E/PD", "EP/D", "EPD", "MEPD")
+IN_INGRESS = "MEPD in ingress"
+"""``MEPD`` with ``deployments.in_ingress``: the model's stages inside the ingress replica (no Serve hop after the
+proxy)."""
+GROUPED = ("E/PD", "EP/D", "EPD", "MEPD", IN_INGRESS)
 PNG = "bench_topology_goodput.png"
 
 
 def with_topology(config: dict[str, Any], topology: str) -> dict[str, Any]:
-    deployments = {**config.get("deployments", {}), "topology": topology}
+    """``config`` with ``topology`` (one of :data:`GROUPED`, or ``E/P/D``) set for its model."""
+    deployments = {**config.get("deployments", {}), "topology": topology.split()[0]}
+    if topology == IN_INGRESS:
+        deployments["in_ingress"] = True
     return {**config, "deployments": deployments}
+
+
+def figure_key(name: str) -> str:
+    """A topology's name as it appears in its figure's name: ``MEPD in ingress`` → ``mepd_in_ingress``."""
+    return name.lower().replace(" ", "_")
 
 
 def session(config: dict[str, Any], model: str, st: Settings, say: Say) -> dict[str, ServerRuns]:
@@ -62,7 +75,7 @@ def figures(
 ) -> tuple[dict[str, Any], Path]:
     """The three figures, and the plot of every topology's sweep."""
     everyone = {"E/P/D": prism, **grouped}
-    ttft = dict(_ttft_figure(name, grouped[name], mono) for name in ("EPD", "MEPD"))
+    ttft = dict(_ttft_figure(name, grouped[name], mono) for name in ("EPD", "MEPD", IN_INGRESS) if name in grouped)
     curves = {name: loads.curve(runs.sweep) for name, runs in {**everyone, "monolith": mono}.items()}
     peaks = {name: curves[name]["peak_goodput_rps"] for name in everyone}
     best = max(peaks, key=peaks.__getitem__)
@@ -95,9 +108,9 @@ def figures(
 
 def _ttft_figure(name: str, runs: ServerRuns, mono: ServerRuns) -> tuple[str, dict[str, Any]]:
     """``name``'s TTFT p50 over the monolith's, run i against run i: the figure's name and its record."""
-    figure = f"ttft_ratio_topology_{name.lower()}_vs_monolith"
+    figure = f"ttft_ratio_topology_{figure_key(name)}_vs_monolith"
     pairs = list(zip(runs.cold, mono.cold, strict=False))  # (the monolith's runs are the TTFT figure's: as many)
-    key = f"{name.lower()}_ttft_p50_s"
+    key = f"{figure_key(name)}_ttft_p50_s"
     raw = [{key: loads.ttft(t), "monolith_ttft_p50_s": loads.ttft(m), "requests": len(t)} for t, m in pairs]
     return figure, record(
         figure,

@@ -1,21 +1,22 @@
 """The one place that turns Prism's plain deployment classes into a Ray Serve application.
 
-``build_app(args)`` is the ``import_path`` target of every Serve config (``services.app:build_app``); ``args.config``
-is a :class:`PrismConfig` as a dict. Each served model gets one deployment per group of its ``deployments.topology``
+``build_app(args)`` is the ``import_path`` target of every Serve config (``services.app:build_app``); ``args.config`` is
+a :class:`PrismConfig` as a dict. Each served model gets one deployment per group of its ``deployments.topology``
 (:mod:`common.config.topology`), after a ``Media`` deployment of its own unless the topology groups media with encode:
 ``Media``, ``Encode``, ``Prefill``, ``Decode`` for the default ``E/P/D``; ``Media``, ``Encode`` and ``PrefillDecode``
 for ``E/PD``; ``Media``, ``EncodePrefill`` and ``Decode`` for ``EP/D``; ``Media`` and ``EncodePrefillDecode`` for
 ``EPD``; ``MediaEncode``, ``Prefill`` and ``Decode`` for ``ME/P/D``; ``MediaEncode`` and ``PrefillDecode`` for
-``ME/PD``; ``MediaEncodePrefillDecode`` for ``MEPD`` (a grouped one is :class:`services.stages.group.GroupDeployment`)
-— suffixed ``-<served name>`` when the config lists several ``models`` — and one ingress routes to them by the
-request's ``model``. With ``routing.affinity`` a group led by media, encode or prefill gets the cache-affinity request
-router
-(:mod:`services.routers.affinity`); decode alone always gets the router that sends a request to the replica holding
-its KV reservation (:mod:`services.routers.pinned`). Each deployment gets its own replicas, resources, queue bound and
-— when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth.
-The ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``). Rolling updates start each
-replacement before the replica it replaces stops (``max_surge_percent``); a stopping ingress or decode replica is
-given the drain grace and time to move its streams (``_stopping_s``; the decode streams that can move are moved after
+``ME/PD``; ``MediaEncodePrefillDecode`` for ``MEPD`` (a grouped one is :class:`services.stages.group.GroupDeployment`) —
+suffixed ``-<served name>`` when the config lists several ``models`` — and one ingress routes to them by the request's
+``model``. A model with ``deployments.in_ingress`` (topology ``MEPD``) has no deployment: each ingress replica builds
+its group and calls it in process, and asks for the group's CPUs, GPUs and resources on top of its own. With
+``routing.affinity`` a group led by media, encode or prefill gets the cache-affinity request router
+(:mod:`services.routers.affinity`); decode alone always gets the router that sends a request to the replica holding its
+KV reservation (:mod:`services.routers.pinned`). Each deployment gets its own replicas, resources, queue bound and —
+when its ``max_replicas`` exceeds ``min_replicas`` — a :class:`QueueDepthPolicy` autoscaler on its own queue depth. The
+ingress refuses with 429 + Retry-After when its queue is full (``BackpressureConfig``). Rolling updates start each
+replacement before the replica it replaces stops (``max_surge_percent``); a stopping ingress or decode replica is given
+the drain grace and time to move its streams (``_stopping_s``; the decode streams that can move are moved after
 ``server.drain_grace_s``: :mod:`services.ingress.leaving`).
 """
 
@@ -118,11 +119,16 @@ def build_app(args: dict[str, Any]) -> Application:
     key = cfg.observability.media_hash_key or secrets.token_hex(16)  # one key for every replica of this app
     retry = cfg.server.retry_after_s
     pipelines: list[list[Application | None]] = []  # per served model, in the config's order
+    held: list[StageConfig] = []  # the groups the ingress replicas hold (deployments.in_ingress)
     for sub in cfg.served():
         raw = sub.model_dump(mode="json")
         raw["observability"]["media_hash_key"] = key
         suffix = deployment_suffix(sub.model.name) if cfg.models else ""  # one model: plain names, as before
         d = sub.deployments
+        if d.in_ingress:  # (its one group is built in each ingress replica: services.ingress.local_handles)
+            pipelines.append([])
+            held.append(d.group_stage(groups(d.topology)[0]))
+            continue
         media = None  # (grouped with encode: the group holds it)
         if media_apart(d.topology):
             media = serve.deployment(**_options(f"Media{suffix}", d.media, retry))(MediaDeployment).bind(raw)
@@ -132,5 +138,10 @@ def build_app(args: dict[str, Any]) -> Application:
     raw["observability"]["media_hash_key"] = key
     front = _options("Ingress", cfg.deployments.ingress, retry)
     front["graceful_shutdown_timeout_s"] = _stopping_s(cfg)
+    actor = front["ray_actor_options"]
+    for stage in held:  # (the replica runs their threads and loads their models: it asks what their replicas would)
+        actor["num_cpus"] += stage.num_cpus
+        actor["num_gpus"] = max(actor["num_gpus"], stage.num_gpus)
+        actor["resources"] = {**stage.resources, **actor["resources"]}
     ingress = serve.deployment(**front)(IngressApp)
     return ingress.bind(raw, pipelines)

@@ -42,12 +42,19 @@ def _upstream_timeout(line: dict) -> bool:
 
 
 @contextlib.contextmanager
-def make_serve(model_cache: str, work: Path, private_media: str = "", topology: dict[str, str] | None = None):
+def make_serve(
+    model_cache: str,
+    work: Path,
+    private_media: str = "",
+    topology: dict[str, str] | None = None,
+    in_ingress: frozenset[str] = frozenset(),
+):
     """Yields a dict: ``base`` URL, ``grpc`` and ``metrics`` ports, ``request_log`` path, ``log`` (make serve's
     output), ``config`` (the application's PrismConfig dict), ``up_s`` (launch → /health answering), ``ray_port`` and
     ``dashboard`` (the URL of Ray's dashboard / job / Serve REST API).
     ``private_media``: CIDRs the media stage may fetch from (``PRISM_MEDIA_ALLOWED_PRIVATE_NETWORKS``, e.g. a test's own
-    origin on loopback). ``topology``: a model's ``deployments.topology`` in the config, by model name."""
+    origin on loopback). ``topology``: a model's ``deployments.topology`` in the config, by model name; ``in_ingress``:
+    the models served in the ingress replica (``deployments.in_ingress``, with ``topology: MEPD``)."""
     http, grpc_port, metrics, ray_port, dashboard = free_port(), free_port(), free_port(), free_port(), free_port()
     config = yaml.safe_load((ROOT / "ray_configs" / "local_cpu.yaml").read_text())
     config["http_options"]["port"] = http
@@ -57,6 +64,8 @@ def make_serve(model_cache: str, work: Path, private_media: str = "", topology: 
         model["cache_dir"] = model_cache
         if topology and model["model"] in topology:
             model.setdefault("deployments", {})["topology"] = topology[model["model"]]
+        if model["model"] in in_ingress:
+            model.setdefault("deployments", {})["in_ingress"] = True
     app["server"] = {"api_keys": {API_KEY: "tenant-a", OTHER_KEY: "tenant-b", ORIGIN_KEY: "tenant-c"}}
     app["observability"] = {"request_log_path": str(work / "requests.jsonl"), "trace_cache_hits": True}
     cfg = work / "serve.yaml"

@@ -110,10 +110,25 @@ class ModelStages(Strict):
     ``EPD``, with the media stage apart; ``ME/P/D``, ``ME/PD`` or ``MEPD`` with it in the encoder's group. A grouped
     deployment is sized by its last stage's entry below, with the CPUs of its stages added up and the most GPUs any of
     them asks (:meth:`group_stage`)."""
+    in_ingress: bool = False
+    """With ``topology: MEPD``: the model's one group runs inside each ingress replica instead of a deployment of its
+    own — the ingress calls its stages in process, so a request crosses no Serve hop after the proxy. The ingress's
+    replicas are then the model's (its settings size them: its replica count and autoscaling; the group's CPUs, GPUs and
+    custom resources are added to the ingress's), every stage still has its own budgets, threads and niceness, and a
+    decode stream cannot migrate (the replica that holds it is the one the client's connection goes through)."""
     media: MediaStageConfig = MediaStageConfig()
     encode: EncodeStageConfig = EncodeStageConfig()
     prefill: PrefillStageConfig = PrefillStageConfig()
     decode: DecodeStageConfig = DecodeStageConfig()
+
+    @model_validator(mode="after")
+    def _in_ingress_holds_every_stage(self) -> ModelStages:
+        if self.in_ingress and self.topology != "MEPD":
+            raise ValueError(
+                "deployments.in_ingress needs topology MEPD (every stage of the model in one group), "
+                f"not {self.topology}"
+            )
+        return self
 
     @field_validator("topology", mode="before")
     @classmethod

@@ -1,6 +1,6 @@
 """The monolith baseline: Prism's own ingress and stage classes in one process, no Ray, same HTTP API.
 
-The four stage objects share one event loop and call each other through :mod:`loadtest.servers.local_handles`; each
+The four stage objects share one event loop and call each other through :mod:`services.ingress.local_handles`; each
 engine still steps in its own thread, as in a replica, at the priority it has there (the stages are built as a
 grouped replica builds them: a stage's niceness reaches its own threads, not the process). What is left out is
 exactly what Prism adds: separate processes per stage (so a flood of image work cannot share a core budget with
@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from common.config import PrismConfig
 from common.config.topology import groups, media_apart
-from loadtest.servers.local_handles import LocalHandle
+from services.ingress.local_handles import LocalHandle
 
 
 def build(config: dict[str, Any], transport: Any = None) -> FastAPI:

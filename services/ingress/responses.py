@@ -49,7 +49,7 @@ async def settled(response: Any, deadline: float, what: str = "the media stage")
     """Wait until a stage call has finished — its result (or its error) exists, wherever it lies — without fetching it
     here: a media stage's pixels stay where they are. 504 at the deadline. A Serve response is waited on through its
     object (``ObjectRef._ready``: no fetch, no deserialisation); an in-process one (the monolith's
-    :mod:`loadtest.servers.local_handles`) through its task. A call that failed surfaces later, in the call that
+    :mod:`services.ingress.local_handles`) through its task. A call that failed surfaces later, in the call that
     consumes its result."""
     try:
         if hasattr(response, "_to_object_ref"):

@@ -45,6 +45,7 @@ from services.ingress.chain import Chain
 from services.ingress.choices import ChoiceStream, WholeChoice, as_json, logprob_entries, whole_choice
 from services.ingress.grpc_errors import grpc_abort
 from services.ingress.lifecycle import InFlight, RequestLifecycle
+from services.ingress.local_handles import in_ingress_pipeline
 from services.ingress.observer import RequestObserver
 from services.ingress.openai_format import (
     choice_body,
@@ -66,7 +67,8 @@ api = FastAPI(title="Prism", docs_url=None, redoc_url=None)
 class IngressDeployment:
     def __init__(self, config: dict[str, Any], pipelines: list[list[DeploymentHandle | None]]) -> None:
         """``pipelines``: per served model, in the config's order, its media handle (``None`` where its topology groups
-        media with encode) and one handle per group of its topology (``E/P/D``: encode, prefill, decode)."""
+        media with encode) and one handle per group of its topology (``E/P/D``: encode, prefill, decode); empty for a
+        model served in this replica (``deployments.in_ingress``), whose group is built here."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
         self.keys = KeyStore(self.cfg.server)
@@ -80,6 +82,8 @@ class IngressDeployment:
         self.clients: dict[str, PipelineClient] = {}
         for sub, handles in zip(self.cfg.served(), pipelines, strict=True):
             frontend = load_frontend(sub.model)  # served under the name the frontend reports
+            if sub.deployments.in_ingress:  # (its stages in this replica: no Serve hop after the proxy)
+                handles = in_ingress_pipeline(sub)
             chain = Chain(sub, *handles)
             self.clients[frontend.served_name] = PipelineClient(
                 sub, frontend, chain, self.quotas, self.recorder, metrics

@@ -237,6 +237,34 @@ def test_a_grouped_topology_gets_one_worker_group_per_deployment(topology, group
     assert {m.deployments.topology for m in cfg.models} == {topology}
 
 
+def test_in_ingress_serves_the_model_in_the_ingress_replicas_on_its_group():
+    """``inIngress`` (with ``MEPD``): the config sets ``deployments.in_ingress``, the app has no deployment but the
+    ingress, which runs on the one worker group with the group's CPUs added to its own; refused with another
+    topology, and refused when the ingress and the group together would not fit a pod of that group."""
+    from services.app import build_app
+    from tests.unit.services.test_ray_configs import _deployments
+
+    # (with the chart's default CPUs a pod of the group's 8 holds the group with media at 2, or at 1 with the ingress)
+    fit = {"stages": {"media": {"serve": {"num_cpus": 1}}}}
+    docs = render({"topology": "MEPD", "inIngress": True, **fit})
+    workers = one(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert [g["groupName"] for g in workers] == ["media-encode-prefill-decode"]
+    app = serve_config(docs)["applications"][0]
+    cfg = PrismConfig.model_validate(app["args"]["config"])
+    assert cfg.deployments.in_ingress and cfg.deployments.topology == "MEPD"
+    (ingress,) = _deployments(build_app(app["args"]))
+    assert ingress.name == "Ingress"
+    assert ingress.ray_actor_options["resources"] == {"prism_media_encode_prefill_decode": 1}
+    held = cfg.deployments.group_stage(("media", "encode", "prefill", "decode")).num_cpus
+    assert ingress.ray_actor_options["num_cpus"] == pytest.approx(cfg.deployments.ingress.num_cpus + held)
+    with pytest.raises(helm_python.HelmRenderError, match="needs topology MEPD"):
+        render({"topology": "EPD", "inIngress": True})
+    tight = {"stages": {"media": {"serve": {"num_cpus": 2}}}}
+    render({"topology": "MEPD", **tight})  # (apart, the ingress and the group each fit a pod)
+    with pytest.raises(helm_python.HelmRenderError, match="ingress-media-encode-prefill-decode deployment asks 9 CPUs"):
+        render({"topology": "MEPD", "inIngress": True, **tight})
+
+
 def test_monitoring_and_auth_objects(rendered):
     name, _, docs = rendered
     dashboards = one(docs, "ConfigMap")

@@ -1,6 +1,7 @@
-"""``make serve`` with the topologies set in its config (LLaVA ``E/PD``, Qwen2-VL ``E/P/D``: :mod:`.conftest`; the
-default ``EPD``: ``tests/defaults``): one deployment per group, and the answers token for token those of the reference
-pipeline, with each hand-off where the topology puts it (:mod:`tests.served_exact`)."""
+"""``make serve`` with the topologies set in its config (LLaVA ``E/PD``, Qwen2-VL ``MEPD`` in the ingress replica:
+:mod:`.conftest`; the default ``EPD``: ``tests/defaults``): one deployment per group (none for the model in the
+ingress), and the answers token for token those of the reference pipeline, with each hand-off where the topology puts
+it (:mod:`tests.served_exact`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import openai
 import pytest
 
 from common.config.topology import deployment_names
-from tests.security.conftest import API_KEY, TOPOLOGY
+from tests.security.conftest import API_KEY, IN_INGRESS, TOPOLOGY
 from tests.served import serve_processes
 from tests.served_exact import CASES, check_answer, reference_models
 
@@ -27,7 +28,8 @@ def test_each_model_runs_one_deployment_per_group_of_its_topology(served):
     names = {n.removeprefix("ServeReplica:prism:") for n in serve_processes() if n.startswith("ServeReplica:")}
     expected = {"Ingress"}
     for model, topology in TOPOLOGY.items():
-        expected |= {f"{name}-{model}" for name in deployment_names(topology)}
+        if model not in IN_INGRESS:  # (its group is built in each ingress replica: no replica of its own)
+            expected |= {f"{name}-{model}" for name in deployment_names(topology)}
     assert names == expected
 
 

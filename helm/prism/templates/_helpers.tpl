@@ -62,7 +62,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 A replica that asks more CPUs or GPUs than a pod of its worker group has is never scheduled, and Serve waits for it
 without an error: refuse to render instead. A grouped deployment asks the CPUs of every stage it holds, summed, and the
 most GPUs one of them asks (PrismConfig's group sizing; an unset num_cpus is PrismConfig's default); the ingress runs
-on the group that holds media, a replica of its own checked against that group's pods too. A pod has its container's limits (else requests), CPUs rounded up: what KubeRay
+on the group that holds media, a replica of its own checked against that group's pods too (with `inIngress`, one
+replica that holds the ingress and the group). A pod has its container's limits (else requests), CPUs rounded up: what KubeRay
 tells Ray.
 */}}
 {{- define "prism.checkGroupsFit" -}}
@@ -75,7 +76,9 @@ tells Ray.
 {{- $podCpus := include "prism.cpus" (index $pod "cpu" | default "0") | float64 | ceil -}}{{/* KubeRay: num-cpus rounded up */}}
 {{- $podGpus := index $pod "nvidia.com/gpu" | default 0 | float64 -}}
 {{- $replicas := list (splitList "-" $group) -}}
-{{- if has "media" (splitList "-" $group) -}}{{- $replicas = prepend $replicas (list "ingress") -}}{{- end -}}
+{{- if and $.Values.inIngress (has "media" (splitList "-" $group)) -}}{{/* the ingress replica holds the group */}}
+{{- $replicas = list (prepend (splitList "-" $group) "ingress") -}}
+{{- else if has "media" (splitList "-" $group) -}}{{- $replicas = prepend $replicas (list "ingress") -}}{{- end -}}
 {{- range $stages := $replicas -}}
 {{- $cpus := 0.0 -}}{{- $gpus := 0.0 -}}{{- $parts := list -}}
 {{- range $stage := $stages -}}
@@ -158,6 +161,12 @@ tells Ray.
 {{- $_ := set $deployments $stage $serve -}}
 {{- end -}}
 {{- $_ := set $deployments "topology" .Values.topology -}}
+{{- if .Values.inIngress -}}
+{{- if ne .Values.topology "MEPD" -}}
+{{- fail (printf "inIngress: true runs every stage of a model in the ingress replica: it needs topology MEPD, not %s." .Values.topology) -}}
+{{- end -}}
+{{- $_ := set $deployments "in_ingress" true -}}
+{{- end -}}
 {{- if .Values.models -}}
 {{- $models := list -}}
 {{- range $entry := .Values.models -}}

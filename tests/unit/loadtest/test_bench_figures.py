@@ -25,6 +25,7 @@ SHORT = (
     "ttft_ratio_epd_vs_monolith",
     "ttft_ratio_topology_epd_vs_monolith",
     "ttft_ratio_topology_mepd_vs_monolith",
+    "ttft_ratio_topology_mepd_in_ingress_vs_monolith",
     "encoder_cache_hot_cold_ttft_ratio",
     "encoder_hit_rate_2_replicas",
     "prefix_reuse_fraction",
@@ -42,7 +43,7 @@ SHORT = (
 
 def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     names = [f.name for f in figures.FIGURES]
-    assert len(names) == len(set(names)) == 19
+    assert len(names) == len(set(names)) == 20
     assert all(f.op in ("<=", ">=") and f.target > 0 for f in figures.FIGURES)
     assert all(figures.runs(n) >= 3 for n in SHORT)
     # the two decode figures come from the same runs of bench_decode, the NIXL two from the same repeats
@@ -52,6 +53,7 @@ def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     # the topologies' TTFT runs pair with the monolith's runs of the split path's figure, one for one
     assert figures.runs("ttft_ratio_topology_epd_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
     assert figures.runs("ttft_ratio_topology_mepd_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
+    assert figures.runs("ttft_ratio_topology_mepd_in_ingress_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
     # the three-tenant runs take their idle probes from the two-tenant figure's, run for run
     assert figures.runs("tenants3_ttft_p95_flood_vs_idle") == figures.runs("tenant_ttft_p95_flood_vs_idle")
     # the three cache-reach figures come from the same hot runs
@@ -184,6 +186,7 @@ def test_topology_figures_compare_epd_with_the_monolith_and_the_best_peak_goodpu
         "EP/D": _runs(0.130, {1.0: 1.0, 2.0: 1.3}),
         "EPD": _runs(0.103, {1.0: 1.0, 2.0: 1.6}),
         "MEPD": _runs(0.110, {1.0: 1.0, 2.0: 1.55}),
+        "MEPD in ingress": _runs(0.104, {1.0: 1.0, 2.0: 1.5}),
     }
     got, plot = bench_topology.figures(prism, mono, grouped, tmp_path)
     ttft = got["ttft_ratio_topology_epd_vs_monolith"]
@@ -193,7 +196,11 @@ def test_topology_figures_compare_epd_with_the_monolith_and_the_best_peak_goodpu
     peak = got["peak_goodput_best_topology_vs_monolith"]
     assert peak["raw"]["best"] == "EPD" and peak["value"] == pytest.approx(1.6 / 1.5) and peak["met"]
     per = peak["raw"]["topologies"]
-    assert set(per) == {"E/P/D", "E/PD", "EP/D", "EPD", "MEPD"} and per["E/P/D"]["peak_goodput_rps"] == 1.2
+    assert set(per) == {"E/P/D", "E/PD", "EP/D", "EPD", "MEPD", "MEPD in ingress"}
+    assert per["E/P/D"]["peak_goodput_rps"] == 1.2
+    inside = got["ttft_ratio_topology_mepd_in_ingress_vs_monolith"]
+    assert inside["value"] == pytest.approx(1.04) and inside["met"]
+    assert "mepd_in_ingress_ttft_p50_s" in inside["raw"]["runs"][0]
     assert [row["rate_rps"] for row in per["E/PD"]["sweep"]] == [1.0, 2.0] and per["E/PD"]["peak_at_rps"] == 2.0
     assert plot.name == bench_topology.PNG and plot.read_bytes()[:4] == b"\x89PNG"
 

@@ -32,11 +32,39 @@ def test_config_is_valid_and_builds(path):
     expected = {"Ingress"}
     for sub in cfg.served():
         suffix = f"-{sub.model.name}" if cfg.models else ""
-        stages = deployment_names(sub.deployments.topology)
+        stages = [] if sub.deployments.in_ingress else deployment_names(sub.deployments.topology)
         expected |= {f"{s}{suffix}" for s in stages}
     assert names == expected
     for sub in cfg.served():
         assert sub.deployments.decode.max_replicas >= sub.deployments.decode.min_replicas
+
+
+def test_a_model_in_the_ingress_has_no_deployment_and_the_ingress_asks_for_its_resources():
+    """``deployments.in_ingress`` (``MEPD``): the model's group is built in each ingress replica — none of its own —
+    and the ingress asks for the group's CPUs and resources on top of its own; another model keeps its deployments."""
+    from services.app import build_app
+
+    group = {"media": {"num_cpus": 0.05}, "encode": {"num_cpus": 0.1}, "prefill": {"num_cpus": 0.2}}
+    group["decode"] = {"num_cpus": 0.3, "num_gpus": 0.5, "resources": {"prism_mepd": 1}}
+    models = [
+        {"model": "prism-tiny-llava", "deployments": {"topology": "MEPD", "in_ingress": True, **group}},
+        {"model": "prism-tiny-qwen2vl", "deployments": {"topology": "EPD"}},
+    ]
+    config = {"models": models, "deployments": {"ingress": {"num_cpus": 0.1, "resources": {"prism_front": 1}}}}
+    built = {d.name: d for d in _deployments(build_app({"config": config}))}
+    assert set(built) == {"Ingress", "Media-prism-tiny-qwen2vl", "EncodePrefillDecode-prism-tiny-qwen2vl"}
+    ingress = built["Ingress"]
+    assert ingress.ray_actor_options["num_cpus"] == pytest.approx(0.1 + 0.65)
+    assert ingress.ray_actor_options["num_gpus"] == pytest.approx(0.5)
+    assert ingress.ray_actor_options["resources"] == {"prism_mepd": 1, "prism_front": 1}
+    held, other = ingress.init_args[1]
+    assert held == [] and len(other) == 2  # (the held model's group is built in the replica; the other is called)
+
+
+@pytest.mark.parametrize("topology", ["E/P/D", "E/PD", "EP/D", "EPD", "ME/P/D", "ME/PD"])
+def test_only_a_topology_of_one_group_runs_in_the_ingress(topology):
+    with pytest.raises(ValueError, match="in_ingress needs topology MEPD"):
+        PrismConfig.model_validate({"deployments": {"topology": topology, "in_ingress": True}})
 
 
 def test_local_default_serves_both_families_and_fits_two_cores():

@@ -1,4 +1,6 @@
-"""In-process stand-ins for Serve deployment handles, so the ingress and the stage classes run in one process.
+"""In-process stand-ins for Serve deployment handles, so the ingress and the stage classes run in one process: a model
+served in its ingress replica (``deployments.in_ingress``: :func:`in_ingress_pipeline`), and the monolith baseline
+(:mod:`loadtest.servers.monolith`).
 
 ``LocalHandle(obj).method.remote(*args)`` starts ``obj.method(*args)`` as an asyncio task after awaiting any
 argument that is itself a pending call (Serve resolves a ``DeploymentResponse`` passed to another call the same way);
@@ -94,3 +96,14 @@ async def _resolve(args: tuple[Any, ...]) -> list[Any]:
 
 async def _call(method: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     return await method(*(await _resolve(args)))
+
+
+def in_ingress_pipeline(sub: Any) -> list[Any]:
+    """A model's pipeline as the chain takes it (:class:`services.ingress.chain.Chain`) when its one group runs in the
+    ingress replica (``deployments.in_ingress``, topology ``MEPD``): no media handle, the group's object behind a
+    local handle. Built in the replica's constructor (the model loads there, as a group replica loads it)."""
+    from common.config.topology import groups
+    from services.stages.group import GroupDeployment
+
+    (group,) = groups(sub.deployments.topology)
+    return [None, LocalHandle(GroupDeployment(sub.model_dump(mode="json"), group))]
