@@ -141,7 +141,8 @@ def build_app(args: dict[str, Any]) -> Application:
     actor = front["ray_actor_options"]
     for stage in held:  # (the replica runs their threads and loads their models: it asks what their replicas would)
         actor["num_cpus"] += stage.num_cpus
-        actor["num_gpus"] = max(actor["num_gpus"], stage.num_gpus)
-        actor["resources"] = {**stage.resources, **actor["resources"]}
+        actor["num_gpus"] += stage.num_gpus  # (each model its own share of the device, as in a replica of its own)
+        for name, amount in stage.resources.items():
+            actor["resources"][name] = actor["resources"].get(name, 0) + amount
     ingress = serve.deployment(**front)(IngressApp)
     return ingress.bind(raw, pipelines)

@@ -113,9 +113,11 @@ class ModelStages(Strict):
     in_ingress: bool = False
     """With ``topology: MEPD``: the model's one group runs inside each ingress replica instead of a deployment of its
     own — the ingress calls its stages in process, so a request crosses no Serve hop after the proxy. The ingress's
-    replicas are then the model's (its settings size them: its replica count and autoscaling; the group's CPUs, GPUs and
-    custom resources are added to the ingress's), every stage still has its own budgets, threads and niceness, and a
-    decode stream cannot migrate (the replica that holds it is the one the client's connection goes through)."""
+    replicas are then the model's (its settings size them: its replica count, autoscaling and ``max_ongoing_requests``;
+    the group's CPUs, GPUs and custom resources are added to the ingress's). The stage entries' Serve settings
+    (replicas, autoscaling, queue bounds, ``max_ongoing_requests``) then size nothing; everything else in them still
+    does — every stage keeps its own budgets, threads and niceness. A decode stream cannot migrate (the replica that
+    holds it is the one the client's connection goes through)."""
     media: MediaStageConfig = MediaStageConfig()
     encode: EncodeStageConfig = EncodeStageConfig()
     prefill: PrefillStageConfig = PrefillStageConfig()

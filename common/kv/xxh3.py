@@ -94,6 +94,12 @@ def _copy_hash() -> Any | None:
     return functools.partial(_call_loop, loop, update)
 
 
+def warm() -> bool:
+    """Build (or load) the land's C loop now — a replica's start — rather than on its first hand-off's time; whether it
+    is there."""
+    return _copy_hash() is not None
+
+
 def _call_loop(loop: Any, update: int, state: int, dst: np.ndarray, src: np.ndarray, chunk: int) -> None:
     status = loop(dst.ctypes.data, src.ctypes.data, dst.size, chunk, state, update)
     if status:

@@ -254,7 +254,8 @@ def test_in_ingress_serves_the_model_in_the_ingress_replicas_on_its_group():
     assert cfg.deployments.in_ingress and cfg.deployments.topology == "MEPD"
     (ingress,) = _deployments(build_app(app["args"]))
     assert ingress.name == "Ingress"
-    assert ingress.ray_actor_options["resources"] == {"prism_media_encode_prefill_decode": 1}
+    # (the ingress's pin to the group and the group's own, added: a worker of the group offers 1000)
+    assert ingress.ray_actor_options["resources"] == {"prism_media_encode_prefill_decode": 2}
     held = cfg.deployments.group_stage(("media", "encode", "prefill", "decode")).num_cpus
     assert ingress.ray_actor_options["num_cpus"] == pytest.approx(cfg.deployments.ingress.num_cpus + held)
     with pytest.raises(helm_python.HelmRenderError, match="needs topology MEPD"):
@@ -263,6 +264,15 @@ def test_in_ingress_serves_the_model_in_the_ingress_replicas_on_its_group():
     render({"topology": "MEPD", **tight})  # (apart, the ingress and the group each fit a pod)
     with pytest.raises(helm_python.HelmRenderError, match="ingress-media-encode-prefill-decode deployment asks 9 CPUs"):
         render({"topology": "MEPD", "inIngress": True, **tight})
+    # two models: each replica holds both groups (1 + 2 x 7 CPUs), as services.app asks
+    two = {"models": [{"name": "prism-tiny-llava"}, {"name": "prism-tiny-qwen2vl"}]}
+    with pytest.raises(helm_python.HelmRenderError, match="asks 15 CPUs"):
+        render({"topology": "MEPD", "inIngress": True, **fit, **two})
+    roomy = {"media": {"serve": {"num_cpus": 0.5}}, "encode": {"serve": {"num_cpus": 0.5}}}
+    roomy |= {"prefill": {"serve": {"num_cpus": 0.5}}, "decode": {"serve": {"num_cpus": 1}}}
+    app = serve_config(render({"topology": "MEPD", "inIngress": True, "stages": roomy, **two}))["applications"][0]
+    (ingress,) = _deployments(build_app(app["args"]))
+    assert ingress.ray_actor_options["num_cpus"] == pytest.approx(1 + 2 * 2.5)
 
 
 def test_monitoring_and_auth_objects(rendered):

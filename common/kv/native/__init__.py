@@ -40,6 +40,8 @@ class DecodeKernel:
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
+        self.fast_path = bool(library.paged_decode_attention_fast_path())
+        """Whether this build has the AVX-512 loops (head sizes 64 and 128, 1 to 8 query heads per KV head)."""
         self._fns = {torch.float32: library.paged_decode_attention, torch.bfloat16: library.paged_decode_attention_bf16}
         for fn in self._fns.values():
             fn.restype = ctypes.c_int

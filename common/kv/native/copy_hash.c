@@ -16,7 +16,7 @@ int copy_hash(void *dst, const void *src, size_t size, size_t chunk, void *state
     const char *from = src;
     for (size_t at = 0; at < size; at += chunk) {
         const size_t n = size - at < chunk ? size - at : chunk;
-        memcpy(to + at, from + at, n);
+        memmove(to + at, from + at, n); /* (as the Python loop it replaces: overlapping pieces stay defined) */
         const int status = update(state, to + at, n);
         if (status) return status;
     }

@@ -19,7 +19,7 @@
  * (a pthread of ours running while PyTorch's workers spin-waited after a matmul made the kernel ~1.7x slower). The
  * caller (Python, through ctypes) does not hold the GIL here.
  *
- * Built with AVX-512F (-march=native on a CPU that has it), head sizes 64 and 128 with up to 8 query heads per KV head
+ * Built with AVX-512F (-march=native on a CPU that has it), head sizes 64 and 128 with 1 to 8 query heads per KV head
  * take the loops below arranged for the vector registers (attend_fast_*); every other shape, and every build without
  * AVX-512, the portable loops (attend_any_*), which the compiler vectorises as it can. Same passes, same rounding
  * points; the fp32 sums are added in another order (outputs within 2e-7 of the portable loops' on unit inputs).
@@ -45,6 +45,27 @@ static inline bf16_t narrow_bf16(float x) {
     union { float f; uint32_t u; } c = {.f = x};
     if ((c.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
     return (bf16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);                 /* round to nearest even */
+}
+
+/* Each query head's scores (a row of n) turned into the weights of the values, in place: an exact two-pass softmax
+ * (max, then exp and sum), the sum kept in sums[h]. late (bf16): each exp rounded to bf16 and the rows left
+ * unnormalised (the weighted sum is divided by sums[h] after); otherwise the rows are normalised here. */
+static inline __attribute__((always_inline)) void softmax_rows(float *restrict scores, int64_t Q, int64_t n,
+                                                              float *restrict sums, int late) {
+    for (int64_t h = 0; h < Q; h++) {
+        float *restrict p = scores + h * n, top = p[0], sum = 0.f;
+        for (int64_t t = 1; t < n; t++) top = p[t] > top ? p[t] : top;
+        for (int64_t t = 0; t < n; t++) {
+            const float e = expf(p[t] - top);
+            sum += e;
+            p[t] = late ? widen_bf16(narrow_bf16(e)) : e;
+        }
+        sums[h] = sum;
+        if (!late) {
+            const float inv = 1.f / sum;
+            for (int64_t t = 0; t < n; t++) p[t] *= inv;
+        }
+    }
 }
 
 typedef struct {
@@ -81,20 +102,7 @@ typedef struct {
                 }                                                                                                    \
             }                                                                                                        \
         }                                                                                                            \
-        for (int64_t h = 0; h < Q; h++) {                                                                            \
-            float *restrict p = scores + h * n, top = p[0], sum = 0.f;                                               \
-            for (int64_t t = 1; t < n; t++) top = p[t] > top ? p[t] : top;                                           \
-            for (int64_t t = 0; t < n; t++) {                                                                        \
-                const float e = expf(p[t] - top);                                                                    \
-                sum += e;                                                                                            \
-                p[t] = LATE ? WIDEN(NARROW(e)) : e;                                                                  \
-            }                                                                                                        \
-            sums[h] = sum;                                                                                           \
-            if (!LATE) {                                                                                             \
-                const float inv = 1.f / sum;                                                                         \
-                for (int64_t t = 0; t < n; t++) p[t] *= inv;                                                         \
-            }                                                                                                        \
-        }                                                                                                            \
+        softmax_rows(scores, Q, n, sums, LATE);                                                                      \
         memset(acc, 0, Q * D * sizeof(float));                                                                      \
         for (int64_t t0 = 0; t0 < n; t0 += bs) {                                                                     \
             const T *restrict block = (const T *)s->v + table[t0 / bs] * bs * row;                                  \
@@ -126,7 +134,7 @@ DEFINE_ATTEND(bf16, bf16_t, widen_bf16, narrow_bf16, 1)
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* The AVX-512 path (x86-64 CPUs with AVX-512F, head size 64 or 128, up to 8 query heads per KV head): the same two
+/* The AVX-512 path (x86-64 CPUs with AVX-512F, head size 64 or 128, 1 to 8 query heads per KV head): the same two
  * passes and the same rounding points, with the loops arranged for the registers.
  * Scores: keys are read per tile of 16 tokens; each (token, query head) dot product is left as 16 partial sums (one
  * register) and the tile's 16 registers are reduced together by one transpose-and-add tree — 45 instructions for 16
@@ -137,6 +145,28 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16(const bf16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+
+/* The query heads a pass of the values takes together: the most that divide the group and whose fp32 sums (C registers
+ * each) stay within half the 32 vector registers — the value row and the weights take the rest. */
+static inline __attribute__((always_inline)) int64_t heads_per_pass(int64_t group, int64_t C) {
+    int64_t best = 1;
+    for (int64_t h = 1; h <= group && h * C <= 16; h++)
+        if (group % h == 0) best = h;
+    return best;
+}
+
+/* One call of attend512 with the head size D and each group size 1..8 as constants. */
+#define ATTEND_GROUPS(SUFFIX, D)                                                                                      \
+    switch (group) {                                                                                                  \
+    case 1: attend512_##SUFFIX(s, i, scores, D, 1); break;                                                            \
+    case 2: attend512_##SUFFIX(s, i, scores, D, 2); break;                                                            \
+    case 3: attend512_##SUFFIX(s, i, scores, D, 3); break;                                                            \
+    case 4: attend512_##SUFFIX(s, i, scores, D, 4); break;                                                            \
+    case 5: attend512_##SUFFIX(s, i, scores, D, 5); break;                                                            \
+    case 6: attend512_##SUFFIX(s, i, scores, D, 6); break;                                                            \
+    case 7: attend512_##SUFFIX(s, i, scores, D, 7); break;                                                            \
+    default: attend512_##SUFFIX(s, i, scores, D, 8);                                                                  \
+    }
 
 /* r[j] = the sum of v[j]'s 16 lanes, for j < 16. */
 static inline __m512 reduce16(const __m512 *v) {
@@ -159,7 +189,7 @@ static inline __m512 reduce16(const __m512 *v) {
                                                                          const int64_t GROUP) {                       \
         const int64_t bs = s->block_size, Q = s->q_heads, G = Q / GROUP, row = G * D, C = D / 16;                    \
         /* query heads per pass of the values: their sums and one value row stay within the 32 registers */          \
-        const int64_t HB = GROUP < 16 / C ? GROUP : 16 / C;                                                           \
+        const int64_t HB = heads_per_pass(GROUP, C);                                                                \
         const int64_t n = s->lengths[i];                                                                              \
         const int64_t *table = s->tables + i * s->table_width;                                                       \
         const T *restrict qin = (const T *)s->q + i * Q * D;                                                          \
@@ -192,20 +222,7 @@ static inline __m512 reduce16(const __m512 *v) {
                 _mm512_mask_storeu_ps(scores + h * n + t0, (__mmask16)((1u << rows) - 1u), dots);                     \
             }                                                                                                         \
         }                                                                                                             \
-        for (int64_t h = 0; h < Q; h++) {                                                                             \
-            float *restrict p = scores + h * n, top = p[0], sum = 0.f;                                                \
-            for (int64_t t = 1; t < n; t++) top = p[t] > top ? p[t] : top;                                            \
-            for (int64_t t = 0; t < n; t++) {                                                                         \
-                const float e = expf(p[t] - top);                                                                     \
-                sum += e;                                                                                             \
-                p[t] = LATE ? widen_bf16(narrow_bf16(e)) : e;                                                         \
-            }                                                                                                         \
-            sums[h] = sum;                                                                                            \
-            if (!LATE) {                                                                                              \
-                const float inv = 1.f / sum;                                                                          \
-                for (int64_t t = 0; t < n; t++) p[t] *= inv;                                                          \
-            }                                                                                                         \
-        }                                                                                                             \
+        softmax_rows(scores, Q, n, sums, LATE);                                                                       \
         memset(acc, 0, Q * D * sizeof(float));                                                                        \
         for (int64_t t0 = 0; t0 < n; t0 += bs) {                                                                      \
             const T *restrict block = (const T *)s->v + table[t0 / bs] * bs * row;                                   \
@@ -233,26 +250,22 @@ static inline __m512 reduce16(const __m512 *v) {
     /* The shapes the AVX-512 path takes as constants; any other goes to the portable loops. */                      \
     static void attend_fast_##SUFFIX(const step_t *s, int64_t i, float *scores) {                                    \
         const int64_t group = s->q_heads / s->kv_heads;                                                               \
-        switch (s->dim * 16 + group) {                                                                               \
-        case 64 * 16 + 1: attend512_##SUFFIX(s, i, scores, 64, 1); break;                                            \
-        case 64 * 16 + 2: attend512_##SUFFIX(s, i, scores, 64, 2); break;                                            \
-        case 64 * 16 + 4: attend512_##SUFFIX(s, i, scores, 64, 4); break;                                            \
-        case 64 * 16 + 8: attend512_##SUFFIX(s, i, scores, 64, 8); break;                                            \
-        case 128 * 16 + 1: attend512_##SUFFIX(s, i, scores, 128, 1); break;                                          \
-        case 128 * 16 + 2: attend512_##SUFFIX(s, i, scores, 128, 2); break;                                          \
-        case 128 * 16 + 4: attend512_##SUFFIX(s, i, scores, 128, 4); break;                                          \
-        case 128 * 16 + 8: attend512_##SUFFIX(s, i, scores, 128, 8); break;                                          \
-        default: attend_any_##SUFFIX(s, i, scores);                                                                  \
+        if (group < 1 || group > 8 || (s->dim != 64 && s->dim != 128)) {                                             \
+            attend_any_##SUFFIX(s, i, scores);                                                                        \
+            return;                                                                                                   \
         }                                                                                                             \
+        if (s->dim == 64) ATTEND_GROUPS(SUFFIX, 64) else ATTEND_GROUPS(SUFFIX, 128)                                  \
     }
 
 DEFINE_ATTEND_512(f32, float, load16_f32, narrow_f32, 0)
 DEFINE_ATTEND_512(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
 #define ATTEND_F32 attend_fast_f32
 #define ATTEND_BF16 attend_fast_bf16
+#define FAST_PATH 1
 #else
 #define ATTEND_F32 attend_any_f32
 #define ATTEND_BF16 attend_any_bf16
+#define FAST_PATH 0
 #endif
 
 typedef void (*attend_fn)(const step_t *, int64_t, float *);
@@ -309,3 +322,6 @@ int paged_decode_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *
     return run(ATTEND_BF16, q, k, v, out, tables, table_width, lengths, batch, q_heads, kv_heads, dim, block_size,
                scale, threads);
 }
+
+/* 1 where this build has the AVX-512 path (head sizes 64 and 128, 1 to 8 query heads per KV head), else 0. */
+int paged_decode_attention_fast_path(void) { return FAST_PATH; }

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from common.errors import HandoffError
+from common.kv import xxh3
 from common.kv.blocks import fresh_buffers
 from common.kv.digest import copy_digest
 from common.kv.landing import Landing
@@ -52,8 +53,9 @@ class KVTransport(abc.ABC):
     def prepare(self, sends: bool = True, receives: bool = True) -> None:
         """Make at the replica's start what the first hand-off would otherwise make on a request's time (NIXL: the
         agent — ~0.5 s here — and the registered arenas of the replica's roles: it ``sends`` hand-offs, it
-        ``receives`` them); nothing for a transport that makes nothing."""
-        return None
+        ``receives`` them); a receiver's land loop (:func:`common.kv.xxh3.warm`: built once per machine)."""
+        if receives:
+            xxh3.warm()
 
     # ---- sender ---------------------------------------------------------------------------------------------------
     def buffers(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:

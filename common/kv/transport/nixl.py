@@ -121,6 +121,7 @@ class NixlTransport(KVTransport):
         self._hasher = ThreadPoolExecutor(1, "prism-nixl-hash")
 
     def prepare(self, sends: bool = True, receives: bool = True) -> None:
+        super().prepare(sends, receives)  # (a hand-off sent by value lands through the copy loop)
         self.agent.prepare(sends, receives)
 
     @property

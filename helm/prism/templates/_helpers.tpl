@@ -63,7 +63,7 @@ A replica that asks more CPUs or GPUs than a pod of its worker group has is neve
 without an error: refuse to render instead. A grouped deployment asks the CPUs of every stage it holds, summed, and the
 most GPUs one of them asks (PrismConfig's group sizing; an unset num_cpus is PrismConfig's default); the ingress runs
 on the group that holds media, a replica of its own checked against that group's pods too (with `inIngress`, one
-replica that holds the ingress and the group). A pod has its container's limits (else requests), CPUs rounded up: what KubeRay
+replica that holds the ingress and the group of every model). A pod has its container's limits (else requests), CPUs rounded up: what KubeRay
 tells Ray.
 */}}
 {{- define "prism.checkGroupsFit" -}}
@@ -77,7 +77,9 @@ tells Ray.
 {{- $podGpus := index $pod "nvidia.com/gpu" | default 0 | float64 -}}
 {{- $replicas := list (splitList "-" $group) -}}
 {{- if and $.Values.inIngress (has "media" (splitList "-" $group)) -}}{{/* the ingress replica holds the group */}}
-{{- $replicas = list (prepend (splitList "-" $group) "ingress") -}}
+{{- $held := list -}}{{/* (one group per model: each model's stages run in every ingress replica) */}}
+{{- range until (max 1 (len $.Values.models) | int) -}}{{- $held = concat $held (splitList "-" $group) -}}{{- end -}}
+{{- $replicas = list (prepend $held "ingress") -}}
 {{- else if has "media" (splitList "-" $group) -}}{{- $replicas = prepend $replicas (list "ingress") -}}{{- end -}}
 {{- range $stages := $replicas -}}
 {{- $cpus := 0.0 -}}{{- $gpus := 0.0 -}}{{- $parts := list -}}

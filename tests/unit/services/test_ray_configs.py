@@ -59,6 +59,12 @@ def test_a_model_in_the_ingress_has_no_deployment_and_the_ingress_asks_for_its_r
     assert ingress.ray_actor_options["resources"] == {"prism_mepd": 1, "prism_front": 1}
     held, other = ingress.init_args[1]
     assert held == [] and len(other) == 2  # (the held model's group is built in the replica; the other is called)
+    # both models held: each group's CPUs, GPUs and resources added (two models share the replica, not a device share)
+    models[1]["deployments"] = {"topology": "MEPD", "in_ingress": True, **group}
+    (ingress,) = _deployments(build_app({"config": config}))
+    assert ingress.ray_actor_options["num_cpus"] == pytest.approx(0.1 + 2 * 0.65)
+    assert ingress.ray_actor_options["num_gpus"] == pytest.approx(1.0)
+    assert ingress.ray_actor_options["resources"] == {"prism_mepd": 2, "prism_front": 1}
 
 
 @pytest.mark.parametrize("topology", ["E/P/D", "E/PD", "EP/D", "EPD", "ME/P/D", "ME/PD"])

@@ -33,10 +33,35 @@ def _reference(query, keys, values, tables, lengths, scale):
 
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "dim", "block_size"),
-    [(8, 4, 64, 16), (4, 4, 128, 16), (16, 2, 64, 5), (8, 2, 128, 7), (6, 2, 40, 5), (2, 1, 16, 1)],
-    # (the AVX-512 path takes head sizes 64 and 128 with up to 8 query heads per KV head, its 16-token tiles across
-    # blocks of any size and its value sums in passes of a few heads; the others take the portable loops)
-    ids=["gqa2-d64", "mha-d128", "gqa8-d64-bs5", "gqa4-d128-bs7", "gqa3-d40", "mqa-d16-bs1"],
+    [
+        (8, 4, 64, 16),
+        (4, 4, 128, 16),
+        (16, 2, 64, 5),
+        (8, 2, 128, 7),
+        (16, 2, 128, 16),
+        (6, 2, 64, 16),
+        (12, 2, 128, 3),
+        (7, 1, 64, 16),
+        (6, 2, 40, 5),
+        (2, 1, 16, 1),
+        (18, 2, 64, 16),
+    ],
+    # (the AVX-512 path takes head sizes 64 and 128 with 1 to 8 query heads per KV head, its 16-token tiles across
+    # blocks of any size and its value sums in passes of a few heads; the others — head size 40 or 16, 9 heads per KV
+    # head — take the portable loops)
+    ids=[
+        "gqa2-d64",
+        "mha-d128",
+        "gqa8-d64-bs5",
+        "gqa4-d128-bs7",
+        "gqa8-d128",
+        "gqa3-d64",
+        "gqa6-d128-bs3",
+        "gqa7-d64",
+        "gqa3-d40",
+        "mqa-d16-bs1",
+        "gqa9-d64",
+    ],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_is_sdpa_over_any_block_table(q_heads, kv_heads, dim, block_size, threads):
@@ -64,7 +89,10 @@ def test_kernel_is_sdpa_over_any_block_table(q_heads, kv_heads, dim, block_size,
     torch.testing.assert_close(got, _reference(query, keys, values, tables, lengths, scale), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("q_heads", "kv_heads", "dim", "block_size"), [(8, 4, 64, 16), (8, 2, 128, 7), (6, 2, 40, 5)])
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "dim", "block_size"),
+    [(8, 4, 64, 16), (8, 2, 128, 7), (16, 2, 128, 16), (6, 2, 64, 5), (6, 2, 40, 5)],
+)
 def test_bf16_kernel_rounds_where_pytorchs_bf16_attention_does(q_heads, kv_heads, dim, block_size):
     """In bf16 the kernel widens its inputs and sums in fp32, rounds each exp to bf16 before it weights the values
     and divides by the fp32 sum after (the order of PyTorch's CPU flash attention): that computation done in torch
@@ -90,6 +118,15 @@ def test_bf16_kernel_rounds_where_pytorchs_bf16_attention_does(q_heads, kv_heads
         torch.testing.assert_close(got[i, :, 0].float(), want.bfloat16().float(), rtol=8e-3, atol=8e-3)
     pytorch = _reference(query, keys, values, tables, lengths, 0.3)
     torch.testing.assert_close(got.float(), pytorch.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_avx512_path_is_built_where_the_cpu_has_it():
+    """A CPU with AVX-512F (these machines) builds the fast loops, so the shapes above test them; elsewhere only the
+    portable loops exist, and the same cases test those."""
+    kernel = load_decode_kernel()
+    assert kernel is not None
+    flags = next(line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("flags")).split()
+    assert kernel.fast_path == ("avx512f" in flags)
 
 
 def test_more_threads_than_sequences_still_attend_every_sequence_once():
