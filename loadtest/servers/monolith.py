@@ -19,8 +19,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from common.config import PrismConfig
-from common.config.topology import groups, media_apart
-from services.ingress.local_handles import LocalHandle
+from services.ingress.local_handles import local_pipeline
 
 
 def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
@@ -28,29 +27,10 @@ def build(config: dict[str, Any], transport: Any = None) -> FastAPI:
     the prefill → decode hand-off (tests pass the fake backend). The stage objects follow the config's
     ``deployments.topology`` (a group as one object, as in its replica); the baseline is the default, ``E/P/D``."""
     from services.ingress.server import IngressDeployment
-    from services.stages.decode import DecodeDeployment
-    from services.stages.encode import EncodeDeployment
-    from services.stages.group import GroupDeployment
-    from services.stages.media import MediaDeployment
-    from services.stages.prefill import PrefillDeployment
 
     cfg = PrismConfig.model_validate(config)
-    pipelines = []
-    for sub in cfg.served():  # per model: its media stage, then its topology's groups, as Serve would deploy them
-        raw = sub.model_dump(mode="json")
-        # Every stage shares the one process, as the stages of a grouped replica share theirs: built ``grouped``, the
-        # media and encode stages nice only their own threads. Built alone, each renices its whole process (right
-        # for a replica of its own), which here put the ingress, the short prefills and decode at niceness 19 too.
-        single = {
-            "encode": lambda raw=raw: EncodeDeployment(raw, grouped=True),
-            "prefill": lambda raw=raw: PrefillDeployment(raw, transport),
-            "decode": lambda raw=raw: DecodeDeployment(raw, transport),
-        }
-        groups_ = groups(sub.deployments.topology)
-        objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g, transport) for g in groups_]
-        apart = media_apart(sub.deployments.topology)  # (else the first group holds the media stage)
-        media = LocalHandle(MediaDeployment(raw, grouped=True)) if apart else None
-        pipelines.append([media, *(LocalHandle(obj) for obj in objs)])
+    # per model: its media stage, then its topology's groups, as Serve would deploy them (all in this process)
+    pipelines = [local_pipeline(sub, transport) for sub in cfg.served()]
     ingress = IngressDeployment(cfg.model_dump(mode="json"), pipelines)
     app = FastAPI(title="Prism monolith", docs_url=None, redoc_url=None)
     app.state.stages = [stage._obj for stages in pipelines for stage in stages if stage is not None]  # (for tests)

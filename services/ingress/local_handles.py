@@ -1,6 +1,6 @@
 """In-process stand-ins for Serve deployment handles, so the ingress and the stage classes run in one process: a model
-served in its ingress replica (``deployments.in_ingress``: :func:`in_ingress_pipeline`), and the monolith baseline
-(:mod:`loadtest.servers.monolith`).
+served in its ingress replica (``deployments.in_ingress``), and the monolith baseline
+(:mod:`loadtest.servers.monolith`), both built by :func:`local_pipeline`.
 
 ``LocalHandle(obj).method.remote(*args)`` starts ``obj.method(*args)`` as an asyncio task after awaiting any
 argument that is itself a pending call (Serve resolves a ``DeploymentResponse`` passed to another call the same way);
@@ -98,12 +98,31 @@ async def _call(method: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     return await method(*(await _resolve(args)))
 
 
-def in_ingress_pipeline(sub: Any) -> list[Any]:
-    """A model's pipeline as the chain takes it (:class:`services.ingress.chain.Chain`) when its one group runs in the
-    ingress replica (``deployments.in_ingress``, topology ``MEPD``): no media handle, the group's object behind a
-    local handle. Built in the replica's constructor (the model loads there, as a group replica loads it)."""
-    from common.config.topology import groups
-    from services.stages.group import GroupDeployment
+def local_pipeline(sub: Any, transport: Any = None) -> list[LocalHandle | None]:
+    """A model's pipeline as the chain takes it (:class:`services.ingress.chain.Chain`), every stage object built in
+    this process behind a local handle: its media stage where the topology keeps it apart (else ``None``), then one
+    object per group of its topology (a group as one :class:`GroupDeployment`, as in its replica). ``transport``
+    overrides the config's KV transport for the hops between groups (tests pass the fake backend). The ingress builds
+    it for a model served in its replica (``deployments.in_ingress``, topology ``MEPD``: ``[None, the group]``); the
+    monolith baseline for every model, in any topology.
 
-    (group,) = groups(sub.deployments.topology)
-    return [None, LocalHandle(GroupDeployment(sub.model_dump(mode="json"), group))]
+    Every stage shares the one process, as the stages of a grouped replica share theirs: built ``grouped``, the media
+    and encode stages nice only their own threads. Built alone, each renices its whole process (right for a replica of
+    its own), which would put the ingress, the short prefills and decode at niceness 19 too."""
+    from common.config.topology import groups, media_apart
+    from services.stages.decode import DecodeDeployment
+    from services.stages.encode import EncodeDeployment
+    from services.stages.group import GroupDeployment
+    from services.stages.media import MediaDeployment
+    from services.stages.prefill import PrefillDeployment
+
+    raw = sub.model_dump(mode="json")
+    single = {
+        "encode": lambda: EncodeDeployment(raw, grouped=True),
+        "prefill": lambda: PrefillDeployment(raw, transport),
+        "decode": lambda: DecodeDeployment(raw, transport),
+    }
+    topology = sub.deployments.topology
+    objs = [single[g[0]]() if len(g) == 1 else GroupDeployment(raw, g, transport) for g in groups(topology)]
+    media = LocalHandle(MediaDeployment(raw, grouped=True)) if media_apart(topology) else None
+    return [media, *(LocalHandle(obj) for obj in objs)]

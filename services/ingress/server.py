@@ -45,7 +45,7 @@ from services.ingress.chain import Chain
 from services.ingress.choices import ChoiceStream, WholeChoice, as_json, logprob_entries, whole_choice
 from services.ingress.grpc_errors import grpc_abort
 from services.ingress.lifecycle import InFlight, RequestLifecycle
-from services.ingress.local_handles import in_ingress_pipeline
+from services.ingress.local_handles import local_pipeline
 from services.ingress.observer import RequestObserver
 from services.ingress.openai_format import (
     choice_body,
@@ -83,7 +83,7 @@ class IngressDeployment:
         for sub, handles in zip(self.cfg.served(), pipelines, strict=True):
             frontend = load_frontend(sub.model)  # served under the name the frontend reports
             if sub.deployments.in_ingress:  # (its stages in this replica: no Serve hop after the proxy)
-                handles = in_ingress_pipeline(sub)
+                handles = local_pipeline(sub)
             chain = Chain(sub, *handles)
             self.clients[frontend.served_name] = PipelineClient(
                 sub, frontend, chain, self.quotas, self.recorder, metrics
