@@ -7,7 +7,10 @@
 * ``tenant_ttft_p95_flood_vs_idle`` — the same with two tenants and no quota set (what a new user gets): ``alpha``
   floods, ``beta`` probes; Prism only.
 * ``tenants3_ttft_p95_flood_vs_idle`` — three tenants: ``alpha`` and ``gamma`` flood at once, each as hard as
-  ``alpha`` alone above; ``beta`` probes (idle: the same run's probes of the two-tenant figure).
+  ``alpha`` alone above; ``beta`` probes.
+
+The three flood figures of a run share one idle side: the text flood figure's idle probes (idle, which key sends a
+probe changes nothing; the tenant figures sent their own until 2026-12-05).
 * ``goodput_ratio_vs_naive`` and ``goodput_ratio_vs_monolith`` — peak goodput (the most requests meeting the TTFT
   and ITL SLOs per second at any swept rate of the same mixed open-loop load, :mod:`loadtest.sweep`), Prism / naive
   and Prism / monolith. The raw holds every server's curve, capacity and peak, and each server's goodput at the naive
@@ -83,18 +86,18 @@ def tenants3_flood(prism: ServerRuns) -> dict[str, Any]:
 
 
 def _beta_figure(name: str, runs: list, flood: str, probes: str, **more: Any) -> dict[str, Any]:
-    """A tenant figure: tenant beta's probe p95 under the flood over idle, per run; ``flood`` / ``probes`` name the
-    flood's outcomes in the raw and the flooded probes' side."""
+    """A tenant figure: tenant beta's probe p95 under the flood over the run's idle probes, per run; ``flood`` /
+    ``probes`` name the flood's outcomes in the raw and the flooded probes' side."""
     raw = [
         {
-            "beta_idle_p95_s": loads.ttft(b.idle, "p95"),
+            "idle_p95_s": loads.ttft(b.idle, "p95"),
             "beta_flood_p95_s": loads.ttft(b.probes, "p95"),
             flood: outcome_counts(b.flood),
             **more,
         }
         for b in runs
     ]
-    sides = {"beta idle probes": _flatten([b.idle for b in runs]), probes: _flatten([b.probes for b in runs])}
+    sides = {"idle probes": _flatten([b.idle for b in runs]), probes: _flatten([b.probes for b in runs])}
     return record(name, [b.ratio for b in runs], raw, sides=sides)
 
 

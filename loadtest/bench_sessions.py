@@ -7,9 +7,12 @@ session the runs of different figures are interleaved — run i of each, then ru
 of its own (:data:`loadtest.bench_loads.SEEDS`): a slow spell of the machine lands on one run of several figures rather
 than on every run of one, and a cold cache stays cold. A ratio's run i pairs the two servers' i-th runs (not two runs at
 the same moment). Every server — the naive one too — first answers a few warm-up requests, so first-request costs stay
-out of the figures. Each server's goodput sweep runs the same rates (:data:`loadtest.sweep.RATES`), in the order
-:func:`loadtest.sweep.next_rate` gives: up from 2 rps until it is past its peak, below 2 only where it did not keep up
-there.
+out of the figures. Each server's goodput sweep runs the same rates (:data:`loadtest.sweep.RATES`) and the same
+sequence of requests at each (:func:`loadtest.bench_loads.sweep`), in the order :func:`loadtest.sweep.next_rate`
+gives: up from :data:`loadtest.sweep.START` until it is past its peak, below only where it did not keep up there;
+Prism's and the monolith's sweeps also run the naive server's knee (``also``: the goodput there stays in the raw).
+In a run, the two tenant figures take the text flood figure's idle probes as their own (idle, the key that sends a
+probe changes nothing; sending them again cost 20 s a run).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def naive_session(model: str, st: Settings, say: Say) -> ServerRuns:
     with servers.subprocess_server("loadtest.servers.naive", ["--model", model]) as url:
         warm_up(url, model)
         say("naive: the goodput sweep")
-        return ServerRuns(sweep=loads.sweep(url, model, st.duration, st.min_requests))
+        return ServerRuns(sweep=loads.sweep(url, model, st.sweep_duration, st.min_requests))
 
 
 def light(url: str, model: str, st: Settings, i: int) -> list[RequestRecord]:
@@ -63,7 +66,9 @@ def light(url: str, model: str, st: Settings, i: int) -> list[RequestRecord]:
     return loads.load(url, model, loads.medium("cold", s), 0.5, st.duration, seed=s)
 
 
-def prism_session(config: dict[str, Any], model: str, st: Settings, say: Say) -> ServerRuns:
+def prism_session(
+    config: dict[str, Any], model: str, st: Settings, say: Say, also: tuple[float, ...] = ()
+) -> ServerRuns:
     out = ServerRuns()
     n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
     n_tenant = st.runs("tenant_ttft_p95_flood_vs_idle")
@@ -80,14 +85,15 @@ def prism_session(config: dict[str, Any], model: str, st: Settings, say: Say) ->
             if i < n_tenant:
                 say(f"Prism, run {i + 1}: tenant beta's text probes idle / under tenant alpha's large-image flood")
                 keys = {"flood_key": servers.ALPHA, "probe_key": servers.BETA}
-                out.tenants.append(loads.flood(url, model, st.duration, seed_of("tenant_flood", i), **keys))
+                idle = out.floods[i].idle if i < n_flood else None
+                out.tenants.append(loads.flood(url, model, st.duration, seed_of("tenant_flood", i), **keys, idle=idle))
                 say(f"Prism, run {i + 1}: tenant beta's text probes under alpha's and gamma's floods at once")
                 base, idle = seed_of("tenants3_flood", i), out.tenants[-1].idle
                 out.tenants3.append(
                     loads.flood(url, model, st.duration, base, **keys, also_flooding=(servers.GAMMA,), idle=idle)
                 )
         say("Prism: the goodput sweep")
-        out.sweep = loads.sweep(url, model, st.duration, st.min_requests)
+        out.sweep = loads.sweep(url, model, st.sweep_duration, st.min_requests, also=also)
     return out
 
 
@@ -98,7 +104,9 @@ def cache_session(config: dict[str, Any], model: str, st: Settings, say: Say) ->
         return bench_cache.measure(url, model, st.runs("encoder_cache_hot_cold_ttft_ratio"), st.duration, say)
 
 
-def monolith_session(config: dict[str, Any], model: str, st: Settings, say: Say) -> ServerRuns:
+def monolith_session(
+    config: dict[str, Any], model: str, st: Settings, say: Say, also: tuple[float, ...] = ()
+) -> ServerRuns:
     out = ServerRuns()
     n_ttft, n_flood = st.runs("ttft_ratio_epd_vs_monolith"), st.runs("text_ttft_p95_flood_vs_idle")
     with servers.subprocess_server("loadtest.servers.monolith", ["--config", servers.write_config(config)]) as url:
@@ -112,5 +120,5 @@ def monolith_session(config: dict[str, Any], model: str, st: Settings, say: Say)
             if i < n_flood:
                 out.floods.append(loads.flood(url, model, st.duration, seed_of("flood", i)))
         say("monolith: the goodput sweep")
-        out.sweep = loads.sweep(url, model, st.duration, st.min_requests)
+        out.sweep = loads.sweep(url, model, st.sweep_duration, st.min_requests, also=also)
     return out

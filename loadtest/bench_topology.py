@@ -6,7 +6,7 @@ the same stage classes. (``ME/P/D`` and ``ME/PD`` are left out for the bench's t
 Per topology, one application of its own on this machine (one at a time, as every server of the bench): warm-up, the
 per-hop report (:mod:`loadtest.bench_hops`), the light load of medium images behind the TTFT figure (the same runs,
 seeds and count as ``ttft_ratio_epd_vs_monolith``), then the goodput sweep (:func:`loadtest.sweep.next_rate`: up from
-2 rps until past its peak). Three figures come from it:
+:data:`loadtest.sweep.START` until past its peak). Three figures come from it:
 
 * ``ttft_ratio_topology_epd_vs_monolith`` — the ``EPD`` topology's TTFT p50 over the monolith's, run i against run i
   (median of the runs, its spread beside it): what Serve's hops cost when the model's stages share one replica;
@@ -66,7 +66,7 @@ def session(config: dict[str, Any], model: str, st: Settings, say: Say) -> dict[
             for i in range(st.runs("ttft_ratio_topology_epd_vs_monolith")):
                 runs.cold.append(light(url, model, st, i))
             say(f"topology {topology}: the goodput sweep")
-            runs.sweep = loads.sweep(url, model, st.duration, st.min_requests)
+            runs.sweep = loads.sweep(url, model, st.sweep_duration, st.min_requests)
     return out
 
 

@@ -11,11 +11,11 @@ those niceness values, warms it up and then, per run:
 2. the bench's ``text_ttft_p95_flood_vs_idle`` load (text probes idle, then under one tenant's large-image flood);
 3. its ``tenant_ttft_p95_flood_vs_idle`` load (the same, the flood from another API key).
 
-Run ``i`` uses the seeds the bench's figures use for their run ``i`` (the mixed load: the seed of the sweep's 4-rps
-point plus ``i``, whatever ``--rate``), so settings compare on the same requests. It prints one JSON object per
-setting: each run's values and their medians. The niceness of each stage is a setting of the config
-(``deployments.<stage>.cpu_nice``, ``deployments.prefill.long_lane_nice``); ``docs/limits.md`` ("What the priority
-costs") gives what this measured.
+Run ``i`` uses the seeds the bench's figures use for their run ``i`` (the mixed load: the sweep's one sequence of
+requests, with the images of its 4-rps point plus ``i``, whatever ``--rate``), so settings compare on the same
+requests. It prints one JSON object per setting: each run's values and their medians. The niceness of each stage is a
+setting of the config (``deployments.<stage>.cpu_nice``, ``deployments.prefill.long_lane_nice``); ``docs/limits.md``
+("What the priority costs") gives what this measured.
 
     python -m loadtest.priorities [--settings 19-18-0,19-18-18] [--runs 3] [--rate 4] [--duration 20]
 """
@@ -78,13 +78,14 @@ def measure(setting: tuple[int, int, int], runs: int, rate: float, duration: flo
     from loadtest.sweep import RATES, run_seconds
 
     model = "prism-small-llava"
-    mixed_seed = loads.seed_of("sweep") + RATES.index(4.0)  # (the bench sweep's seed at its 4-rps point)
+    images = loads.seed_of("sweep") + RATES.index(4.0)  # (the bench sweep's load at its 4-rps point)
     keys = {"flood_key": servers.ALPHA, "probe_key": servers.BETA}
     out: dict[str, Any] = {"goodput_rps": [], "ttft_p95_s": [], "text_flood_vs_idle": [], "tenant_flood_vs_idle": []}
     with servers.prism_app(configured(app_config(model), setting)) as url:
         warm_up(url, model)
         for i in range(runs):
-            summary, _ = loads.mixed(url, model, rate, run_seconds(rate, duration), seed=mixed_seed + i)
+            seconds = run_seconds(rate, duration)
+            summary, _ = loads.mixed(url, model, rate, seconds, loads.SWEEP_SEQUENCE, images + i)
             out["goodput_rps"].append(_round(summary["goodput_rps"]))
             out["ttft_p95_s"].append(_round(summary["ttft_s"]["p95"]))
             out["text_flood_vs_idle"].append(_round(loads.flood(url, model, duration, loads.seed_of("flood", i)).ratio))

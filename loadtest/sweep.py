@@ -4,12 +4,15 @@ A server *keeps up* at an offered rate while at least :data:`KEEP_UP` of the req
 (its SLO attainment — judged on the requests actually sent, since a Poisson run of a nominal rate sends more or fewer
 than rate × duration). Its **knee** is the first rate of an ascending sweep at which it no longer keeps up, its
 **capacity** the last rate before the knee, and its **peak goodput** the most goodput it delivered at any swept rate
-(:func:`peak`). ``make bench`` sweeps every server over the same :data:`RATES` — one step apart, fine enough to place
-both the capacity and the peak of servers of this size on these machines — in the order :func:`next_rate` gives: up
-from :data:`START` until the server is past its peak (:func:`past_peak`: no longer keeping up, and delivering less
-than at an earlier rate; overload only loses more from there), then down from :data:`START` only while the server
-does not keep up there. Each run lasts long enough to send about :data:`MIN_REQUESTS` requests
-(:func:`run_seconds`).
+(:func:`peak`), *located* when a higher rate ran and delivered less (:func:`peak_located`; a peak at the top of what
+ran says only that the server carries at least that much). ``make bench`` sweeps every server over the same
+:data:`RATES` — one step apart, fine enough to place both the capacity and the peak of servers of this size on these
+machines — in the order :func:`next_rate` gives: up from :data:`START` until the server is past its peak
+(:func:`past_peak`: no longer keeping up, and delivering less than at an earlier rate; overload only loses more from
+there), then down from :data:`START` only while the server does not keep up there, then any rate the caller also
+wants (the naive server's knee, where each server's goodput is also reported). Each run lasts long enough to send
+about :data:`MIN_REQUESTS` requests (:func:`run_seconds`), and every rate sends one sequence of requests
+(:func:`loadtest.bench_loads.sweep`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 KEEP_UP = 0.9
-RATES = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+RATES = tuple(float(rate) for rate in range(1, 11))
 """The offered rates (requests/s) a server may be swept at (:func:`next_rate` says which, in which order)."""
-START = 2.0
+START = 5.0
 """Where a sweep starts. A rate below it runs only where the server does not keep up at it: one that keeps up at
-2 rps delivers about 2 rps of goodput there, more than any lower rate can, and keeps up below, so the lower run would
-place neither its capacity nor its peak (every server of the committed runs kept up at 2 rps; a run at 1 rps cost
-each about 22 s of the bench's wall)."""
+:data:`START` delivers about that much goodput there, more than any lower rate can, and keeps up below, so a lower run
+would place neither its capacity nor its peak. In the run of 2026-12-05 (one sequence at every rate) every Prism
+topology and the monolith kept up at 5 rps and peaked at 6–8; the naive server's knee was at 4, and it climbs down to
+it from 5 in two runs."""
 MIN_REQUESTS = 20
 
 
@@ -63,13 +67,26 @@ def past_peak(points: Sequence[tuple[float, float | None, float]]) -> bool:
     return not keeps_up(attainment) and goodput < max(g for _, _, g in earlier)
 
 
+def peak_located(points: Sequence[tuple[float, float | None, float]]) -> bool:
+    """Whether ``points`` (rate, attainment, goodput) place their peak (:func:`peak`): a higher rate ran, and the
+    climb was past the peak there (:func:`past_peak`)."""
+    top = peak([(rate, goodput) for rate, _, goodput in points])
+    if top is None:
+        return False
+    ran = sorted(points)
+    return any(p[0] > top[0] and past_peak(ran[: i + 1]) for i, p in enumerate(ran))
+
+
 def next_rate(
-    points: Sequence[tuple[float, float | None, float]], rates: Sequence[float] = RATES, start: float = START
+    points: Sequence[tuple[float, float | None, float]],
+    rates: Sequence[float] = RATES,
+    start: float = START,
+    also: Sequence[float] = (),
 ) -> float | None:
     """The rate to run next, given the runs so far (rate, attainment, goodput; any order); ``None``: the sweep is
     done. Up from ``start`` (the lowest of ``rates`` if it is not one of them) through ``rates`` until the top rate has
     run or the highest run is past the peak; then down from ``start``, one rate at a time, while the lowest run does
-    not keep up."""
+    not keep up; then each of ``also`` (those of ``rates``) that has not run."""
     ordered = sorted(rates)
     first = start if start in ordered else ordered[0]
     ran = sorted(points)
@@ -83,7 +100,10 @@ def next_rate(
             return above[0]
     lowest_rate, lowest_attainment, _ = ran[0]
     below = [r for r in ordered if r < lowest_rate]
-    return below[-1] if below and not keeps_up(lowest_attainment) else None
+    if below and not keeps_up(lowest_attainment):
+        return below[-1]
+    wanted = [r for r in also if r in ordered and r not in done]
+    return wanted[0] if wanted else None
 
 
 def run_seconds(rate: float, duration: float, min_requests: int = MIN_REQUESTS) -> float:

@@ -76,9 +76,14 @@ class Workload:
     hot_images: int = 1
     """Size of the hot set per bucket (``hot`` and ``partial``)."""
     fresh_questions: bool = False
+    image_seed: int | None = None
+    """Decides the images alone (default: ``seed``). With its own value, the requests are ``seed``'s — the same
+    kinds, sizes, reuses, questions and lengths — drawn with images of their own: the goodput sweep sends one sequence
+    at every rate, each run's images cold."""
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        self._images = self.seed if self.image_seed is None else self.image_seed
         self._unique = 0
         self._asked = 0
         self._url_cache: dict[tuple[str, int], str] = {}
@@ -134,7 +139,7 @@ class Workload:
             seed = self._hot_seed(bucket, self.rng.randrange(self.hot_images) if self.hot_images > 1 else 0)
         else:
             self._unique += 1
-            seed = self.seed * 1_000_003 + self._unique
+            seed = self._images * 1_000_003 + self._unique
             if self._deferred is not None:  # (a unique image depends on its seed only: drawn later, in parallel)
                 holder: dict[str, str] = {}
                 self._deferred.append((holder, bucket, seed))
@@ -142,7 +147,7 @@ class Workload:
         return {"type": "image_url", "image_url": {"url": self._image_url(bucket, seed)}}
 
     def _hot_seed(self, bucket: str, j: int) -> int:
-        return -1 - list(BUCKETS).index(bucket) - len(BUCKETS) * (self.seed * self.hot_images + j)
+        return -1 - list(BUCKETS).index(bucket) - len(BUCKETS) * (self._images * self.hot_images + j)
 
     def hot_set(self, bucket: str) -> list[str]:
         """The data URLs of the bucket's hot images (to warm a cache with before a timed run)."""

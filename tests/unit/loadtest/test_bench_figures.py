@@ -218,9 +218,12 @@ def test_the_goodput_figures_are_ratios_of_peak_goodput_with_each_servers_capaci
     assert got["goodput_ratio_vs_monolith"]["value"] == pytest.approx(2.4 / 3.0)
     assert got["goodput_ratio_vs_monolith"]["status"] == "missed"
     servers = got["goodput_ratio_vs_naive"]["raw"]["servers"]
-    assert servers["naive"] == {"capacity_rps": 1.0, "knee_rps": 2.0, "peak_goodput_rps": 1.6, "peak_at_rps": 2.0}
+    naive_curve = {"capacity_rps": 1.0, "knee_rps": 2.0, "peak_goodput_rps": 1.6, "peak_at_rps": 2.0}
+    assert servers["naive"] == {**naive_curve, "peak_located": True}
     assert servers["prism"]["capacity_rps"] == 2.0 and servers["prism"]["peak_at_rps"] == 3.0
+    assert servers["prism"]["peak_located"]  # (3 rps: 2.4; 4 rps: behind, 1.0)
     assert servers["monolith"]["capacity_rps"] == 3.0 and servers["monolith"]["peak_at_rps"] == 4.0
+    assert not servers["monolith"]["peak_located"]  # (its peak is the top rate that ran: at least that much)
     at_knee = got["goodput_ratio_vs_naive"]["raw"]["at_naive_knee"]
     assert at_knee == {"rate_rps": 2.0, "prism": 1.9, "monolith": 1.9, "naive": 1.6}
     assert [r["rate_rps"] for r in got["goodput_ratio_vs_naive"]["raw"]["sweep"]["naive"]] == [1.0, 2.0, 3.0]

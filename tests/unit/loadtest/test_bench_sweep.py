@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from loadtest.sweep import RATES, capacity, keeps_up, knee, next_rate, past_peak, peak, run_seconds
+from loadtest.sweep import RATES, START, capacity, keeps_up, knee, next_rate, past_peak, peak, peak_located, run_seconds
 
 
 def test_the_knee_is_the_first_rate_the_server_cannot_carry():
@@ -43,10 +43,10 @@ def test_a_sweep_is_past_the_peak_only_once_the_server_falls_behind_and_delivers
     assert not past_peak([(1.0, 1.0, 0.9), (2.0, 0.95, 1.9), (3.0, 0.91, 1.5)])  # less, yet keeping up: a noisy run
 
 
-def _sweep(results: dict[float, tuple[float, float]], start: float = 2.0) -> list[float]:
+def _sweep(results: dict[float, tuple[float, float]], start: float = 2.0, also: tuple[float, ...] = ()) -> list[float]:
     """The rates :func:`next_rate` runs, in order, for a server whose run at each rate gives (attainment, goodput)."""
     points: list[tuple[float, float | None, float]] = []
-    while (rate := next_rate(points, RATES, start)) is not None:
+    while (rate := next_rate(points, RATES, start, also)) is not None:
         assert rate not in [p[0] for p in points], "a rate runs once"
         points.append((rate, *results[rate]))
     return [p[0] for p in points]
@@ -61,10 +61,29 @@ def test_a_sweep_starts_at_two_goes_up_until_past_the_peak_and_runs_one_only_for
     assert _sweep(behind_everywhere) == [2.0, 3.0, 1.0]
     assert capacity([(1.0, 0.5), (2.0, 0.2), (3.0, 0.1)]) is None
     never_falls = {r: (1.0, r) for r in RATES}
-    assert _sweep(never_falls) == [2.0, 3.0, 4.0, 5.0, 6.0]  # the top rate ends the climb
+    assert _sweep(never_falls) == [r for r in RATES if r >= 2.0]  # the top rate ends the climb
     assert _sweep(never_falls, start=0.5) == list(RATES)  # a start off the grid: from the lowest rate, as before
 
 
 def test_behind_but_still_delivering_more_the_climb_goes_on():
     noisy = {2.0: (0.85, 1.7), 3.0: (0.8, 2.4), 4.0: (0.5, 2.0), 1.0: (1.0, 0.7)}
     assert _sweep(noisy) == [2.0, 3.0, 4.0, 1.0]
+
+
+def test_from_the_default_start_the_naive_server_climbs_down_to_its_knee_and_the_others_also_run_it():
+    """The bench's sweeps: Prism's and the monolith's also run the naive server's knee, below where they start."""
+    naive = {5.0: (0.3, 1.5), 6.0: (0.2, 1.2), 4.0: (0.65, 2.2), 3.0: (1.0, 2.5)}
+    ran = _sweep(naive, START)
+    assert ran == [5.0, 6.0, 4.0, 3.0] and knee([(r, naive[r][0]) for r in ran]) == 4.0
+    prism = {r: (1.0, r) if r <= 7 else (0.8 if r == 8 else 0.4, 7.5 if r == 8 else 5.0) for r in RATES}
+    assert _sweep(prism, START, also=(4.0,)) == [5.0, 6.0, 7.0, 8.0, 9.0, 4.0]
+    assert _sweep(prism, START, also=(5.0, 11.0)) == [5.0, 6.0, 7.0, 8.0, 9.0]  # (ran already / not a rate)
+
+
+def test_a_peak_is_located_only_where_a_higher_rate_ran_and_delivered_less_falling_behind():
+    # (rate, SLO attainment, goodput)
+    assert peak_located([(5.0, 1.0, 5.0), (6.0, 0.95, 5.9), (7.0, 0.6, 4.0)])
+    assert not peak_located([(5.0, 1.0, 5.0), (6.0, 1.0, 6.0)])  # the top of what ran: at least that much
+    assert not peak_located([(5.0, 1.0, 5.0), (6.0, 0.92, 4.9)])  # less, yet keeping up: a noisy run
+    assert peak_located([(3.0, 1.0, 3.0), (4.0, 0.5, 2.0), (5.0, 0.3, 1.5)])
+    assert not peak_located([])

@@ -73,3 +73,48 @@ def test_the_synthetic_image_is_the_same_pixels_as_its_plain_construction():
 
     for (w, h), seed in [((224, 224), 0), ((640, 480), 5), ((1, 1), 3), ((3, 7), 2**40), ((97, 31), 123)]:
         assert np.array_equal(np.asarray(synthetic_image(w, h, seed)), plain(w, h, seed)), (w, h, seed)
+
+
+def test_the_sweep_sends_one_sequence_at_every_rate_each_with_images_of_its_own():
+    """The goodput sweep: the same arrivals (scaled by the rate) and the same requests at each rate — only the images
+    differ, so each run starts cold and a higher rate is more of the same load, not another draw of it."""
+    from loadtest.arrivals import arrival_times
+    from loadtest.bench_loads import SWEEP_SEQUENCE, seed_of
+
+    def sweep_workload(images: int) -> Workload:
+        mix = {"text": 0.4, "image": 0.4, "multi_image": 0.2}
+        return Workload(
+            mix=mix, cache="partial", outputs=OutputLengths("uniform:8-32"), seed=SWEEP_SEQUENCE, image_seed=images
+        )
+
+    def shape(body: dict) -> tuple:
+        content = body["messages"][0]["content"]
+        parts = content if isinstance(content, list) else [content]
+        return body["max_tokens"], tuple(
+            "image" if isinstance(p, dict) and p["type"] == "image_url" else str(p) for p in parts
+        )
+
+    def urls(bodies: list) -> set[str]:
+        return {
+            p["image_url"]["url"]
+            for b in bodies
+            if isinstance(b["messages"][0]["content"], list)
+            for p in b["messages"][0]["content"]
+            if p["type"] == "image_url"
+        }
+
+    a = [b for _, b in sweep_workload(seed_of("sweep")).next_requests("m", 30, threads=1)]
+    b = [b for _, b in sweep_workload(seed_of("sweep") + 1).next_requests("m", 30, threads=1)]
+    assert [shape(x) for x in a] == [shape(x) for x in b]
+    assert urls(a) and not urls(a) & urls(b)
+    slow, fast = (
+        arrival_times("poisson", 5.0, 20.0, SWEEP_SEQUENCE),
+        arrival_times("poisson", 8.0, 20.0, SWEEP_SEQUENCE),
+    )
+    assert len(fast) > len(slow) and all(
+        abs(s * 5.0 - f * 8.0) < 1e-9 for s, f in zip(slow, fast[: len(slow)], strict=True)
+    )
+    default = Workload(seed=7)
+    assert default.next_request("m") == Workload(seed=7, image_seed=7).next_request(
+        "m"
+    )  # (image_seed defaults to seed)
