@@ -146,27 +146,33 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
 
 
 class _AttentionClock:
-    """Times the native attention kernel's calls of one engine (its ``attend``, wrapped on the shared kernel object
-    until :meth:`stop`)."""
+    """Times the native attention kernel's calls of one engine (its ``attend`` and ``rope_attend`` — the lean
+    forward's call, which also rotates the new query and key heads and writes the new KV rows — wrapped on the shared
+    kernel object until :meth:`stop`)."""
+
+    CALLS = ("attend", "rope_attend")
 
     def __init__(self, engine: DecodeEngine):
         self.kernel, self.seconds = engine.kernel, 0.0
         if self.kernel is None:
             return
-        attend = self.kernel.attend
+        for name in self.CALLS:
+            setattr(self.kernel, name, self._timed(getattr(self.kernel, name)))
 
-        def timed_attend(*args, **kwargs):
+    def _timed(self, call):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return attend(*args, **kwargs)
+                return call(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
 
-        self.kernel.attend = timed_attend
+        return timed
 
     def stop(self) -> None:
         if self.kernel is not None:
-            del self.kernel.attend  # (the class's method again)
+            for name in self.CALLS:
+                delattr(self.kernel, name)  # (the class's method again)
 
 
 def bench_sequential(lm: LoadedModel, requests) -> dict:

@@ -6,7 +6,9 @@ pool, and PyTorch has no paged or varlen attention on the CPU): at batch 32 that
 more in dispatch and scratch allocation than in reading its KV (profiled: 37 % of a batch-32 step, the KV read at
 ≈ 3–4 GB/s). The kernel reads every sequence's KV once, through its block table, where it lies in the pool, and
 runs the whole batch of one layer in one call on ``torch.get_num_threads()`` threads of PyTorch's own OpenMP pool,
-without the GIL.
+without the GIL. :meth:`DecodeKernel.rope_attend` does the layer's whole attention from its fused q|k|v projection in
+the same call: each sequence's new query and key heads rotated (transformers' rotary embedding, bit for bit) and its
+new key and value rows written into its pool slot, by the thread that then attends it.
 
 Lifecycle: :func:`load_decode_kernel` builds the C source on first use — once per machine, cached, for the CPU it
 runs on (:mod:`common.kv.native.build`, which says how and why it links as it does) — and loads it. Without a
@@ -47,6 +49,13 @@ class DecodeKernel:
             fn.restype = ctypes.c_int
             fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
             fn.argtypes += [ctypes.c_int]
+        self._rope_fns = {
+            torch.float32: library.paged_decode_rope_attention,
+            torch.bfloat16: library.paged_decode_rope_attention_bf16,
+        }
+        for fn in self._rope_fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_PTR] * 7 + [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
 
     def attend(
         self,
@@ -97,6 +106,69 @@ class DecodeKernel:
             torch.get_num_threads(),
         )
         return out if status == 0 else None
+
+    def rope_attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+        q_heads: int,
+    ) -> torch.Tensor | None:
+        """One layer's whole decode-step attention from its fused projection: ``qkv`` ``[B, 1, (q_heads + 2 *
+        kv_heads) * dim]`` (q, k, v heads in that order), ``cos``/``sin`` ``[B, 1, dim]`` (each sequence's new
+        position), ``keys``/``values``/``tables`` as :meth:`attend`, ``lengths`` the tokens each sequence attends over
+        (its new one included). Rotates the query and key heads (bit for bit transformers' ``apply_rotary_pos_emb``),
+        writes the new key and value rows into the pool, attends, and returns ``[B, 1, q_heads * dim]`` — the input of
+        the output projection; ``None`` when it does not take these inputs or could not run (the caller then takes its
+        own path, which writes the same rows again)."""
+        batch = qkv.shape[0]
+        _, block_size, kv_heads, dim = keys.shape
+        if qkv.dtype not in self._rope_fns or not _rope_inputs(qkv, cos, sin, keys, values, tables, lengths, q_heads):
+            return None
+        query = torch.empty(batch, q_heads, dim, dtype=qkv.dtype)
+        out = torch.empty(batch, 1, q_heads * dim, dtype=qkv.dtype)
+        status = self._rope_fns[qkv.dtype](
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            query.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            out.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            lengths.data_ptr(),
+            batch,
+            q_heads,
+            kv_heads,
+            dim,
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
+        return out if status == 0 else None
+
+
+def _rope_inputs(qkv, cos, sin, keys, values, tables, lengths, q_heads: int) -> bool:
+    """Whether :meth:`DecodeKernel.rope_attend` takes these inputs (shapes, dtypes, layouts)."""
+    batch = qkv.shape[0]
+    _, _, kv_heads, dim = keys.shape
+    return (
+        qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype
+        and qkv.shape == (batch, 1, (q_heads + 2 * kv_heads) * dim)
+        and cos.shape == sin.shape == (batch, 1, dim)
+        and tables.dtype == lengths.dtype == torch.int64
+        and keys.shape == values.shape
+        and q_heads % kv_heads == 0
+        and dim % 2 == 0
+        and all(t.is_contiguous() for t in (qkv, cos, sin, keys, values, tables, lengths))
+        and tables.shape[0] == lengths.shape[0] == batch
+    )
 
 
 @functools.cache

@@ -74,7 +74,43 @@ typedef struct {
     const int64_t *tables, *lengths;
     int64_t table_width, q_heads, kv_heads, dim, block_size;
     float scale;
+    const void *qkv, *cos, *sin; /* the prologue's inputs (paged_decode_rope_attention*); NULL: none */
 } step_t;
+
+/* The step's prologue (paged_decode_rope_attention*), per sequence, by the thread that then attends it: its new token's
+ * query and key heads rotated from the fused q|k|v projection row ([q_heads + 2 * kv_heads, dim]) — the query into
+ * s->q, the keys into the sequence's slot of the pool (token lengths[i] - 1: block tables[i][t / block_size], row
+ * t % block_size) — and its value heads copied to the slot. A sequence only reads its own new row, so no thread waits
+ * for another. The rotation is transformers' apply_rotary_pos_emb, (x * cos) + (rotate_half(x) * sin), each product
+ * and the sum rounded to the element type one op at a time as PyTorch's ops round them; built without fused
+ * multiply-adds (fp-contract off, whatever the file's flags), the rotated heads are PyTorch's bit for bit (tested). */
+#define DEFINE_PROLOGUE(SUFFIX, T, WIDEN, NARROW)                                                                        \
+    static __attribute__((noinline, optimize("fp-contract=off"))) void rotate_##SUFFIX(                \
+        const T *restrict x, const T *restrict c, const T *restrict sn, T *restrict out, int64_t D) {                  \
+        const int64_t half = D / 2;                                                                                    \
+        for (int64_t j = 0; j < half; j++) { /* rotate_half: -x2 here, x1 in the second half */                         \
+            const float a = WIDEN(NARROW(WIDEN(x[j]) * WIDEN(c[j])));                                                  \
+            out[j] = NARROW(a + WIDEN(NARROW(-WIDEN(x[j + half]) * WIDEN(sn[j]))));                                    \
+        }                                                                                                              \
+        for (int64_t j = half; j < D; j++) {                                                                           \
+            const float a = WIDEN(NARROW(WIDEN(x[j]) * WIDEN(c[j])));                                                  \
+            out[j] = NARROW(a + WIDEN(NARROW(WIDEN(x[j - half]) * WIDEN(sn[j]))));                                     \
+        }                                                                                                              \
+    }                                                                                                                  \
+                                                                                                                       \
+    static void prologue_##SUFFIX(const step_t *s, int64_t i) {                                                        \
+        const int64_t D = s->dim, Q = s->q_heads, K = s->kv_heads, bs = s->block_size;                                 \
+        const T *row = (const T *)s->qkv + i * (Q + 2 * K) * D;                                                        \
+        const T *c = (const T *)s->cos + i * D, *sn = (const T *)s->sin + i * D;                                      \
+        const int64_t t = s->lengths[i] - 1, slot = s->tables[i * s->table_width + t / bs] * bs + t % bs;             \
+        T *q = (T *)s->q + i * Q * D, *k = (T *)s->k + slot * K * D, *v = (T *)s->v + slot * K * D;                   \
+        for (int64_t h = 0; h < Q; h++) rotate_##SUFFIX(row + h * D, c, sn, q + h * D, D);                             \
+        for (int64_t h = 0; h < K; h++) rotate_##SUFFIX(row + (Q + h) * D, c, sn, k + h * D, D);                       \
+        memcpy(v, row + (Q + K) * D, K * D * sizeof(T));                                                               \
+    }
+
+DEFINE_PROLOGUE(f32, float, widen_f32, narrow_f32)
+DEFINE_PROLOGUE(bf16, bf16_t, widen_bf16, narrow_bf16)
 
 /* One sequence: T is the element type, WIDEN/NARROW convert to and from fp32 (identity in fp32). The query is widened
  * once into `qf`; the output accumulates in fp32 in `acc`, then is narrowed once. LATE: the bf16 order above (exps
@@ -269,23 +305,26 @@ DEFINE_ATTEND_512(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
 #endif
 
 typedef void (*attend_fn)(const step_t *, int64_t, float *);
+typedef void (*prologue_fn)(const step_t *, int64_t);
 
-/* Sequences [begin, end); 0, or -1 without scratch memory (scores, the widened query, the fp32 output, the sums). */
-static int attend_range(const step_t *s, attend_fn attend_one, int64_t begin, int64_t end) {
+/* Sequences [begin, end), each after its prologue (if any); 0, or -1 without scratch memory (scores, the widened
+ * query, the fp32 output, the sums) — before any prologue ran. */
+static int attend_range(const step_t *s, attend_fn attend_one, prologue_fn prologue, int64_t begin, int64_t end) {
     int64_t longest = 1;
     for (int64_t i = begin; i < end; i++) longest = s->lengths[i] > longest ? s->lengths[i] : longest;
     float *scores = malloc((longest + 2 * s->dim + 1) * s->q_heads * sizeof(float));
     if (!scores) return -1;
-    for (int64_t i = begin; i < end; i++) attend_one(s, i, scores);
+    for (int64_t i = begin; i < end; i++) {
+        if (prologue) prologue(s, i);
+        attend_one(s, i, scores);
+    }
     free(scores);
     return 0;
 }
 
-static int run(attend_fn attend_one, const void *q, const void *k, const void *v, void *out, const int64_t *tables,
-               int64_t table_width, const int64_t *lengths, int64_t batch, int64_t q_heads, int64_t kv_heads,
-               int64_t dim, int64_t block_size, float scale, int threads) {
-    if (kv_heads < 1 || q_heads % kv_heads != 0) return -2;
-    const step_t step = {q, k, v, out, tables, lengths, table_width, q_heads, kv_heads, dim, block_size, scale};
+static int run(attend_fn attend_one, prologue_fn prologue, const step_t step, int64_t batch, int threads) {
+    if (step.kv_heads < 1 || step.q_heads % step.kv_heads != 0 || (prologue && step.dim % 2)) return -2;
+    const int64_t *lengths = step.lengths;
     int64_t total = 0;
     for (int64_t i = 0; i < batch; i++) total += lengths[i];
     if (threads > batch) threads = (int)batch;
@@ -304,7 +343,7 @@ static int run(attend_fn attend_one, const void *q, const void *k, const void *v
             seen += lengths[i];
         }
         if (t == n - 1) end = batch;
-        status |= attend_range(&step, attend_one, begin, end);
+        status |= attend_range(&step, attend_one, prologue, begin, end);
     }
     return status;
 }
@@ -312,15 +351,36 @@ static int run(attend_fn attend_one, const void *q, const void *k, const void *v
 int paged_decode_attention(const float *q, const float *k, const float *v, float *out, const int64_t *tables,
                            int64_t table_width, const int64_t *lengths, int64_t batch, int64_t q_heads,
                            int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int threads) {
-    return run(ATTEND_F32, q, k, v, out, tables, table_width, lengths, batch, q_heads, kv_heads, dim, block_size,
-               scale, threads);
+    const step_t step = {q, k, v, out, tables, lengths, table_width, q_heads, kv_heads, dim, block_size, scale};
+    return run(ATTEND_F32, NULL, step, batch, threads);
 }
 
 int paged_decode_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v, bf16_t *out, const int64_t *tables,
                                 int64_t table_width, const int64_t *lengths, int64_t batch, int64_t q_heads,
                                 int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int threads) {
-    return run(ATTEND_BF16, q, k, v, out, tables, table_width, lengths, batch, q_heads, kv_heads, dim, block_size,
-               scale, threads);
+    const step_t step = {q, k, v, out, tables, lengths, table_width, q_heads, kv_heads, dim, block_size, scale};
+    return run(ATTEND_BF16, NULL, step, batch, threads);
+}
+
+/* The whole attention of one layer's decode step from its fused q|k|v projection (qkv [batch, q_heads + 2 * kv_heads,
+ * dim]) and the rotary cos/sin of each sequence's new position ([batch, dim]): the prologue above (the rotated query
+ * into q [batch, q_heads, dim], the new key and value rows into the pool k/v), then attention as above. */
+int paged_decode_rope_attention(const float *qkv, const float *cos, const float *sin, float *q, float *k, float *v,
+                                float *out, const int64_t *tables, int64_t table_width, const int64_t *lengths,
+                                int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                                float scale, int threads) {
+    const step_t step = {q,   k,          v,     out, tables, lengths, table_width, q_heads, kv_heads,
+                         dim, block_size, scale, qkv, cos,    sin};
+    return run(ATTEND_F32, prologue_f32, step, batch, threads);
+}
+
+int paged_decode_rope_attention_bf16(const bf16_t *qkv, const bf16_t *cos, const bf16_t *sin, bf16_t *q, bf16_t *k,
+                                     bf16_t *v, bf16_t *out, const int64_t *tables, int64_t table_width,
+                                     const int64_t *lengths, int64_t batch, int64_t q_heads, int64_t kv_heads,
+                                     int64_t dim, int64_t block_size, float scale, int threads) {
+    const step_t step = {q,   k,          v,     out, tables, lengths, table_width, q_heads, kv_heads,
+                         dim, block_size, scale, qkv, cos,    sin};
+    return run(ATTEND_BF16, prologue_bf16, step, batch, threads);
 }
 
 /* 1 where this build has the AVX-512 path (head sizes 64 and 128, 1 to 8 query heads per KV head), else 0. */

@@ -228,6 +228,59 @@ def test_a_step_the_kernel_cannot_run_takes_pytorchs_path_with_the_same_tokens(t
         return None  # what attend returns when the kernel could not have its scratch memory
 
     monkeypatch.setattr(engine.kernel, "attend", no_scratch)
+    monkeypatch.setattr(engine.kernel, "rope_attend", no_scratch)  # (the lean forward's call, before attend)
     assert _run(engine, requests) == alone
     assert calls, "the fallback must have been taken"
     engine.pool.check_no_leaks()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim", "block_size"), [(8, 4, 64, 16), (12, 2, 128, 5), (6, 2, 40, 3)])
+def test_rope_attend_is_the_rotation_the_kv_write_and_the_attention_pytorch_does(
+    q_heads, kv_heads, dim, block_size, dtype
+):
+    """The lean forward's one call per layer (:meth:`DecodeKernel.rope_attend`) against what it replaces: the rotation
+    as transformers computes it (``decode_forward.rotate``), the new rows written into the pool by indexing, and the
+    kernel's attention over the rotated query — the same output and the same pool, bit for bit."""
+    from common.engine.decode_forward import rotate
+
+    kernel = load_decode_kernel()
+    gen = torch.Generator().manual_seed(dim + block_size)
+    lengths = torch.tensor([1, block_size, block_size + 1, 37, 90])  # (each sequence's new token included)
+    batch, width = len(lengths), -(-90 // block_size)
+    blocks = batch * width + 8
+    keys = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    values = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(blocks, generator=gen)[: batch * width].view(batch, width)
+    qkv = (3 * torch.randn(batch, 1, (q_heads + 2 * kv_heads) * dim, generator=gen)).to(dtype)
+    angles = torch.rand(batch, 1, dim, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    mine_k, mine_v = keys.clone(), values.clone()
+    out = kernel.rope_attend(qkv, cos, sin, mine_k, mine_v, tables, lengths, 0.125, q_heads)
+
+    heads = qkv.view(batch, 1, q_heads + 2 * kv_heads, dim).transpose(1, 2)
+    rotated = rotate(heads[:, : q_heads + kv_heads], cos.unsqueeze(1), sin.unsqueeze(1))
+    t = lengths - 1
+    slots = tables[torch.arange(batch), t // block_size], t % block_size
+    keys[slots] = rotated[:, q_heads:, 0]
+    values[slots] = heads[:, q_heads + kv_heads :, 0]
+    expected = kernel.attend(rotated[:, :q_heads], keys, values, tables, lengths, 0.125)
+    assert out is not None and out.shape == (batch, 1, q_heads * dim)
+    assert torch.equal(mine_k, keys) and torch.equal(mine_v, values)
+    assert torch.equal(out, expected.transpose(1, 2).reshape(batch, 1, -1))
+
+
+def test_rope_attend_leaves_inputs_it_does_not_take_to_pytorch():
+    kernel = load_decode_kernel()
+    keys = torch.zeros(8, 16, 2, 64)
+    qkv, trig = torch.zeros(2, 1, 8 * 64), torch.zeros(2, 1, 64)
+    tables, lengths = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    assert kernel.rope_attend(qkv, trig, trig, keys, keys.clone(), tables, lengths, 1.0, 4) is not None
+    assert kernel.rope_attend(qkv.double(), trig, trig, keys, keys.clone(), tables, lengths, 1.0, 4) is None  # dtype
+    assert kernel.rope_attend(qkv, trig[:, :, :32], trig, keys, keys.clone(), tables, lengths, 1.0, 4) is None  # cos
+    assert kernel.rope_attend(qkv, trig, trig, keys, keys.clone(), tables, lengths, 1.0, 6) is None  # projection size
+    odd = torch.zeros(8, 16, 2, 63)
+    assert (
+        kernel.rope_attend(torch.zeros(2, 1, 8 * 63), trig[..., :63], trig[..., :63], odd, odd, tables, lengths, 1.0, 4)
+        is None
+    )
