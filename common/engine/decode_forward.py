@@ -14,15 +14,18 @@ families, in fp32 and bf16. Three things are fused, all bit-identical (tested): 
 are its gate and up projections (oneDNN's packed product of a column does not depend on the other columns); the
 rotary embedding rotates the query and key heads in one pass over the fused output; and with the native attention
 kernel, that rotation, the new key and value rows' write into the pool and the attention are one call on the fused
-output (:meth:`common.kv.native.DecodeKernel.rope_attend`, the rotation rounded op by op as PyTorch rounds it). That
-call replaced about twenty PyTorch ops a layer: a batch-32 step of ``prism-small-llava`` 22.4 → 21.2 ms, a batch-1
-step 6.8 → 6.1 ms (fp32, 2 threads, the same engine alternating both paths, 2026-12-05).
+output (:meth:`common.kv.native.DecodeKernel.rope_attend`, the rotation rounded op by op as PyTorch rounds it).
+Each residual add and the RMSNorm after it (the next layer's input norm, the final norm after the last) are one call
+as well where :mod:`common.kv.native.norm` agrees with PyTorch bit for bit here. The two replaced about forty PyTorch
+ops a layer: a batch-32 step of ``prism-small-llava`` 22.8 → 20.8 ms, a batch-1 step 6.7 → 5.5 ms (fp32, 2 threads,
+the same engine alternating both paths, 2026-12-05).
 
 Lifecycle: :meth:`DecodeForward.build` runs once per model object, when its first decode engine starts
 (:meth:`DecodeForward.shared`: kept on the language model module, so it lives and dies with the model); it checks the
 fusion bit for bit on the first layer's weights (else the projections stay separate) and returns ``None`` for a
 language model whose layers are not a known Llama-style decoder (LLaVA's Llama, Qwen2-VL's text model) or that uses
-sliding-window attention, and the engine keeps the model's own forward. The fused weights are packed copies made
+sliding-window attention, and the engine keeps the model's own forward. It loads the norm kernel for the model's
+hidden size (built once per machine, checked against PyTorch once per process). The fused weights are packed copies made
 then (q, k, v, gate and up once more: 67 MB for ``prism-small-llava`` in fp32) and read-only afterwards, as the
 model's weights are.
 """
@@ -36,6 +39,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
 
+from common.kv.native.norm import NormKernel, load_norm_kernel, torch_rms_norm
 from common.kv.paged_attention import PagedContext, paged_attention_forward
 from common.model.linear import BATCH_HINT, PackedLinear, pack_weight, packed_product
 
@@ -46,11 +50,7 @@ without bias), rotary embedding from the model's ``rotary_emb``, attention, o pr
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm`` / ``Qwen2VLRMSNorm`` forward, op for op."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
+    return torch_rms_norm(norm.weight, norm.variance_epsilon, x)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -123,6 +123,8 @@ class DecodeForward:
         attn = lang.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
+        self.norms: NormKernel | None = load_norm_kernel(lang.config.hidden_size)
+        """The residual adds and norms in one call each (:mod:`common.kv.native.norm`), or PyTorch's ops."""
         config = lang.config
         self.q_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
 
@@ -156,20 +158,33 @@ class DecodeForward:
         if position_ids.ndim == 3 and position_ids.shape[0] == 4:  # (Qwen2-VL's text row first, as its forward drops)
             position_ids = position_ids[1:]
         cos, sin = lang.rotary_emb(h, position_ids)  # ([B, 1, dim] each)
-        for layer in self.layers:
-            h = self._layer(layer, h, cos, sin, ctx)
-        return rms_norm(lang.norm, h)
+        # Each residual add goes with the norm after it: the next layer's input norm, after the last layer the
+        # model's final norm.
+        h, x = self._add_norm(h, None, self.layers[0].module.input_layernorm)
+        for i, layer in enumerate(self.layers):
+            after = self.layers[i + 1].module.input_layernorm if i + 1 < len(self.layers) else lang.norm
+            h, x = self._layer(layer, h, x, cos, sin, ctx, after)
+        return x
 
-    def _layer(self, layer: _Layer, h: torch.Tensor, cos, sin, ctx: PagedContext) -> torch.Tensor:
+    def _layer(self, layer: _Layer, h, x, cos, sin, ctx: PagedContext, after: torch.nn.Module) -> tuple[Any, Any]:
+        """One decoder layer from its input ``h`` and ``x`` (``h`` normed by its input norm): the residual stream
+        after it and that normed by ``after``."""
         attn, mlp = layer.module.self_attn, layer.module.mlp
-        x = rms_norm(layer.module.input_layernorm, h)
-        h = h + attn.o_proj(self._attention(layer, x, cos, sin, ctx))
-        x = rms_norm(layer.module.post_attention_layernorm, h)
+        h, x = self._add_norm(
+            h, attn.o_proj(self._attention(layer, x, cos, sin, ctx)), layer.module.post_attention_layernorm
+        )
         if layer.gate_up is not None:
             gate, up = layer.gate_up(x).split(layer.gate_up.sizes, dim=-1)
         else:
             gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-        return h + mlp.down_proj(mlp.act_fn(gate) * up)
+        return self._add_norm(h, mlp.down_proj(mlp.act_fn(gate) * up), after)
+
+    def _add_norm(self, h: torch.Tensor, add: torch.Tensor | None, norm: torch.nn.Module) -> tuple[Any, Any]:
+        """``(h + add, norm(h + add))`` (``h`` as it is without ``add``)."""
+        if self.norms is not None:
+            return self.norms.add_norm(h, add, norm.weight, norm.variance_epsilon)
+        total = h if add is None else h + add
+        return total, rms_norm(norm, total)
 
     def _attention(self, layer: _Layer, x: torch.Tensor, cos, sin, ctx: PagedContext) -> torch.Tensor:
         """The attention's output ``[B, 1, q_heads * dim]`` (the o projection's input), this step's KV written. With

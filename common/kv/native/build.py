@@ -25,6 +25,9 @@ import tempfile
 from pathlib import Path
 
 COMPILE = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+EXACT = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
+"""For a source whose arithmetic must round as PyTorch's ops do, op by op: no fast-math (which lets the compiler
+reorder sums and turn divisions into reciprocals) and no fused multiply-adds."""
 LINK = ("-shared", "-fopenmp")  # (no -ffast-math here: see the module docstring)
 
 
@@ -33,14 +36,14 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def load_library(source: Path, compiler: str) -> tuple[ctypes.CDLL, Path]:
-    """``source`` built (or found built) in the first cache folder that can hold and load it: the library and its
-    path. Raises ``RuntimeError`` when none can."""
-    name = f"{source.stem}-{_digest(source)}.so"
+def load_library(source: Path, compiler: str, flags: tuple[str, ...] = COMPILE) -> tuple[ctypes.CDLL, Path]:
+    """``source`` built (or found built) with ``flags`` in the first cache folder that can hold and load it: the
+    library and its path. Raises ``RuntimeError`` when none can."""
+    name = f"{source.stem}-{_digest(source, flags)}.so"
     errors = []
     for folder in _cache_dirs():
         try:
-            path = _build_in(folder, compiler, source, name)
+            path = _build_in(folder, compiler, source, name, flags)
             return ctypes.CDLL(str(path)), path  # (a noexec mount fails here: try the next folder)
         except (OSError, subprocess.SubprocessError) as exc:
             errors.append(f"{folder}: {(getattr(exc, 'stderr', None) or str(exc)).strip()}")
@@ -62,8 +65,8 @@ def _cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "prism" / "native", Path(tempfile.gettempdir()) / "prism-native"]
 
 
-def _digest(source: Path) -> str:
-    material = source.read_bytes() + " ".join(COMPILE + LINK).encode() + platform.machine().encode()
+def _digest(source: Path, flags: tuple[str, ...] = COMPILE) -> str:
+    material = source.read_bytes() + " ".join(flags + LINK).encode() + platform.machine().encode()
     return hashlib.sha256(material + _cpu_key().encode()).hexdigest()[:16]
 
 
@@ -71,7 +74,7 @@ def _run(command: list[str]) -> None:
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
 
 
-def _build_in(folder: Path, compiler: str, source: Path, name: str) -> Path:
+def _build_in(folder: Path, compiler: str, source: Path, name: str, flags: tuple[str, ...] = COMPILE) -> Path:
     """The library in ``folder``, built there first if it is not; raises ``OSError`` / ``SubprocessError``."""
     target = folder / name
     if target.exists():
@@ -81,7 +84,7 @@ def _build_in(folder: Path, compiler: str, source: Path, name: str) -> Path:
     os.close(fd)
     obj = partial[: -len(".so")] + ".o"
     try:
-        _run([compiler, *COMPILE, "-c", "-o", obj, str(source)])
+        _run([compiler, *flags, "-c", "-o", obj, str(source)])
         _run([compiler, *LINK, "-o", partial, obj, "-lm"])
         os.replace(partial, target)  # atomic: another process sees no library or a whole one
         return target
