@@ -75,7 +75,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="prism-small-llava")
     parser.add_argument("--cache-model", default=bench_cache.MODEL, help="the cache-reach figures' model")
-    parser.add_argument("--duration", type=float, default=None, help="seconds per load run (20; --quick: 8)")
+    parser.add_argument(
+        "--duration", type=float, default=None, help="seconds per load run (20; --quick: 8); a sweep's runs at most 16"
+    )
     parser.add_argument("--quick", action="store_true", help="every figure once, short loads; docs left alone")
     parser.add_argument("--out", type=Path, default=None, help="summary.json (default: loadtest/results/[quick/])")
     return parser.parse_args(argv)
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> Path:
         "cache_model": args.cache_model,
         "quick": st.quick,
         "duration_s_per_run": st.duration,
+        "sweep_duration_s_per_run": st.sweep_duration,
         "slo": {"goodput": slo, "keep_up_slo_attainment": KEEP_UP},
         "wall_s": round(time.time() - started, 1),
         "plots": [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in plots],

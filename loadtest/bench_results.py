@@ -8,15 +8,14 @@
   floods, ``beta`` probes; Prism only.
 * ``tenants3_ttft_p95_flood_vs_idle`` — three tenants: ``alpha`` and ``gamma`` flood at once, each as hard as
   ``alpha`` alone above; ``beta`` probes.
-
-The three flood figures of a run share one idle side: the text flood figure's idle probes (idle, which key sends a
-probe changes nothing; the tenant figures sent their own until 2026-12-05).
 * ``goodput_ratio_vs_naive`` and ``goodput_ratio_vs_monolith`` — peak goodput (the most requests meeting the TTFT
   and ITL SLOs per second at any swept rate of the same mixed open-loop load, :mod:`loadtest.sweep`), Prism / naive
   and Prism / monolith. The raw holds every server's curve, capacity and peak, and each server's goodput at the naive
   server's knee (where the figure was once read: a ratio there rewards the baseline's collapse).
 
-and :func:`panels`, every load behind a figure for the TTFT CDF plot.
+and :func:`panels`, every load behind a figure for the TTFT CDF plot. The three flood figures of a run share one idle
+side: the text flood figure's idle probes (idle, which key sends a probe changes nothing; the tenant figures sent
+their own until 2026-12-05).
 """
 
 from __future__ import annotations
@@ -176,8 +175,7 @@ def panels(
             **{f"prism flood #{i + 1}": f.probes for i, f in enumerate(prism.floods)},
             **{f"monolith flood #{i + 1}": m.probes for i, m in enumerate(mono.floods)},
         },
-        "tenant beta's text probes (p95 figure)": {
-            **{f"idle #{i + 1}": b.idle for i, b in enumerate(prism.tenants)},
+        "tenant beta's text probes under alpha's flood (p95 figure; idle: the panel above)": {
             **{f"alpha flooding #{i + 1}": b.probes for i, b in enumerate(prism.tenants)},
         },
         **{

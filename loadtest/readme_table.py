@@ -6,8 +6,8 @@ names its source: TTFT p50 of medium images (``peak_goodput_best_topology_vs_mon
 median of the runs; the monolith's from ``ttft_ratio_topology_epd_vs_monolith``'s runs) and its ratio to the
 monolith's run for run; text TTFT p50 one request at a time (``per_hop_fixed_cost``); from each goodput sweep of the
 mixed load (the topologies'; the monolith's from ``goodput_ratio_vs_naive``'s raw): goodput and TTFT p95 at the
-rate every sweep starts at (:data:`loadtest.sweep.START`), the peak goodput and the rate it came at (marked where it
-is the top of what ran rather than a located peak), and the capacity (:mod:`loadtest.sweep`). A topology the
+rate every sweep starts at (:data:`loadtest.sweep.START`), the peak goodput and the rate it came at (marked where it is
+not located: :func:`loadtest.sweep.peak_located`), and the capacity (:mod:`loadtest.sweep`). A topology the
 summary's run did not measure (a summary written before it was benched) shows as "—".
 """
 
@@ -73,7 +73,7 @@ def render(summary: dict[str, Any]) -> str:
         f"| … over the monolith's, run for run (median) | {' | '.join(ratio)} |",
         f"| TTFT p50, text, one request at a time | {' | '.join(text)} |",
         f"| goodput at {START:g} rps, mixed load (TTFT p95) | {' | '.join(at_start)} |",
-        f"| peak goodput, at the offered rate (* the top of what ran, not a located peak) | {' | '.join(peaks)} |",
+        f"| peak goodput, at the offered rate (* not located: no higher rate ran past it) | {' | '.join(peaks)} |",
         f"| capacity (90 % of requests within the SLOs) | {' | '.join(capacities)} |",
     ]
     return "\n".join(rows)

@@ -86,24 +86,35 @@ def next_rate(
     """The rate to run next, given the runs so far (rate, attainment, goodput; any order); ``None``: the sweep is
     done. Up from ``start`` (the lowest of ``rates`` if it is not one of them) through ``rates`` until the top rate has
     run or the highest run is past the peak; then down from ``start``, one rate at a time, while the lowest run does
-    not keep up; then each of ``also`` (those of ``rates``) that has not run."""
+    not keep up; then each of ``also`` (those of ``rates``) that has not run. The climb and the descent are the runs
+    next to each other from ``start``: a rate of ``also`` joins them only when they reach it."""
     ordered = sorted(rates)
     first = start if start in ordered else ordered[0]
-    ran = sorted(points)
-    done = {rate for rate, _, _ in ran}
-    if first not in done:
+    by_rate = {p[0]: p for p in points}
+    if first not in by_rate:
         return first
-    up = [p for p in ran if p[0] >= first]
-    if not past_peak(up):
-        above = [r for r in ordered if r > up[-1][0]]
-        if above:
-            return above[0]
-    lowest_rate, lowest_attainment, _ = ran[0]
-    below = [r for r in ordered if r < lowest_rate]
-    if below and not keeps_up(lowest_attainment):
-        return below[-1]
-    wanted = [r for r in also if r in ordered and r not in done]
+    # The climb and the descent are the runs next to each other from ``first`` up and down: a rate run only as one of
+    # ``also``, past a gap, joins them when they reach it (so the climb never skips the rates below it).
+    at = ordered.index(first)
+    climb = _run_from(ordered[at:], by_rate)
+    if not past_peak(climb) and climb[-1][0] != ordered[-1]:
+        return ordered[at + len(climb)]
+    descent = _run_from(ordered[:at][::-1], by_rate)
+    lowest = descent[-1] if descent else climb[0]
+    if lowest[0] != ordered[0] and not keeps_up(lowest[1]):
+        return ordered[ordered.index(lowest[0]) - 1]
+    wanted = [r for r in also if r in ordered and r not in by_rate]
     return wanted[0] if wanted else None
+
+
+def _run_from(rates: Sequence[float], by_rate: dict) -> list:
+    """The points of ``rates``, in their order, up to the first that has not run."""
+    out = []
+    for rate in rates:
+        if rate not in by_rate:
+            break
+        out.append(by_rate[rate])
+    return out
 
 
 def run_seconds(rate: float, duration: float, min_requests: int = MIN_REQUESTS) -> float:

@@ -39,6 +39,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
 
+from common.kv.native import torch_rotate as rotate
 from common.kv.native.norm import NormKernel, load_norm_kernel, torch_rms_norm
 from common.kv.paged_attention import PagedContext, paged_attention_forward
 from common.model.linear import BATCH_HINT, PackedLinear, pack_weight, packed_product
@@ -51,13 +52,6 @@ without bias), rotary embedding from the model's ``rotary_emb``, attention, o pr
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm`` / ``Qwen2VLRMSNorm`` forward, op for op."""
     return torch_rms_norm(norm.weight, norm.variance_epsilon, x)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary_pos_emb``'s arithmetic on one tensor (``[B, heads, 1, dim]``; cos/sin ``[B, 1, 1, dim]``)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
 
 
 class Fused:

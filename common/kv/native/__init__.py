@@ -37,6 +37,14 @@ SOURCE = Path(__file__).with_name("paged_decode_attention.c")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
+def torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb`` arithmetic on one tensor (``[B, heads, 1, dim]``; cos/sin ``[B, 1, 1,
+    dim]``), op for op: what :meth:`DecodeKernel.rope_attend`'s rotation must equal bit for bit."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
 class DecodeKernel:
     """``attend(query, keys, values, tables, lengths, scale)`` for one layer of one decode step."""
 
@@ -49,6 +57,9 @@ class DecodeKernel:
             fn.restype = ctypes.c_int
             fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
             fn.argtypes += [ctypes.c_int]
+        self.rope_exact = True
+        """Whether :meth:`rope_attend`'s rotation gave PyTorch's bits when checked (:func:`load_decode_kernel`); if
+        not, it returns ``None`` and the caller rotates with PyTorch's ops."""
         self._rope_fns = {
             torch.float32: library.paged_decode_rope_attention,
             torch.bfloat16: library.paged_decode_rope_attention_bf16,
@@ -128,7 +139,11 @@ class DecodeKernel:
         own path, which writes the same rows again)."""
         batch = qkv.shape[0]
         _, block_size, kv_heads, dim = keys.shape
-        if qkv.dtype not in self._rope_fns or not _rope_inputs(qkv, cos, sin, keys, values, tables, lengths, q_heads):
+        if (
+            not self.rope_exact
+            or qkv.dtype not in self._rope_fns
+            or not _rope_inputs(qkv, cos, sin, keys, values, tables, lengths, q_heads)
+        ):
             return None
         query = torch.empty(batch, q_heads, dim, dtype=qkv.dtype)
         out = torch.empty(batch, 1, q_heads * dim, dtype=qkv.dtype)
@@ -164,6 +179,7 @@ def _rope_inputs(qkv, cos, sin, keys, values, tables, lengths, q_heads: int) -> 
         and cos.shape == sin.shape == (batch, 1, dim)
         and tables.dtype == lengths.dtype == torch.int64
         and keys.shape == values.shape
+        and kv_heads >= 1
         and q_heads % kv_heads == 0
         and dim % 2 == 0
         and all(t.is_contiguous() for t in (qkv, cos, sin, keys, values, tables, lengths))
@@ -182,7 +198,34 @@ def load_decode_kernel() -> DecodeKernel | None:
         log.warning("no C compiler found: decode attention stays on PyTorch's per-sequence path (slower)")
         return None
     try:
-        return DecodeKernel(*load_library(SOURCE, cc))
+        kernel = DecodeKernel(*load_library(SOURCE, cc))
     except RuntimeError as exc:
         log.warning("native decode attention unavailable (%s): PyTorch's per-sequence path (slower)", exc)
         return None
+    kernel.rope_exact = rope_agrees(kernel)
+    if not kernel.rope_exact:
+        log.warning(
+            "the kernel's rotary embedding differs from PyTorch's here (a compiler that fuses multiply-adds?): "
+            "PyTorch rotates, the kernel attends"
+        )
+    return kernel
+
+
+def rope_agrees(kernel: DecodeKernel) -> bool:
+    """Whether ``rope_attend``'s rotation and KV write give PyTorch's bits on random inputs (fp32 and bf16): checked
+    once per process, as the compiler that built the kernel decides whether products and sums round one by one."""
+    gen = torch.Generator().manual_seed(0)
+    batch, q_heads, kv_heads, dim, block_size = 3, 4, 2, 64, 16
+    tables, lengths = torch.arange(batch).view(batch, 1), torch.tensor([1, 5, 16])
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = (4 * torch.randn(batch, 1, (q_heads + 2 * kv_heads) * dim, generator=gen)).to(dtype)
+        angles = 50 * torch.rand(batch, 1, dim, generator=gen)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        keys = torch.zeros(batch, block_size, kv_heads, dim, dtype=dtype)
+        if kernel.rope_attend(qkv, cos, sin, keys, keys.clone(), tables, lengths, 0.125, q_heads) is None:
+            return False
+        heads = qkv.view(batch, 1, q_heads + 2 * kv_heads, dim).transpose(1, 2)
+        rotated = torch_rotate(heads[:, q_heads : q_heads + kv_heads], cos.unsqueeze(1), sin.unsqueeze(1))
+        if not torch.equal(keys[torch.arange(batch), lengths - 1], rotated[:, :, 0]):
+            return False
+    return True

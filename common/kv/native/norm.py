@@ -5,11 +5,11 @@ each op costs more in dispatch than in arithmetic (``prism-small-llava``'s 17 no
 batch-32 step). One foreign call does the add and the norm of every row.
 
 Exactness: ``rms_norm.c`` rounds every op as PyTorch does; its sum follows ATen's summation order for vectors of the
-width ATen runs at here (16 lanes with AVX-512, 8 with AVX2). :func:`load_norm_kernel` builds it (without fast-math
-or fused multiply-adds: :data:`common.kv.native.build.EXACT`), then checks it once per process against PyTorch's own
-ops on random rows (fp32 and bf16, with and without the add) at each width, and keeps the width that agrees bit for
-bit on all of them. None agreeing, no compiler, or ``PRISM_NATIVE_NORM=0``: ``None``, and the caller keeps PyTorch's
-ops (logged once).
+width ATen runs at here (16 lanes with AVX-512, 8 with AVX2, 4 with 128-bit vectors). :func:`load_norm_kernel` builds
+it (without fast-math or fused multiply-adds: :data:`common.kv.native.build.EXACT`), then checks it once per process
+against PyTorch's own ops on random rows (fp32 and bf16, with and without the add) at each width, and keeps the width
+that agrees bit for bit on all of them (8 on the 2-core Xeon of 2026-12-05: ATen runs its AVX2 kernels there). None
+agreeing, no compiler, or ``PRISM_NATIVE_NORM=0``: ``None``, and the caller keeps PyTorch's ops (logged once).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from common.kv.native.build import EXACT, compiler, load_library
 log = logging.getLogger("prism.kv.native")
 
 SOURCE = Path(__file__).with_name("rms_norm.c")
-LANES = (16, 8)
-"""The vector widths ATen's CPU kernels run at (AVX-512, AVX2), tried in this order."""
+LANES = (16, 8, 4)
+"""The vector widths ATen's CPU kernels run at (AVX-512, AVX2, 128-bit vectors: NEON / SSE), tried in this order."""
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 

@@ -24,8 +24,9 @@
  * AVX-512, the portable loops (attend_any_*), which the compiler vectorises as it can. Same passes, same rounding
  * points; the fp32 sums are added in another order (outputs within 2e-7 of the portable loops' on unit inputs).
  *
- * Returns 0; -1 when scratch memory could not be had, -2 for head counts it does not take (query heads not a
- * multiple of KV heads) — the output is then not to be trusted: the caller takes its own path.
+ * Returns 0; -1 when scratch memory could not be had, -2 for inputs it does not take (query heads not a multiple of KV
+ * heads; with the prologue, an odd head size or a sequence of no tokens) — the output is then not to be trusted: the
+ * caller takes its own path.
  */
 #include <math.h>
 #include <omp.h>
@@ -83,10 +84,17 @@ typedef struct {
  * t % block_size) — and its value heads copied to the slot. A sequence only reads its own new row, so no thread waits
  * for another. The rotation is transformers' apply_rotary_pos_emb, (x * cos) + (rotate_half(x) * sin), each product
  * and the sum rounded to the element type one op at a time as PyTorch's ops round them; built without fused
- * multiply-adds (fp-contract off, whatever the file's flags), the rotated heads are PyTorch's bit for bit (tested). */
+ * multiply-adds (fp-contract off, whatever the file's flags), the rotated heads are PyTorch's bit for bit (tested, and
+ * checked once per process before the engine uses it: common/kv/native/__init__.py). */
+#ifdef __clang__ /* (clang ignores GCC's optimize attribute: its own pragma, at the top of the function's body) */
+#define NO_CONTRACT _Pragma("clang fp contract(off)")
+#else
+#define NO_CONTRACT
+#endif
 #define DEFINE_PROLOGUE(SUFFIX, T, WIDEN, NARROW)                                                                        \
     static __attribute__((noinline, optimize("fp-contract=off"))) void rotate_##SUFFIX(                \
         const T *restrict x, const T *restrict c, const T *restrict sn, T *restrict out, int64_t D) {                  \
+        NO_CONTRACT                                                                                                    \
         const int64_t half = D / 2;                                                                                    \
         for (int64_t j = 0; j < half; j++) { /* rotate_half: -x2 here, x1 in the second half */                         \
             const float a = WIDEN(NARROW(WIDEN(x[j]) * WIDEN(c[j])));                                                  \
@@ -308,7 +316,8 @@ typedef void (*attend_fn)(const step_t *, int64_t, float *);
 typedef void (*prologue_fn)(const step_t *, int64_t);
 
 /* Sequences [begin, end), each after its prologue (if any); 0, or -1 without scratch memory (scores, the widened
- * query, the fp32 output, the sums) — before any prologue ran. */
+ * query, the fp32 output, the sums) — before this range's prologues ran (other threads' may have: the caller's own
+ * path then writes the same rows again). */
 static int attend_range(const step_t *s, attend_fn attend_one, prologue_fn prologue, int64_t begin, int64_t end) {
     int64_t longest = 1;
     for (int64_t i = begin; i < end; i++) longest = s->lengths[i] > longest ? s->lengths[i] : longest;
@@ -325,6 +334,8 @@ static int attend_range(const step_t *s, attend_fn attend_one, prologue_fn prolo
 static int run(attend_fn attend_one, prologue_fn prologue, const step_t step, int64_t batch, int threads) {
     if (step.kv_heads < 1 || step.q_heads % step.kv_heads != 0 || (prologue && step.dim % 2)) return -2;
     const int64_t *lengths = step.lengths;
+    for (int64_t i = 0; prologue && i < batch; i++)
+        if (lengths[i] < 1) return -2; /* (a prologue writes token lengths[i] - 1) */
     int64_t total = 0;
     for (int64_t i = 0; i < batch; i++) total += lengths[i];
     if (threads > batch) threads = (int)batch;

@@ -87,3 +87,19 @@ def test_a_peak_is_located_only_where_a_higher_rate_ran_and_delivered_less_falli
     assert not peak_located([(5.0, 1.0, 5.0), (6.0, 0.92, 4.9)])  # less, yet keeping up: a noisy run
     assert peak_located([(3.0, 1.0, 3.0), (4.0, 0.5, 2.0), (5.0, 0.3, 1.5)])
     assert not peak_located([])
+
+
+def test_a_rate_run_for_the_caller_above_where_the_climb_stopped_does_not_restart_the_climb():
+    """An extra rate joins the climb only when the climb reaches it: a lucky run there must not skip the rates below it
+    or send the climb on above it."""
+    peaked_at_6 = {5.0: (1.0, 5.0), 6.0: (1.0, 6.0), 7.0: (0.5, 4.0), 9.0: (1.0, 9.0)}
+    assert _sweep(peaked_at_6, START, also=(9.0,)) == [5.0, 6.0, 7.0, 9.0]
+    behind_at_7 = {
+        5.0: (1.0, 5.0),
+        6.0: (1.0, 6.0),
+        7.0: (0.85, 6.5),
+        8.0: (0.5, 4.0),
+        4.0: (0.7, 2.8),
+        3.0: (1.0, 3.0),
+    }
+    assert _sweep(behind_at_7, START, also=(4.0,)) == [5.0, 6.0, 7.0, 8.0, 4.0, 3.0]  # (4 joins the descent: behind)

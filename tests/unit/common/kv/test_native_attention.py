@@ -242,7 +242,7 @@ def test_rope_attend_is_the_rotation_the_kv_write_and_the_attention_pytorch_does
     """The lean forward's one call per layer (:meth:`DecodeKernel.rope_attend`) against what it replaces: the rotation
     as transformers computes it (``decode_forward.rotate``), the new rows written into the pool by indexing, and the
     kernel's attention over the rotated query — the same output and the same pool, bit for bit."""
-    from common.engine.decode_forward import rotate
+    from common.kv.native import torch_rotate as rotate
 
     kernel = load_decode_kernel()
     gen = torch.Generator().manual_seed(dim + block_size)
@@ -279,8 +279,31 @@ def test_rope_attend_leaves_inputs_it_does_not_take_to_pytorch():
     assert kernel.rope_attend(qkv.double(), trig, trig, keys, keys.clone(), tables, lengths, 1.0, 4) is None  # dtype
     assert kernel.rope_attend(qkv, trig[:, :, :32], trig, keys, keys.clone(), tables, lengths, 1.0, 4) is None  # cos
     assert kernel.rope_attend(qkv, trig, trig, keys, keys.clone(), tables, lengths, 1.0, 6) is None  # projection size
+    empty = torch.tensor([0, 1])  # (a sequence of no tokens has no slot to write: the C call refuses it)
+    assert kernel.rope_attend(qkv, trig, trig, keys, keys.clone(), tables, empty, 1.0, 4) is None
+    none = torch.zeros(8, 16, 0, 64)
+    assert kernel.rope_attend(torch.zeros(2, 1, 4 * 64), trig, trig, none, none, tables, lengths, 1.0, 4) is None
     odd = torch.zeros(8, 16, 2, 63)
     assert (
         kernel.rope_attend(torch.zeros(2, 1, 8 * 63), trig[..., :63], trig[..., :63], odd, odd, tables, lengths, 1.0, 4)
         is None
+    )
+
+
+def test_the_rotation_is_checked_against_pytorch_before_the_engine_uses_it(monkeypatch):
+    """Bit-exactness depends on the compiler (fused multiply-adds would round differently): the loader checks it once
+    and, where it fails, ``rope_attend`` declines and the engine rotates with PyTorch's ops."""
+    kernel = load_decode_kernel()
+    assert kernel.rope_exact and native.rope_agrees(kernel)
+    monkeypatch.setattr(native, "torch_rotate", lambda x, cos, sin: (x * cos) + (x * sin))  # (another rotation)
+    assert not native.rope_agrees(kernel)
+    monkeypatch.setattr(kernel, "rope_exact", False)
+    trig = torch.zeros(2, 1, 64)
+    keys, tables, lengths = (
+        torch.zeros(8, 16, 2, 64),
+        torch.zeros(2, 1, dtype=torch.long),
+        torch.ones(2, dtype=torch.long),
+    )
+    assert (
+        kernel.rope_attend(torch.zeros(2, 1, 8 * 64), trig, trig, keys, keys.clone(), tables, lengths, 1.0, 4) is None
     )
