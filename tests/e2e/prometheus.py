@@ -29,10 +29,17 @@ def settled(url: str, quiet_s: float = 2.5) -> list[Sample]:
 
 
 def wait_for(url: str, predicate: Callable[[list[Sample]], bool], timeout: float = 30.0) -> list[Sample]:
-    """Scrape until ``predicate`` holds (Ray exports every second in the test cluster); the last scrape either way."""
+    """Scrape until ``predicate`` holds (Ray exports every second in the test cluster); the last scrape either way. A
+    scrape the agent refuses is retried until ``timeout``."""
     end = time.time() + timeout
     while True:
-        samples = scrape(url)
+        try:
+            samples = scrape(url)
+        except httpx.TransportError:  # (Ray's metrics agent, a process of its own, refused a scrape once in CI)
+            if time.time() > end:
+                raise
+            time.sleep(0.5)
+            continue
         if predicate(samples) or time.time() > end:
             return samples
         time.sleep(0.5)
