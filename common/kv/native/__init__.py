@@ -100,22 +100,8 @@ class DecodeKernel:
             return None
         query = query.contiguous()
         out = torch.empty_like(query)
-        status = self._fns[query.dtype](
-            query.data_ptr(),
-            keys.data_ptr(),
-            values.data_ptr(),
-            out.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            lengths.data_ptr(),
-            batch,
-            q_heads,
-            kv_heads,
-            dim,
-            block_size,
-            scale,
-            torch.get_num_threads(),
-        )
+        pointers = (query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr())
+        status = self._fns[query.dtype](*pointers, *_step(tables, lengths, q_heads, kv_heads, dim, block_size, scale))
         return out if status == 0 else None
 
     def rope_attend(
@@ -147,26 +133,20 @@ class DecodeKernel:
             return None
         query = torch.empty(batch, q_heads, dim, dtype=qkv.dtype)
         out = torch.empty(batch, 1, q_heads * dim, dtype=qkv.dtype)
+        inputs = (qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), query.data_ptr())
+        pool = (keys.data_ptr(), values.data_ptr(), out.data_ptr())
         status = self._rope_fns[qkv.dtype](
-            qkv.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            query.data_ptr(),
-            keys.data_ptr(),
-            values.data_ptr(),
-            out.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            lengths.data_ptr(),
-            batch,
-            q_heads,
-            kv_heads,
-            dim,
-            block_size,
-            scale,
-            torch.get_num_threads(),
+            *inputs, *pool, *_step(tables, lengths, q_heads, kv_heads, dim, block_size, scale)
         )
         return out if status == 0 else None
+
+
+def _step(tables, lengths, q_heads: int, kv_heads: int, dim: int, block_size: int, scale: float) -> tuple:
+    """The arguments both C entry points end with: the block tables (and their width), the lengths, the batch, the
+    head counts and size, the block size, the scale and the threads (PyTorch's)."""
+    batch = lengths.shape[0]
+    shape = (batch, q_heads, kv_heads, dim, block_size)
+    return (tables.data_ptr(), tables.shape[1], lengths.data_ptr(), *shape, scale, torch.get_num_threads())
 
 
 def _rope_inputs(qkv, cos, sin, keys, values, tables, lengths, q_heads: int) -> bool:
