@@ -40,18 +40,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
 
 from common.kv.native import torch_rotate as rotate
-from common.kv.native.norm import NormKernel, load_norm_kernel, torch_rms_norm
+from common.kv.native.norm import NormKernel, load_norm_kernel, torch_add_norm
 from common.kv.paged_attention import PagedContext, paged_attention_forward
 from common.model.linear import BATCH_HINT, PackedLinear, pack_weight, packed_product
 
 DECODER_LAYERS = (LlamaDecoderLayer, Qwen2VLDecoderLayer)
 """Decoder layer classes whose forward this module reproduces: pre-norm RMSNorm, q/k/v projections (with or
 without bias), rotary embedding from the model's ``rotary_emb``, attention, o projection, gated MLP."""
-
-
-def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm`` / ``Qwen2VLRMSNorm`` forward, op for op."""
-    return torch_rms_norm(norm.weight, norm.variance_epsilon, x)
 
 
 class Fused:
@@ -175,10 +170,8 @@ class DecodeForward:
 
     def _add_norm(self, h: torch.Tensor, add: torch.Tensor | None, norm: torch.nn.Module) -> tuple[Any, Any]:
         """``(h + add, norm(h + add))`` (``h`` as it is without ``add``)."""
-        if self.norms is not None:
-            return self.norms.add_norm(h, add, norm.weight, norm.variance_epsilon)
-        total = h if add is None else h + add
-        return total, rms_norm(norm, total)
+        add_norm = self.norms.add_norm if self.norms is not None else torch_add_norm
+        return add_norm(h, add, norm.weight, norm.variance_epsilon)
 
     def _attention(self, layer: _Layer, x: torch.Tensor, cos, sin, ctx: PagedContext) -> torch.Tensor:
         """The attention's output ``[B, 1, q_heads * dim]`` (the o projection's input), this step's KV written. With

@@ -41,6 +41,15 @@ def torch_rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.T
     return weight * x.to(dtype)
 
 
+def torch_add_norm(
+    h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :meth:`NormKernel.add_norm` computes, through PyTorch's ops: ``(h + add, rms_norm(h + add))`` (``h`` as
+    it is without ``add``) — also every path's answer where the kernel is not used."""
+    total = h if add is None else h + add
+    return total, torch_rms_norm(weight, eps, total)
+
+
 class NormKernel:
     """``add_norm(h, add, weight, eps)`` → ``(h + add, rms_norm(h + add))`` (``add`` may be ``None``: ``(h, norm)``)."""
 
@@ -58,8 +67,7 @@ class NormKernel:
         """The residual stream ``h + add`` (``h`` itself without ``add``) and its norm, both ``h``'s shape."""
         n = h.shape[-1]
         if not self.takes(h, add, weight):
-            total = h if add is None else h + add
-            return total, torch_rms_norm(weight, eps, total)
+            return torch_add_norm(h, add, weight, eps)
         total = h if add is None else torch.empty_like(h)
         out = torch.empty_like(h)
         status = self._fns[h.dtype](
@@ -74,8 +82,7 @@ class NormKernel:
             self.lanes,
         )
         if status != 0:  # (no scratch memory: nothing was written)
-            total = h if add is None else h + add
-            return total, torch_rms_norm(weight, eps, total)
+            return torch_add_norm(h, add, weight, eps)
         return total, out
 
     def takes(self, h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor) -> bool:
