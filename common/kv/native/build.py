@@ -1,15 +1,16 @@
 """Builds and loads Prism's C sources (this folder) with the machine's C compiler: once per machine, cached.
 
 Lifecycle: :func:`load_library` compiles a source with the system C compiler (``cc -O3 -march=native -ffast-math
--fopenmp``: built for the CPU it runs on, so the cache key holds the CPU's flags, the source and the flags) into
-``$PRISM_NATIVE_CACHE`` (default ``~/.cache/prism/native``, else the temp dir), through a temporary file renamed into
-place, so concurrent builders on one host (or sharing a mounted cache) never load a half-written library; later
-calls, and later processes, load the cached build. Compiled and linked in two steps: ``-ffast-math`` lets loops
-vectorise (glibc's vector ``expf`` included), but GCC < 13 *links* a shared library built with it against
-``crtfastmath.o``, whose constructor turns on flush-to-zero for the thread that loads it — every later PyTorch op in
-that thread, and the threads it starts, would then round denormals differently; linking without the flag keeps the
-process's floating-point mode untouched (tested). It raises ``RuntimeError`` (saying why, per cache folder) when no
-folder can build and load it; each caller decides what runs instead (:mod:`common.kv.native`, :mod:`common.kv.xxh3`).
+-fopenmp``: built for the CPU it runs on, so the cache key holds the CPU's flags, the source, the headers beside it
+and the flags) into ``$PRISM_NATIVE_CACHE`` (default ``~/.cache/prism/native``, else the temp dir), through a
+temporary file renamed into place, so concurrent builders on one host (or sharing a mounted cache) never load a
+half-written library; later calls, and later processes, load the cached build. Compiled and linked in two steps:
+``-ffast-math`` lets loops vectorise (glibc's vector ``expf`` included), but GCC < 13 *links* a shared library built
+with it against ``crtfastmath.o``, whose constructor turns on flush-to-zero for the thread that loads it — every later
+PyTorch op in that thread, and the threads it starts, would then round denormals differently; linking without the
+flag keeps the process's floating-point mode untouched (tested). It raises ``RuntimeError`` (saying why, per cache
+folder) when no folder can build and load it; each caller decides what runs instead (:mod:`common.kv.native`,
+:mod:`common.kv.xxh3`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def _cache_dirs() -> list[Path]:
 
 
 def _digest(source: Path, flags: tuple[str, ...] = COMPILE) -> str:
-    material = source.read_bytes() + " ".join(flags + LINK).encode() + platform.machine().encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # (what a source may include)
+    material = source.read_bytes() + headers + " ".join(flags + LINK).encode() + platform.machine().encode()
     return hashlib.sha256(material + _cpu_key().encode()).hexdigest()[:16]
 
 

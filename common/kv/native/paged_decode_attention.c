@@ -34,19 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
-
-static inline float widen_f32(float x) { return x; }
-static inline float widen_bf16(bf16_t x) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16};
-    return c.f;
-}
-static inline float narrow_f32(float x) { return x; }
-static inline bf16_t narrow_bf16(float x) {
-    union { float f; uint32_t u; } c = {.f = x};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
-    return (bf16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);                 /* round to nearest even */
-}
+#include "bf16.h"
 
 /* Each query head's scores (a row of n) turned into the weights of the values, in place: an exact two-pass softmax
  * (max, then exp and sum), the sum kept in sums[h]. late (bf16): each exp rounded to bf16 and the rows left

@@ -19,19 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint16_t bf16_t;
-
-static inline float widen_f32(float x) { return x; }
-static inline float narrow_f32(float x) { return x; }
-static inline float widen_bf16(bf16_t x) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)x << 16};
-    return c.f;
-}
-static inline bf16_t narrow_bf16(float x) {
-    union { float f; uint32_t u; } c = {.f = x};
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
-    return (bf16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);                 /* round to nearest even */
-}
+#include "bf16.h"
 
 enum { ILP = 4, LEVELS = 4, MAX_LANES = 16 };
 

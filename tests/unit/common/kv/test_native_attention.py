@@ -177,6 +177,18 @@ def test_build_is_cached_and_leaves_no_partial_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [first.path.name]  # no partial file left behind
 
 
+def test_a_header_beside_a_source_is_part_of_its_cache_key(tmp_path):
+    """``bf16.h`` is included by both C sources: changing it must rebuild them, not load a stale library."""
+    from common.kv.native.build import _digest
+
+    source = tmp_path / "k.c"
+    source.write_text('#include "h.h"\n')
+    (tmp_path / "h.h").write_text("#define A 1\n")
+    before = _digest(source)
+    (tmp_path / "h.h").write_text("#define A 2\n")
+    assert _digest(source) != before
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [({"PRISM_NATIVE_ATTENTION": "0"}, "turned off"), ({"CC": "/bin/false"}, "unavailable")],
