@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from services.proto import prism_pb2, prism_pb2_grpc
+from tests.e2e.prometheus import total, wait_for
 from tests.rawhttp import read_reply, status_of
 from tests.security.conftest import API_KEY
 from tests.served import serve_processes, server_errors
@@ -393,33 +394,24 @@ def test_refusals_are_counted_where_they_happen(served, before):
     """The proxy's 413s and the ingress's 4xx both land in ``prism_requests_total`` (Ray exports every ~10 s); the
     proxy's front door counts the places it gave keyed requests as the application's admission stage ``front``."""
 
-    def count(text: str, metric: str = "ray_prism_requests_total", **labels: str) -> float:
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(metric + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+    requests = "ray_prism_requests_total"
 
-    deadline = time.time() + 60
-    while True:
-        try:
-            text = httpx.get(f"http://127.0.0.1:{served['metrics']}/metrics", timeout=10).text
-        except httpx.TransportError:  # (Ray's metrics agent, a process of its own, refused a scrape once in CI)
-            if time.time() > deadline:
-                raise
-            time.sleep(2)
-            continue
-        proxy = count(text, deployment="proxy", code="request_too_large", status="413")
-        keyless = count(text, deployment="proxy", code="invalid_api_key", status="401")
-        ingress = count(text, deployment="Ingress", code="unsupported_parameter")
-        grammar = count(text, deployment="Ingress", code="invalid_response_format")
-        tools = count(text, deployment="Ingress", code="invalid_tools")
-        front = count(text, "ray_prism_admission_total", application="prism", stage="front", result="admitted")
-        if (proxy >= 3 and keyless >= 4 and ingress >= 4 and grammar >= 7 and tools >= 4 and front >= 1) or (
-            time.time() > deadline
-        ):
-            break
-        time.sleep(2)
+    def counts(samples: list) -> tuple[float, ...]:
+        return (
+            total(samples, requests, deployment="proxy", code="request_too_large", status="413"),
+            total(samples, requests, deployment="proxy", code="invalid_api_key", status="401"),
+            total(samples, requests, deployment="Ingress", code="unsupported_parameter"),
+            total(samples, requests, deployment="Ingress", code="invalid_response_format"),
+            total(samples, requests, deployment="Ingress", code="invalid_tools"),
+            total(samples, "ray_prism_admission_total", application="prism", stage="front", result="admitted"),
+        )
+
+    def arrived(samples: list) -> bool:
+        proxy, keyless, ingress, grammar, tools, front = counts(samples)
+        return proxy >= 3 and keyless >= 4 and ingress >= 4 and grammar >= 7 and tools >= 4 and front >= 1
+
+    url = f"http://127.0.0.1:{served['metrics']}/metrics"
+    proxy, keyless, ingress, grammar, tools, front = counts(wait_for(url, arrived, timeout=60))
     assert proxy == 3, "each oversized HTTP body with a key refused by the proxy is counted once"
     assert keyless >= 4, "requests without a valid key are refused (and counted) by the proxy"
     assert ingress >= 4 and grammar >= 7  # (the corpus's unsupported parameters; its output constraints refused)
