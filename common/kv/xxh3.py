@@ -14,7 +14,7 @@ compares both paths.
 
 :meth:`Stream.copy_update` is a hand-off's land (:func:`common.kv.digest.copy_digest`): a piece copied in chunks that
 stay in a core's cache, each chunk hashed right after it is written — one foreign call for the whole piece
-(``common/kv/native/copy_hash.c``, built on first use like the attention kernel: :mod:`common.kv.native.build`),
+(``common/kv/native/copy_hash.c``, built on first use like the attention kernel: :mod:`common.native_build`),
 which loops over the chunks in C and calls the package's update by address. Without a compiler it is the same loop
 in Python, two foreign calls per chunk on raw addresses (``ctypes.memmove``, then the hash), both outside the GIL
 but each landing thread taking it back between them. Measured on a 2-core AMD EPYC Zen 4, 256 MB landed by
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from common.kv.native.build import compiler, load_library
+from common.native_build import compiler, load_library
 
 log = logging.getLogger("prism.kv.xxh3")
 

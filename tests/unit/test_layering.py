@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.paths import ROOT
 
 LAYERS: list[tuple[str, ...]] = [
-    ("common.errors", "common.fair"),
+    ("common.errors", "common.fair", "common.native_build"),
     ("common.stop", "common.config"),
     ("common.auth", "common.obs"),
     ("common.grammar",),

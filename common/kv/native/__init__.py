@@ -11,7 +11,7 @@ the same call: each sequence's new query and key heads rotated (transformers' ro
 new key and value rows written into its pool slot, by the thread that then attends it.
 
 Lifecycle: :func:`load_decode_kernel` builds the C source on first use — once per machine, cached, for the CPU it
-runs on (:mod:`common.kv.native.build`, which says how and why it links as it does) — and loads it. Without a
+runs on (:mod:`common.native_build`, which says how and why it links as it does) — and loads it. Without a
 compiler, with ``PRISM_NATIVE_ATTENTION=0``, or if no cache folder can take the library, it returns ``None`` and the
 engine keeps PyTorch's per-sequence path (logged once) — the same tokens in fp32 up to float rounding, slower. The
 kernel takes fp32 and bf16 (bf16 widened to fp32 and summed in fp32, rounded where PyTorch's CPU attention rounds:
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from common.kv.native.build import compiler, load_library
+from common.native_build import compiler, load_library
 
 log = logging.getLogger("prism.kv.native")
 

@@ -6,7 +6,7 @@ batch-32 step). One foreign call does the add and the norm of every row.
 
 Exactness: ``rms_norm.c`` rounds every op as PyTorch does; its sum follows ATen's summation order for vectors of the
 width ATen runs at here (16 lanes with AVX-512, 8 with AVX2, 4 with 128-bit vectors). :func:`load_norm_kernel` builds
-it (without fast-math or fused multiply-adds: :data:`common.kv.native.build.EXACT`), then checks it once per process
+it (without fast-math or fused multiply-adds: :data:`common.native_build.EXACT`), then checks it once per process
 against PyTorch's own ops on random rows (fp32 and bf16, with and without the add) at each width, and keeps the width
 that agrees bit for bit on all of them (8 on the 2-core Xeon of 2026-12-05; 16 and 4 disagreed there). None
 agreeing, no compiler, or ``PRISM_NATIVE_NORM=0``: ``None``, and the caller keeps PyTorch's ops (logged once).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common.kv.native.build import EXACT, compiler, load_library
+from common.native_build import EXACT, compiler, load_library
 
 log = logging.getLogger("prism.kv.native")
 

@@ -179,7 +179,7 @@ def test_build_is_cached_and_leaves_no_partial_file(tmp_path, monkeypatch):
 
 def test_a_header_beside_a_source_is_part_of_its_cache_key(tmp_path):
     """``bf16.h`` is included by both C sources: changing it must rebuild them, not load a stale library."""
-    from common.kv.native.build import _digest
+    from common.native_build import _digest
 
     source = tmp_path / "k.c"
     source.write_text('#include "h.h"\n')

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.kv.native import norm
-from common.kv.native.build import EXACT, compiler, load_library
+from common.native_build import EXACT, compiler, load_library
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Builds and loads Prism's C sources (this folder) with the machine's C compiler: once per machine, cached.
+"""Builds and loads Prism's C sources (``common/kv/native/*.c``, ``common/model/row_gemm.c``) with the machine's C
+compiler: once per machine, cached.
 
 Lifecycle: :func:`load_library` compiles a source with the system C compiler (``cc -O3 -march=native -ffast-math
 -fopenmp``: built for the CPU it runs on, so the cache key holds the CPU's flags, the source, the headers beside it
@@ -10,7 +11,7 @@ with it against ``crtfastmath.o``, whose constructor turns on flush-to-zero for 
 PyTorch op in that thread, and the threads it starts, would then round denormals differently; linking without the
 flag keeps the process's floating-point mode untouched (tested). It raises ``RuntimeError`` (saying why, per cache
 folder) when no folder can build and load it; each caller decides what runs instead (:mod:`common.kv.native`,
-:mod:`common.kv.xxh3`).
+:mod:`common.kv.xxh3`, :mod:`common.model.row_gemm`).
 """
 
 from __future__ import annotations
