@@ -53,6 +53,7 @@ from common.kv.pool import KVPool
 from common.media.synthetic import synthetic_image
 from common.model.linear import PackedLinear
 from common.model.loader import LoadedModel, load_model
+from common.model.row_gemm import load_row_gemm
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode_stream
 from common.reference.prefill import prefill
@@ -278,12 +279,22 @@ def bench_prefill(lm: LoadedModel, requests, peak: float) -> dict:
     }
 
 
+def linear_path(lm: LoadedModel) -> str:
+    """How the model's linear layers compute (:mod:`common.model.linear`): ``row kernel + onednn`` (a few fp32 rows
+    in the row kernel, more in oneDNN), ``onednn`` or ``torch``."""
+    if not any(isinstance(m, PackedLinear) for m in lm.model.modules()):
+        return "torch"
+    return "row kernel + onednn" if lm.dtype == torch.float32 and load_row_gemm() is not None else "onednn"
+
+
 def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeats: int) -> dict:
     """Every decode and prefill figure of one dtype, measured side by side in this process."""
     print(f"prefilling 32 requests on {lm.served_name} ({lm.dtype}) …", flush=True)
     requests = _requests(lm, 32, tokens)
     memcpy, read = memcpy_bytes_per_s(), read_bytes_per_s()
-    gemm_ms, gemm_ms_torch = (1000 * weight_gemm_seconds(lm, 32, stock=stock) for stock in (False, True))
+    gemm_ms, gemm_ms_onednn, gemm_ms_torch = (
+        1000 * weight_gemm_seconds(lm, 32, **path) for path in ({}, {"onednn": True}, {"stock": True})
+    )
     # The peak: the faster of the model's own path (oneDNN, packed) and PyTorch's F.linear on 512 rows.
     peak = 512 * gemm_flops_per_token(lm) / min(weight_gemm_seconds(lm, 512, 3, stock) for stock in (False, True))
     gen = bench_generate(lm, requests[:sequential_requests], tokens)
@@ -337,14 +348,16 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         # the b32 step's weight GEMMs alone, and the rate they run at on 32 rows (the peak is on 512)
         "b32_weight_gemm_ms": gemm_ms,
         "b32_weight_gemm_flops_per_s": 32 * gemm_flops_per_token(lm) / (gemm_ms / 1000),
-        # the same GEMMs through PyTorch's own F.linear (MKL in fp32): what packing for oneDNN buys
+        # the same GEMMs through oneDNN on the packed weights (what the row kernel buys in fp32; the same path in
+        # bf16), and through PyTorch's own F.linear (MKL in fp32): what packing buys
+        "b32_weight_gemm_ms_onednn": gemm_ms_onednn,
         "b32_weight_gemm_ms_torch": gemm_ms_torch,
         # What the roofline fraction could be if the step did nothing but its weight GEMMs (each layer on its own, as
         # timed above) and its attention kernel (as timed in the step), one after the other: the evidence for how
         # far the rest of the step (norms, rotary, residuals, KV writes, sampling, dispatch) keeps it from the target.
         "b32_gemm_plus_attention_ms": gemm_and_attention_ms,
         "b32_fraction_if_nothing_else": step_floor_ms(engine[32], read, peak) / gemm_and_attention_ms,
-        "linear_path": "onednn" if any(isinstance(m, PackedLinear) for m in lm.model.modules()) else "torch",
+        "linear_path": linear_path(lm),
         "attention_paths_b32_step_ms": {
             "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,
             "pytorch": (torch_path or engine[32])["median_step_ms"],

@@ -50,6 +50,7 @@ def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, A
         "b32": dec["per_batch"]["32"],
         "b32_weight_gemm_ms": dec["b32_weight_gemm_ms"],
         "b32_weight_gemm_flops_per_s": dec["b32_weight_gemm_flops_per_s"],
+        "b32_weight_gemm_ms_onednn": dec["b32_weight_gemm_ms_onednn"],
         "b32_weight_gemm_ms_torch": dec["b32_weight_gemm_ms_torch"],
         "linear_path": dec["linear_path"],
         "b32_attention_ms_per_step": dec["per_batch"]["32"]["attention_ms_per_step"],
@@ -59,7 +60,13 @@ def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, A
     }
     kept = ("per_batch", "attention_paths_b32_step_ms", "agreement_greedy", "prefill", "b32_weight_gemm_ms")
     kept += ("b32_weight_gemm_flops_per_s", "read_bytes_per_s", "gemm_flops_per_s", "decode_speedup_32_vs_engine_b1")
-    kept += ("b32_weight_gemm_ms_torch", "linear_path", "b32_gemm_plus_attention_ms", "b32_fraction_if_nothing_else")
+    kept += (
+        "b32_weight_gemm_ms_onednn",
+        "b32_weight_gemm_ms_torch",
+        "linear_path",
+        "b32_gemm_plus_attention_ms",
+        "b32_fraction_if_nothing_else",
+    )
     per_dtype = {dtype: {k: f[k] for k in kept} for dtype, f in dec["dtypes"].items()}
     median_run["per_dtype"] = per_dtype  # step time, floors, roofline fraction and speedup at 1/8/32; prefill vs FLOPs
     speedups, fractions = dec["decode_speedup_32_vs_sequential_runs"], dec["decode_roofline_fraction_b32_runs"]

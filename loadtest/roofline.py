@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from common.model.linear import PackedLinear
 from common.model.loader import LoadedModel
 
 
@@ -46,24 +47,31 @@ def read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / min(timed(lambda: x.sum()) for _ in range(repeats))
 
 
-def weight_gemm_seconds(lm: LoadedModel, rows: int, repeats: int = 5, stock: bool = False) -> float:
+def weight_gemm_seconds(
+    lm: LoadedModel, rows: int, repeats: int = 5, stock: bool = False, onednn: bool = False
+) -> float:
     """The language model's own weight GEMMs (every linear layer and lm_head, each on its own as the model's forward
-    calls them — oneDNN on their packed weights by default, :mod:`common.model.linear`; the decode step fuses q/k/v
-    and gate/up, :mod:`common.engine.decode_forward`) on ``rows`` input rows, alone: a b32 step's compute floor, and
-    (with many rows) the GEMM peak its prefill can reach. ``stock``: the same products through PyTorch's
-    own ``F.linear`` on the dense weights (MKL in fp32), the path the model had before packing."""
+    calls them — by default the model's path, :mod:`common.model.linear`: the row kernel for a few fp32 rows where it
+    runs, oneDNN on the packed weights otherwise; the decode step fuses q/k/v and gate/up,
+    :mod:`common.engine.decode_forward`) on ``rows`` input rows, alone: a b32 step's compute floor, and (with many rows)
+    the GEMM peak its prefill can reach. ``onednn``: oneDNN on the packed weights whatever the rows (the path before
+    the row kernel); ``stock``: PyTorch's own ``F.linear`` on the dense weights (MKL in fp32), the path before
+    packing."""
     layers = [m for m in lm.adapter.language_model(lm.model).modules() if isinstance(m, torch.nn.Linear)]
     layers.append(lm.model.lm_head)
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=lm.dtype) for m in layers}
 
+    def product(m: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if stock:
+            return torch.nn.functional.linear(x, m.weight, m.bias)
+        if onednn and isinstance(m, PackedLinear):
+            return torch.ops.mkldnn._linear_pointwise(x, m.packed.onednn, m.bias, "none", [], "")
+        return m(x)
+
     def run() -> None:
         with torch.inference_mode():
             for m in layers:
-                x = inputs[m.in_features]
-                if stock:
-                    torch.nn.functional.linear(x, m.weight, m.bias)
-                else:
-                    m(x)
+                product(m, inputs[m.in_features])
 
     run()
     return min(timed(run) for _ in range(repeats))

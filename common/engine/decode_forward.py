@@ -9,16 +9,16 @@ short fixed sequence of tensor ops, and this module runs exactly that sequence.
 Exactness: every op is the one transformers runs, on the same operands in the same order (RMSNorm in fp32 then back,
 rotary embedding as ``(x * cos) + (rotate_half(x) * sin)`` with the model's own ``rotary_emb``, the residual adds,
 ``act(gate) * up``), so the hidden states are bit for bit the model's — tested against the model's forward for both
-families, in fp32 and bf16. Three things are fused, all bit-identical (tested): with oneDNN-packed linears
-(:mod:`common.model.linear`) each layer's q, k and v projections are one GEMM on their concatenated weights, and so
-are its gate and up projections (oneDNN's packed product of a column does not depend on the other columns); the
-rotary embedding rotates the query and key heads in one pass over the fused output; and with the native attention
-kernel, that rotation, the new key and value rows' write into the pool and the attention are one call on the fused
-output (:meth:`common.kv.native.DecodeKernel.rope_attend`, the rotation rounded op by op as PyTorch rounds it).
-Each residual add and the RMSNorm after it (the next layer's input norm, the final norm after the last) are one call
-as well where :mod:`common.kv.native.norm` agrees with PyTorch bit for bit here. The two replaced about forty PyTorch
-ops a layer: a batch-32 step of ``prism-small-llava`` 22.8 → 20.8 ms, a batch-1 step 6.7 → 5.5 ms (fp32, 2 threads,
-the same engine alternating both paths, 2026-12-05).
+families, in fp32 and bf16. Three things are fused, all bit-identical (tested): with packed linears
+(:mod:`common.model.linear`) each layer's q, k and v projections are one GEMM on their concatenated weights, and so are
+its gate and up projections (neither oneDNN's packed product of a column nor the row kernel's depends on the other
+columns); the rotary embedding rotates the query and key heads in one pass over the fused output; and with the native
+attention kernel, that rotation, the new key and value rows' write into the pool and the attention are one call on the
+fused output (:meth:`common.kv.native.DecodeKernel.rope_attend`, the rotation rounded op by op as PyTorch rounds it).
+Each residual add and the RMSNorm after it (the next layer's input norm, the final norm after the last) are one call as
+well where :mod:`common.kv.native.norm` agrees with PyTorch bit for bit here. The two replaced about forty PyTorch ops a
+layer: a batch-32 step of ``prism-small-llava`` 22.8 → 20.8 ms, a batch-1 step 6.7 → 5.5 ms (fp32, 2 threads, the same
+engine alternating both paths, 2026-12-05).
 
 Lifecycle: :meth:`DecodeForward.build` runs once per model object, when its first decode engine starts
 (:meth:`DecodeForward.shared`: kept on the language model module, so it lives and dies with the model); it checks the
@@ -74,8 +74,9 @@ def _mlp(layer: Any) -> list[torch.nn.Linear]:
 
 def _fusion_is_exact(layer: Any) -> bool:
     """Fused and separate projections agree bit for bit on this layer's own weights, at 1 and 32 rows, on this
-    machine and thread count (oneDNN's blocking is the same whatever the columns here; were it not on another CPU,
-    the step would keep the separate GEMMs rather than round differently from the model)."""
+    machine and thread count (oneDNN's blocking is the same whatever the columns here, and the row kernel sums each
+    column alone; were it not so on another CPU, the step would keep the separate GEMMs rather than round differently
+    from the model)."""
     with torch.inference_mode():
         for projections in (_attention(layer), _mlp(layer)):
             fused = Fused(projections)

@@ -1,24 +1,30 @@
-"""The CPU path of a loaded model's linear layers: oneDNN, with each weight packed once at load.
+"""The CPU path of a loaded model's linear layers: oneDNN with each weight packed once at load, and for a decode
+step's few fp32 rows a kernel of Prism's own.
 
 Why: PyTorch's ``F.linear`` in fp32 on the CPU calls MKL's ``sgemm``, and on the AMD EPYC (Zen 4) these machines have
 MKL reaches about 75–100 GFLOP/s on a batch-32 decode step's weight GEMMs (32 rows) and about 150 on 512 rows, while
 oneDNN with the weight reordered once into its blocked layout reaches about 160–175 and 213 on the same two cores
-(``python -m loadtest.bench_decode`` records both, ``b32_weight_gemm_ms`` and ``b32_weight_gemm_ms_torch``). The
-packed path also gives each row the same result whatever the batch size (MKL's 32-row kernel rounds row 0
-differently from its 1-row kernel), so a batched step computes what the same sequence alone would.
+(``python -m loadtest.bench_decode`` records each path, ``b32_weight_gemm_ms``, ``b32_weight_gemm_ms_onednn`` and
+``b32_weight_gemm_ms_torch``). oneDNN stays the path for many rows (encode, prefill). A call of at most 32 fp32 rows
+(a decode step's) takes :mod:`common.model.row_gemm` instead where it runs (AVX-512): on the 2-core Xeon of 2026-12-05
+a decode step's weight GEMMs ran about a quarter faster at 1 and 8 rows and about a tenth at 32, and a row gets the
+same bits whatever the batch — which oneDNN did not give at 1408 inputs (a 1-row call rounded differently from a
+row among 5 or more), nor MKL (its 32-row kernel rounds row 0 differently from its 1-row kernel). So a batched step
+computes what the same sequence alone would.
 
 Lifecycle: :func:`pack_linears` runs once in :func:`common.model.loader.load_model`, after the weights are loaded and
 before any stage sees the model. Each plain ``nn.Linear`` (subclasses are left alone) whose weight is fp32 or bf16 on
 the CPU becomes a :class:`PackedLinear` (its class is swapped in place: the same module, parameters, ``state_dict``
-and hooks) holding the packed copy beside its weight; its ``forward`` runs oneDNN's linear on that copy. The weights
+and hooks) holding a :class:`PackedWeight` beside its weight; its ``forward`` computes through it. The weights
 are read-only from then on (the loader's contract already); a module moved or cast (``.to()``) or given a state dict
 packs again (or, off the CPU or in another dtype, becomes a plain ``nn.Linear`` again), and a call with autograd
 recording or an input of another dtype takes ``F.linear`` (oneDNN's op records no gradient and does not check
-dtypes). Cost: every
-packed layer's weight is held twice (dense and blocked) — 97 MB more for ``prism-small-llava``'s language model in
-fp32. ``model.cpu_linear: torch`` keeps PyTorch's own path (and the memory); so do a build without oneDNN, other
-devices and other dtypes. A layer whose weight is tied to another module (an embedding) is packed too: the packed
-copy only changes how the product is computed.
+dtypes). Cost: every packed layer's weight is held twice (dense and blocked) — 97 MB more for ``prism-small-llava``'s
+language model in fp32 — and a layer called with a few fp32 rows a third time, as the row kernel's panels (made on
+that first call: 104 MB for that model's decode step, :mod:`common.model.row_gemm`). ``model.cpu_linear: torch``
+keeps PyTorch's own path (and the memory); so do a build without oneDNN, other devices and other dtypes;
+``PRISM_NATIVE_GEMM=0`` keeps oneDNN for every call. A layer whose weight is tied to another module (an embedding) is
+packed too: the packed copy only changes how the product is computed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from common.model.row_gemm import MAX_ROWS, load_row_gemm
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +46,7 @@ copy (measured: one packed for 32 rows serves 1 row as fast as one packed for 1)
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` computing through oneDNN on its packed weight (``packed``), set by :func:`pack_linears`."""
 
-    packed: torch.Tensor
+    packed: PackedWeight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
@@ -62,16 +70,50 @@ class PackedLinear(torch.nn.Linear):
             pack(self)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (``[out, in]``) reordered once into oneDNN's blocked layout for :func:`packed_product`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+class PackedWeight:
+    """A weight in the layouts its products read: oneDNN's blocked copy (``onednn``) for every call, and for an fp32
+    weight where :mod:`common.kv.native.row_gemm` runs here, its panels for calls of at most
+    :data:`~common.kv.native.row_gemm.MAX_ROWS` rows — made on the first such call, so only layers a decode step
+    calls hold them."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        self.out_features, self.in_features = weight.shape
+        self.rows = weight.dtype == torch.float32
+        """Whether calls of a few rows may take the row kernel (fp32 only)."""
+        self._source: torch.Tensor | None = weight if self.rows else None  # (the panels' source, let go once made)
+        self._panels: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.onednn.dtype
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``: the row kernel for a few fp32 rows where it runs, else oneDNN."""
+        # (contiguous: oneDNN reads a 2-D input with transposed strides as if it were row-major — checked, wrong
+        # products — and it is a no-op on the contiguous activations a model passes)
+        x = x.contiguous()
+        if self.rows and x.dtype == torch.float32 and 0 < x.numel() <= MAX_ROWS * self.in_features:
+            kernel = load_row_gemm()
+            if kernel is not None:
+                panels = self._panels
+                if panels is None:  # (two threads may both pack: the same bits, one kept)
+                    panels = self._panels = kernel.pack(self._source)
+                    self._source = None
+                out = kernel.product(x.view(-1, self.in_features), panels, self.out_features, bias)
+                if out is not None:
+                    return out.view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
 
 
-def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through oneDNN on the weight's :func:`pack_weight` copy."""
-    # (contiguous: oneDNN reads a 2-D input with transposed strides as if it were row-major — checked, wrong
-    # products — and it is a no-op on the contiguous activations a model passes)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` (``[out, in]``) packed for :func:`packed_product`."""
+    return PackedWeight(weight)
+
+
+def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the weight's :func:`pack_weight` copies."""
+    return packed.product(x, bias)
 
 
 def available() -> bool:
@@ -119,7 +161,7 @@ def _works(dtype: torch.dtype) -> bool:
     try:
         w = torch.linspace(-1, 1, 64 * 48).view(48, 64).to(dtype)
         x = torch.linspace(1, -1, 3 * 64).view(3, 64).to(dtype)
-        got = packed_product(x, pack_weight(w), None)
+        got = torch.ops.mkldnn._linear_pointwise(x, pack_weight(w).onednn, None, "none", [], "")
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return bool(torch.allclose(got.float(), torch.nn.functional.linear(x, w).float(), rtol=tol, atol=tol))
     except RuntimeError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from common.model.row_gemm import load_row_gemm
 from loadtest import bench_decode
 
 
@@ -30,7 +31,10 @@ def test_bench_decode_reports_each_dtype_and_fp32_is_token_exact(model_cache, tm
             assert row["bound"] == ("memory" if floor == row["memory_floor_ms"] else "compute")
         assert figures["prefill"]["flops_per_s"] > 0 and figures["b32_weight_gemm_ms"] > 0
         assert figures["read_bytes_per_s"] > 0 and figures["decode_speedup_32_vs_engine_b1"] > 0
-        assert figures["linear_path"] == "onednn" and figures["b32_weight_gemm_ms_torch"] > 0  # (both paths timed)
+        assert figures["b32_weight_gemm_ms_onednn"] > 0 and figures["b32_weight_gemm_ms_torch"] > 0  # (each path timed)
+    rows = "row kernel + onednn" if load_row_gemm() is not None else "onednn"  # (the kernel needs AVX-512)
+    assert result["dtypes"]["float32"]["linear_path"] == rows
+    assert result["dtypes"]["bfloat16"]["linear_path"] == "onednn"
     fp32 = result["dtypes"]["float32"]
     assert fp32["attention_paths_b32_step_ms"]["native"] > 0 and fp32["attention_paths_b32_step_ms"]["pytorch"] > 0
     for pair in ("b32_vs_generate", "b32_vs_b1", "b1_vs_generate"):

@@ -1,0 +1,105 @@
+"""fp32 products of a decode step's few rows in C: ``F.linear``'s to rounding, each row the same bits in any batch and
+beside any columns, checked before use; every way it can be unavailable leaves oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.model import linear, row_gemm
+from common.model.linear import PackedLinear, pack
+
+AVX512 = "avx512f" in open("/proc/cpuinfo").read()
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    found = row_gemm.load_row_gemm()
+    if not AVX512:
+        assert found is None
+        pytest.skip("this CPU has no AVX-512: the kernel is not used (oneDNN for every linear)")
+    assert found is not None, "a C compiler and AVX-512 are on this machine: the kernel must build and pass its check"
+    return found
+
+
+@pytest.mark.parametrize("n,k", [(1408, 512), (512, 1408), (4096, 512), (70, 200), (17, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_are_f_linears_and_a_row_is_the_same_in_any_batch(kernel, n, k, bias):
+    gen = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=gen) / k**0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(row_gemm.MAX_ROWS, k, generator=gen)
+    panels = kernel.pack(weight)
+    assert panels.shape == (-(-n // row_gemm.PANEL), k, row_gemm.PANEL)
+    full = kernel.product(x, panels, n, b)
+    torch.testing.assert_close(full, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    for rows in (1, 2, 13, 14, 15, 31):
+        assert torch.equal(kernel.product(x[:rows].contiguous(), panels, n, b), full[:rows])
+
+
+def test_a_column_does_not_depend_on_the_columns_beside_it(kernel):
+    """What lets the decode step fuse q|k|v and gate|up into one product each: every projection's own bits."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randn(n, 256, generator=gen) for n in (512, 128, 128)]
+    x = torch.randn(9, 256, generator=gen)
+    fused = kernel.product(x, kernel.pack(torch.cat(parts)), 768, None)
+    alone = torch.cat([kernel.product(x, kernel.pack(w), w.shape[0], None) for w in parts], dim=-1)
+    assert torch.equal(fused, alone)
+
+
+def test_the_thread_count_does_not_change_a_bit(kernel):
+    gen = torch.Generator().manual_seed(4)
+    weight, x = torch.randn(1024, 512, generator=gen), torch.randn(32, 512, generator=gen)
+    panels = kernel.pack(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.product(x, panels, 1024, None)
+        torch.set_num_threads(2)
+        two = kernel.product(x, panels, 1024, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_calls_it_does_not_take_return_none(kernel):
+    panels = kernel.pack(torch.randn(64, 32))
+    assert kernel.product(torch.randn(row_gemm.MAX_ROWS + 1, 32), panels, 64, None) is None  # (too many rows)
+    assert kernel.product(torch.randn(4, 32, dtype=torch.float64), panels, 64, None) is None
+    assert kernel.product(torch.randn(32, 4).t(), panels, 64, None) is None  # (not contiguous)
+    assert kernel.product(torch.randn(4, 16), panels, 64, None) is None  # (another input width)
+    assert kernel.product(torch.randn(4, 32), panels, 64, torch.ones(63)) is None  # (a bias of another width)
+
+
+def test_turned_off_or_without_a_compiler_there_is_no_kernel(monkeypatch):
+    row_gemm.load_row_gemm.cache_clear()
+    try:
+        monkeypatch.setenv("PRISM_NATIVE_GEMM", "0")
+        assert row_gemm.load_row_gemm() is None
+        monkeypatch.delenv("PRISM_NATIVE_GEMM")
+        monkeypatch.setattr(row_gemm, "compiler", lambda: None)
+        assert row_gemm.load_row_gemm() is None
+    finally:
+        row_gemm.load_row_gemm.cache_clear()
+
+
+def test_a_packed_layer_takes_the_kernel_for_a_few_fp32_rows_and_onednn_for_more(kernel, monkeypatch):
+    torch.manual_seed(0)
+    stock = torch.nn.Linear(1408, 512)
+    packed = pack(torch.nn.Linear(1408, 512))
+    packed.load_state_dict(stock.state_dict())
+    assert isinstance(packed, PackedLinear)
+    assert row_gemm.load_row_gemm() is not None  # (loaded and checked before the calls are counted)
+    calls = []
+    product = row_gemm.RowGemm.product
+    monkeypatch.setattr(row_gemm.RowGemm, "product", lambda self, *a: calls.append(a[0].shape[0]) or product(self, *a))
+    x = torch.randn(300, 1408)
+    with torch.inference_mode():
+        few, many = packed(x[:32]), packed(x)
+        torch.testing.assert_close(few, stock(x[:32]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(many, stock(x), rtol=1e-5, atol=1e-5)
+        assert calls == [32]  # (300 rows: oneDNN)
+        assert torch.equal(packed(x[:1]), few[:1])  # (oneDNN rounded this row differently alone, at 1408 inputs)
+        monkeypatch.setattr(linear, "load_row_gemm", lambda: None)
+        torch.testing.assert_close(packed(x[:32]), few, rtol=1e-5, atol=1e-5)  # (oneDNN when there is no kernel)
+    assert calls == [32, 1]
