@@ -27,7 +27,9 @@ class ModelConfig(Strict):
     cpu_linear: Literal["onednn", "torch"] = "onednn"
     """How the model's linear layers compute on the CPU: ``onednn`` packs each fp32/bf16 weight once at load into
     oneDNN's blocked layout and computes through it (about 2× PyTorch's fp32 path on a batch-32 decode step's GEMMs
-    here; every such weight is then held twice: :mod:`common.model.linear`); ``torch``: PyTorch's own ``F.linear``."""
+    here; every such weight is then held twice), a call of at most 32 fp32 rows through Prism's row kernel where the
+    CPU has AVX-512 (a third copy of those weights: :mod:`common.model.linear`); ``torch``: PyTorch's own
+    ``F.linear``."""
     transport: Literal["object_store", "nixl"] | None = None
     """How this model's visual embeddings (encode → prefill) and KV (prefill → decode) move; ``None``: the
     application's ``server.transport``. Each model of a several-model application may choose its own."""

@@ -50,7 +50,8 @@ without bias), rotary embedding from the model's ``rotary_emb``, attention, o pr
 
 
 class Fused:
-    """One GEMM over several projections' concatenated weights (and biases), packed for oneDNN."""
+    """One GEMM over several projections' concatenated weights (and biases), packed as a linear's
+    (:class:`common.model.linear.PackedWeight`)."""
 
     def __init__(self, layers: list[torch.nn.Linear]):
         weight = torch.cat([m.weight.detach() for m in layers])
@@ -130,7 +131,7 @@ class DecodeForward:
     @classmethod
     def build(cls, lang: Any) -> DecodeForward | None:
         """The lean forward for ``lang``, or ``None`` where it would not be the model's own (see the module
-        docstring). Fused GEMMs where every projection is a oneDNN-packed linear."""
+        docstring). Fused GEMMs where every projection is a packed linear."""
         layers = getattr(lang, "layers", None)
         if not layers or any(type(layer) not in DECODER_LAYERS for layer in layers):
             return None

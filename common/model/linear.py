@@ -6,11 +6,11 @@ MKL reaches about 75–100 GFLOP/s on a batch-32 decode step's weight GEMMs (32 
 oneDNN with the weight reordered once into its blocked layout reaches about 160–175 and 213 on the same two cores
 (``python -m loadtest.bench_decode`` records each path, ``b32_weight_gemm_ms``, ``b32_weight_gemm_ms_onednn`` and
 ``b32_weight_gemm_ms_torch``). oneDNN stays the path for many rows (encode, prefill). A call of at most 32 fp32 rows
-(a decode step's) takes :mod:`common.model.row_gemm` instead where it runs (AVX-512): on the 2-core Xeon of 2026-12-05
-a decode step's weight GEMMs ran about a quarter faster at 1 and 8 rows and about a tenth at 32, and a row gets the
-same bits whatever the batch — which oneDNN did not give at 1408 inputs (a 1-row call rounded differently from a
-row among 5 or more), nor MKL (its 32-row kernel rounds row 0 differently from its 1-row kernel). So a batched step
-computes what the same sequence alone would.
+(a decode step's) takes :mod:`common.model.row_gemm` instead where it runs (AVX-512): on the 2-core Xeon of
+2026-12-05 a whole decode step ran about 27 % faster at 1 and 8 rows and about 8 % at 32, and a row gets the same bits
+in any batch of up to 32 rows — which oneDNN did not give at 1408 inputs (a 1-row call rounded differently from a row
+among 5 or more), nor MKL (its 32-row kernel rounds row 0 differently from its 1-row kernel). So a batched step of up
+to 32 sequences computes what each sequence alone would.
 
 Lifecycle: :func:`pack_linears` runs once in :func:`common.model.loader.load_model`, after the weights are loaded and
 before any stage sees the model. Each plain ``nn.Linear`` (subclasses are left alone) whose weight is fp32 or bf16 on
@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from common.model.row_gemm import MAX_ROWS, load_row_gemm
+from common.model.row_gemm import MAX_ROWS, RowGemm, load_row_gemm
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ copy (measured: one packed for 32 rows serves 1 row as fast as one packed for 1)
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` computing through oneDNN on its packed weight (``packed``), set by :func:`pack_linears`."""
+    """An ``nn.Linear`` computing through its packed weight (``packed``: oneDNN, or the row kernel for a few fp32
+    rows), set by :func:`pack_linears`."""
 
     packed: PackedWeight
 
@@ -72,8 +73,8 @@ class PackedLinear(torch.nn.Linear):
 
 class PackedWeight:
     """A weight in the layouts its products read: oneDNN's blocked copy (``onednn``) for every call, and for an fp32
-    weight where :mod:`common.kv.native.row_gemm` runs here, its panels for calls of at most
-    :data:`~common.kv.native.row_gemm.MAX_ROWS` rows — made on the first such call, so only layers a decode step
+    weight where :mod:`common.model.row_gemm` runs here, its panels for calls of at most
+    :data:`~common.model.row_gemm.MAX_ROWS` rows — made on the first such call, so only layers a decode step
     calls hold them."""
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -88,19 +89,25 @@ class PackedWeight:
     def dtype(self) -> torch.dtype:
         return self.onednn.dtype
 
+    def _row_panels(self, kernel: RowGemm) -> torch.Tensor:
+        """The weight's panels for the row kernel, made on the first call that needs them."""
+        panels, source = self._panels, self._source
+        if panels is None:
+            if source is None:  # (another thread made them between the two reads above)
+                return self._panels  # type: ignore[return-value]
+            panels = self._panels = kernel.pack(source)  # (two threads may both pack: the same bits, one kept)
+            self._source = None
+        return panels
+
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: the row kernel for a few fp32 rows where it runs, else oneDNN."""
         # (contiguous: oneDNN reads a 2-D input with transposed strides as if it were row-major — checked, wrong
         # products — and it is a no-op on the contiguous activations a model passes)
         x = x.contiguous()
-        if self.rows and x.dtype == torch.float32 and 0 < x.numel() <= MAX_ROWS * self.in_features:
-            kernel = load_row_gemm()
+        if self.rows and x.dtype == torch.float32 and x.shape[-1] == self.in_features:
+            kernel = load_row_gemm() if 0 < x.numel() <= MAX_ROWS * self.in_features else None
             if kernel is not None:
-                panels = self._panels
-                if panels is None:  # (two threads may both pack: the same bits, one kept)
-                    panels = self._panels = kernel.pack(self._source)
-                    self._source = None
-                out = kernel.product(x.view(-1, self.in_features), panels, self.out_features, bias)
+                out = kernel.product(x.view(-1, self.in_features), self._row_panels(kernel), self.out_features, bias)
                 if out is not None:
                     return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
@@ -152,6 +159,8 @@ def pack_linears(model: torch.nn.Module) -> int:
     if usable != dtypes:
         log.warning("oneDNN's packed linear is not usable here for some layers; they keep PyTorch's linear")
     packed = [pack(m) for m in layers if m.weight.dtype in usable]
+    if torch.float32 in usable:
+        load_row_gemm()  # (built and checked at load, not in the first request that decodes)
     return len(packed)
 
 

@@ -2,16 +2,16 @@
  *
  * Why: a batched decode step multiplies 1 to 32 rows by every weight of the model, so its GEMMs are as much a
  * stream of weights out of memory as arithmetic, and oneDNN's kernels, shaped for many rows, ran them at about half
- * the machine's FMA rate on the 2-core Xeon (common/model/linear.py has the figures). Here the weight is packed
+ * the machine's FMA rate on the 2-core Xeon (common/model/row_gemm.py has the figures). Here the weight is packed
  * once into panels of 32 output columns, k-major ([panel][k][32]: one 128-byte line pair per k), and each panel is
  * read from memory once per call, while the next panels are prefetched into L2, by up to 14 rows at a time held in
  * 28 AVX-512 accumulators.
  *
  * Exactness: every output element is one chain of fused multiply-adds over k = 0, 1, … K-1 from zero, then the bias
  * added once. That order does not depend on how many rows share the call, how rows are tiled, which columns sit
- * beside it, or how many threads split the panels: a row's product is the same bits in any batch (a batched decode
- * step computes what each sequence alone would) and a fused q|k|v or gate|up weight gives each projection's own
- * bits. Threads: PyTorch's OpenMP pool (the same libgomp), each taking a contiguous run of panels.
+ * beside it, or how many threads split the panels: a row's product is the same bits in any call this kernel takes
+ * (at most 32 rows: a batched decode step computes what each sequence alone would) and a fused q|k|v or gate|up
+ * weight gives each projection's own bits. Threads: PyTorch's OpenMP pool (the same libgomp), each taking a contiguous run of panels.
  *
  * Without AVX-512 the library builds but row_gemm_fast_path() returns 0 and the caller keeps oneDNN.
  */
@@ -25,18 +25,21 @@
 #define MR_MAX 14  /* rows per tile: 28 accumulators + 2 weight vectors of the 32 registers */
 #define PF_PANELS 1
 
-/* One tile of mr rows against one panel. pf: lines of a later panel to prefetch into L2 during this tile (lpk per k,
- * up to pf_end), so that its read from memory overlaps this tile's arithmetic. */
-static inline void tile(int mr, int64_t K, const float *x, int64_t ldx, const float *panel, float *out, int64_t ldo,
-                        const float *bias, __mmask16 m0, __mmask16 m1, const char *pf, int lpk, const char *pf_end) {
+/* One tile of mr rows against one panel. pf: a later panel (pf_bytes long) whose lines from byte pf_from on this tile
+ * prefetches into L2, lpk per k, so that its read from memory overlaps this tile's arithmetic. Inlined with mr a
+ * constant, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const float *x, int64_t ldx,
+                                                       const float *panel, float *out, int64_t ldo, const float *bias,
+                                                       __mmask16 m0, __mmask16 m1, const char *pf, int64_t pf_from,
+                                                       int lpk, int64_t pf_bytes) {
     __m512 acc[MR_MAX][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const __m512 w0 = _mm512_loadu_ps(panel + k * NR), w1 = _mm512_loadu_ps(panel + k * NR + 16);
-        if (pf) {
-            const char *line = pf + k * lpk * 64;
-            if (line < pf_end) _mm_prefetch(line, _MM_HINT_T1);
-            if (lpk > 1 && line + 64 < pf_end) _mm_prefetch(line + 64, _MM_HINT_T1);
+        if (pf) { /* (offsets, not pointers, are compared: no pointer is formed past the panel) */
+            const int64_t line = pf_from + k * lpk * 64;
+            if (line < pf_bytes) _mm_prefetch(pf + line, _MM_HINT_T1);
+            if (lpk > 1 && line + 64 < pf_bytes) _mm_prefetch(pf + line + 64, _MM_HINT_T1);
         }
         for (int r = 0; r < mr; r++) {
             const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
@@ -60,15 +63,15 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
     const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
     const int tiles = (int)((M + MR_MAX - 1) / MR_MAX), lpk = tiles == 1 ? 2 : 1; /* (a panel is 2·K lines) */
-    const char *pf_end = pf ? pf + K * NR * (int64_t)sizeof(float) : 0;
+    const int64_t pf_bytes = K * NR * (int64_t)sizeof(float);
     int t = 0;
     for (int64_t m = 0; m < M; t++) {
         const int64_t left = M - m, left_tiles = (left + MR_MAX - 1) / MR_MAX;
         const int mr = (int)((left + left_tiles - 1) / left_tiles);
-        const char *tile_pf = pf ? pf + (int64_t)t * K * lpk * 64 : 0;
+        const int64_t pf_from = (int64_t)t * K * lpk * 64;
         const float *b = bias ? bias + col : 0;
 #define TILE(R) \
-    case R: tile(R, K, x + m * K, K, panel, out + m * N + col, N, b, m0, m1, tile_pf, lpk, pf_end); break;
+    case R: tile(R, K, x + m * K, K, panel, out + m * N + col, N, b, m0, m1, pf, pf_from, lpk, pf_bytes); break;
         switch (mr) {
             TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7)
             TILE(8) TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) TILE(14)
@@ -83,7 +86,8 @@ int row_gemm_fast_path(void) { return 1; }
 /* x [M, K] row-major, packed [ceil(N/32)][K][32] (columns past N zero), bias [N] or NULL, out [M, N]. */
 int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
                  int64_t K, int threads) {
-    if (M <= 0 || N <= 0 || K <= 0) return M < 0 || N < 0 || K < 0;
+    if (M < 0 || N < 0 || K <= 0) return 1; /* (no inputs: the caller's other path gives the bias) */
+    if (M == 0 || N == 0) return 0;
     const int64_t panels = (N + NR - 1) / NR;
     if (threads < 1) threads = 1;
     if (threads > panels) threads = (int)panels;

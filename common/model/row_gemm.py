@@ -1,5 +1,5 @@
 """fp32 linear products of a few rows (``row_gemm.c``): a decode step's weight GEMMs, a row the same bits in any
-batch.
+batch of up to :data:`MAX_ROWS`.
 
 Why: a decode step multiplies at most a batch of rows (32 by default) by every weight of the model. oneDNN's packed
 kernels (:mod:`common.model.linear`), shaped for many rows, ran ``prism-small-llava``'s weight GEMMs on 32 rows at
@@ -7,7 +7,9 @@ about half the machine's FMA rate, and on 1408-column inputs rounded a 1-row cal
 more (measured on the 2-core Xeon of 2026-12-05): a sequence's down projection then depended on its batch. The C
 kernel streams each weight once per call in panels of 32 columns and sums every output in one fixed order — a chain
 of fused multiply-adds over the inputs from the first, then the bias — so a row's product does not depend on the
-rows, columns or threads beside it (tested: 1 to 32 rows, fused and separate projections).
+rows, columns or threads beside it (tested: 1 to 32 rows, fused and separate projections). Calls of more rows go to
+oneDNN, so a decode batch over 32 (``engine.max_batch``) or a prefill chunk rounds as oneDNN does. Measured only on
+the Xeon; a CPU with AVX-512 elsewhere (AMD Zen 4) uses it too, checked but not timed there.
 
 Lifecycle: :func:`load_row_gemm` builds ``row_gemm.c`` on first use (once per machine, cached:
 :mod:`common.native_build`) and checks it once per process against ``F.linear`` (to fp32 rounding) and against
@@ -31,7 +33,7 @@ import torch
 
 from common.native_build import EXACT, compiler, load_library
 
-log = logging.getLogger("prism.kv.native")
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_gemm.c")
 PANEL = 32
@@ -65,6 +67,8 @@ class RowGemm:
         """``x`` ``[rows, k]`` (fp32, contiguous) times the packed weight, plus ``bias``: ``[rows, n]``; ``None`` where
         the kernel does not take the call (the caller computes it another way)."""
         rows, k = x.shape
+        if k == 0:  # (no inputs: the product is the bias alone, which the caller's other path gives)
+            return None
         if panels.shape != (-(-n // PANEL), k, PANEL) or (bias is not None and not _plain(bias, (n,))):
             return None
         if not _plain(x, (rows, k)) or rows > MAX_ROWS:
@@ -99,7 +103,8 @@ def agrees(kernel: RowGemm) -> bool:
         if full is None or not torch.allclose(full, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4):
             return False
         for rows in (1, 5, 17):
-            if not torch.equal(kernel.product(x[:rows].contiguous(), panels, n, bias), full[:rows]):
+            part = kernel.product(x[:rows].contiguous(), panels, n, bias)
+            if part is None or not torch.equal(part, full[:rows]):
                 return False
         plain = kernel.product(x, panels, n, None)
         if plain is None or not torch.allclose(plain, x @ weight.T, rtol=1e-4, atol=1e-4):

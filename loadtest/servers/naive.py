@@ -8,7 +8,7 @@ processed in that thread too, never on the event loop), torch at one thread as P
 boundaries and make the baseline's inter-token latency look burstier than its model is), the usage chunk counting
 tokens, not chunks; the tokens reach the event loop from the generating thread directly (no thread pool reads them).
 Images come as data URLs. No caches, no admission control. ``make bench`` warms it up like the other servers. Its
-linear layers compute as Prism's stages do (oneDNN, weights packed once: :mod:`common.model.linear`), so the two
+linear layers compute as Prism's stages do (weights packed once: :mod:`common.model.linear`), so the two
 differ in how they serve, not in their GEMM library.
 ``python -m loadtest.servers.naive --model prism-small-llava --port 8102``.
 """

@@ -1,6 +1,7 @@
 /* bf16 for Prism's C sources: the high half of an fp32. Widening is exact; narrowing rounds to nearest even, as
  * PyTorch rounds an fp32 result to bf16, and keeps a NaN a NaN. The fp32 pair is the identity, so one macro-generated
- * function serves both element types. (common/native_build.py's cache key holds this header too: a change here rebuilds.)
+ * function serves both element types. (common/native_build.py's cache key holds this header too: a change here
+ * rebuilds.)
  */
 #ifndef PRISM_BF16_H
 #define PRISM_BF16_H

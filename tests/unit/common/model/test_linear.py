@@ -1,5 +1,5 @@
-"""oneDNN-packed linear layers (:mod:`common.model.linear`): the products of PyTorch's ``F.linear`` to rounding, the
-same row whatever the batch, packed at load by default and not with ``cpu_linear: torch``."""
+"""Packed linear layers (:mod:`common.model.linear`): the products of PyTorch's ``F.linear`` to rounding, the same
+row whatever the batch (up to 32 rows), packed at load by default and not with ``cpu_linear: torch``."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import torch
 
 from common.model import linear, row_gemm
 from common.model.linear import PackedLinear, pack
+from common.native_build import EXACT, compiler, load_library
 
 AVX512 = "avx512f" in open("/proc/cpuinfo").read()
 
@@ -48,18 +49,20 @@ def test_a_column_does_not_depend_on_the_columns_beside_it(kernel):
 
 
 def test_the_thread_count_does_not_change_a_bit(kernel):
+    """(1000 columns: the last panel, 8 columns wide, falls to the last thread in every split.)"""
     gen = torch.Generator().manual_seed(4)
-    weight, x = torch.randn(1024, 512, generator=gen), torch.randn(32, 512, generator=gen)
+    weight, x = torch.randn(1000, 512, generator=gen), torch.randn(32, 512, generator=gen)
     panels = kernel.pack(weight)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel.product(x, panels, 1024, None)
+        one = kernel.product(x, panels, 1000, None)
         torch.set_num_threads(2)
-        two = kernel.product(x, panels, 1024, None)
+        two = kernel.product(x, panels, 1000, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+    torch.testing.assert_close(one, x @ weight.T, rtol=1e-4, atol=1e-4)
 
 
 def test_calls_it_does_not_take_return_none(kernel):
@@ -69,6 +72,8 @@ def test_calls_it_does_not_take_return_none(kernel):
     assert kernel.product(torch.randn(32, 4).t(), panels, 64, None) is None  # (not contiguous)
     assert kernel.product(torch.randn(4, 16), panels, 64, None) is None  # (another input width)
     assert kernel.product(torch.randn(4, 32), panels, 64, torch.ones(63)) is None  # (a bias of another width)
+    assert kernel.product(torch.randn(4, 32), panels, 64, torch.ones(64, dtype=torch.float64)) is None
+    assert kernel.product(torch.randn(4, 0), kernel.pack(torch.randn(64, 0)), 64, None) is None  # (no inputs)
 
 
 def test_turned_off_or_without_a_compiler_there_is_no_kernel(monkeypatch):
@@ -103,3 +108,23 @@ def test_a_packed_layer_takes_the_kernel_for_a_few_fp32_rows_and_onednn_for_more
         monkeypatch.setattr(linear, "load_row_gemm", lambda: None)
         torch.testing.assert_close(packed(x[:32]), few, rtol=1e-5, atol=1e-5)  # (oneDNN when there is no kernel)
     assert calls == [32, 1]
+
+
+def test_a_build_without_avx512_says_so_and_takes_no_call():
+    """What a CPU without AVX-512 gets: the library builds, reports no fast path, and refuses every call, so
+    ``load_row_gemm`` gives ``None`` and oneDNN computes."""
+    library, _ = load_library(row_gemm.SOURCE, compiler(), (*EXACT, "-mno-avx512f"))
+    assert library.row_gemm_fast_path() == 0
+    assert library.row_gemm_f32(None, None, None, None, 1, 1, 1, 1) == 1
+
+
+def test_without_the_kernel_a_packed_layer_computes_through_onednn(monkeypatch):
+    monkeypatch.setattr(linear, "load_row_gemm", lambda: None)
+    torch.manual_seed(1)
+    stock = torch.nn.Linear(512, 70)
+    packed = pack(torch.nn.Linear(512, 70))
+    packed.load_state_dict(stock.state_dict())
+    x = torch.randn(7, 512)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), stock(x), rtol=1e-5, atol=1e-5)
+    assert packed.packed._panels is None  # (no panels made)
