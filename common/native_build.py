@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -32,10 +33,32 @@ EXACT = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC")
 reorder sums and turn divisions into reciprocals) and no fused multiply-adds."""
 LINK = ("-shared", "-fopenmp")  # (no -ffast-math here: see the module docstring)
 
+log = logging.getLogger("prism.native")
+
 
 def compiler() -> str | None:
     """``$CC``, else ``cc`` or ``gcc`` on the path; ``None`` when there is none."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def load_optional(
+    source: Path, switch: str, what: str, instead: str, flags: tuple[str, ...] = COMPILE
+) -> tuple[ctypes.CDLL, Path] | None:
+    """``source`` built and loaded (:func:`load_library`) for a kernel that has a slower path beside it, or ``None``
+    where it will not be: the environment variable ``switch`` is ``0``, there is no compiler, or no cache folder can
+    build it — each logged once, naming ``what`` and what runs ``instead``."""
+    if os.environ.get(switch, "1") == "0":
+        log.info("%s turned off (%s=0): %s", what, switch, instead)
+        return None
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler found: %s unavailable, %s", what, instead)
+        return None
+    try:
+        return load_library(source, cc, flags)
+    except RuntimeError as exc:
+        log.warning("%s unavailable (%s): %s", what, exc, instead)
+        return None
 
 
 def load_library(source: Path, compiler: str, flags: tuple[str, ...] = COMPILE) -> tuple[ctypes.CDLL, Path]:

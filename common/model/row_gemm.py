@@ -26,12 +26,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from common.native_build import EXACT, compiler, load_library
+from common.native_build import EXACT, load_optional
 
 log = logging.getLogger(__name__)
 
@@ -115,17 +114,10 @@ def agrees(kernel: RowGemm) -> bool:
 @functools.cache
 def load_row_gemm() -> RowGemm | None:
     """The kernel, built and checked once per process, or ``None`` (see the module docstring)."""
-    if os.environ.get("PRISM_NATIVE_GEMM", "1") == "0":
-        log.info("native row GEMM turned off (PRISM_NATIVE_GEMM=0): oneDNN for every linear")
+    loaded = load_optional(SOURCE, "PRISM_NATIVE_GEMM", "native row GEMM", "oneDNN for every linear", EXACT)
+    if loaded is None:
         return None
-    cc = compiler()
-    if cc is None:
-        return None
-    try:
-        library, _ = load_library(SOURCE, cc, EXACT)
-    except RuntimeError as exc:
-        log.warning("native row GEMM unavailable (%s): oneDNN for every linear", exc)
-        return None
+    library, _ = loaded
     if not library.row_gemm_fast_path():
         log.info("native row GEMM needs AVX-512, which this CPU lacks: oneDNN for every linear")
         return None

@@ -24,12 +24,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from common.native_build import compiler, load_library
+from common.native_build import load_optional
 
 log = logging.getLogger("prism.kv.native")
 
@@ -170,18 +169,12 @@ def _rope_inputs(qkv, cos, sin, keys, values, tables, lengths, q_heads: int) -> 
 @functools.cache
 def load_decode_kernel() -> DecodeKernel | None:
     """The kernel, built on first use (once per process; the build itself once per machine), or ``None``."""
-    if os.environ.get("PRISM_NATIVE_ATTENTION", "1") == "0":
-        log.info("native decode attention turned off (PRISM_NATIVE_ATTENTION=0): PyTorch per-sequence attention")
+    loaded = load_optional(
+        SOURCE, "PRISM_NATIVE_ATTENTION", "native decode attention", "PyTorch's per-sequence path (slower)"
+    )
+    if loaded is None:
         return None
-    cc = compiler()
-    if cc is None:
-        log.warning("no C compiler found: decode attention stays on PyTorch's per-sequence path (slower)")
-        return None
-    try:
-        kernel = DecodeKernel(*load_library(SOURCE, cc))
-    except RuntimeError as exc:
-        log.warning("native decode attention unavailable (%s): PyTorch's per-sequence path (slower)", exc)
-        return None
+    kernel = DecodeKernel(*loaded)
     kernel.rope_exact = rope_agrees(kernel)
     if not kernel.rope_exact:
         log.warning(

@@ -17,12 +17,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from common.native_build import EXACT, compiler, load_library
+from common.native_build import EXACT, load_optional
 
 log = logging.getLogger("prism.kv.native")
 
@@ -118,17 +117,10 @@ def agrees(kernel: NormKernel, hidden: int, eps: float = 1e-6) -> bool:
 @functools.cache
 def load_norm_kernel(hidden: int) -> NormKernel | None:
     """The kernel for rows of ``hidden``, checked against PyTorch here (once per process and width), or ``None``."""
-    if os.environ.get("PRISM_NATIVE_NORM", "1") == "0":
-        log.info("native RMSNorm turned off (PRISM_NATIVE_NORM=0): PyTorch's ops")
+    loaded = load_optional(SOURCE, "PRISM_NATIVE_NORM", "native RMSNorm", "PyTorch's ops", EXACT)
+    if loaded is None:
         return None
-    cc = compiler()
-    if cc is None:
-        return None
-    try:
-        library, _ = load_library(SOURCE, cc, EXACT)
-    except RuntimeError as exc:
-        log.warning("native RMSNorm unavailable (%s): PyTorch's ops", exc)
-        return None
+    library, _ = loaded
     with torch.inference_mode():
         for lanes in LANES:
             kernel = NormKernel(library, lanes)

@@ -198,7 +198,7 @@ def test_without_the_kernel_the_loader_says_why_and_returns_none(tmp_path, monke
     monkeypatch.setenv("PRISM_NATIVE_CACHE", str(tmp_path / "fresh"))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    with caplog.at_level(logging.INFO, logger="prism.kv.native"):
+    with caplog.at_level(logging.INFO, logger="prism.native"):  # (common.native_build.load_optional says why)
         assert native.load_decode_kernel.__wrapped__() is None
     assert message in caplog.text
 

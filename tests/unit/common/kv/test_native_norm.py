@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common import native_build
 from common.kv.native import norm
 from common.native_build import EXACT, compiler, load_library
 
@@ -55,7 +56,7 @@ def test_turned_off_or_without_a_compiler_there_is_no_kernel(monkeypatch):
         monkeypatch.setenv("PRISM_NATIVE_NORM", "0")
         assert norm.load_norm_kernel(512) is None
         monkeypatch.delenv("PRISM_NATIVE_NORM")
-        monkeypatch.setattr(norm, "compiler", lambda: None)
+        monkeypatch.setattr(native_build, "compiler", lambda: None)
         assert norm.load_norm_kernel(512) is None
     finally:
         norm.load_norm_kernel.cache_clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common import native_build
 from common.model import linear, row_gemm
 from common.model.linear import PackedLinear, pack
 from common.native_build import EXACT, compiler, load_library
@@ -82,7 +83,7 @@ def test_turned_off_or_without_a_compiler_there_is_no_kernel(monkeypatch):
         monkeypatch.setenv("PRISM_NATIVE_GEMM", "0")
         assert row_gemm.load_row_gemm() is None
         monkeypatch.delenv("PRISM_NATIVE_GEMM")
-        monkeypatch.setattr(row_gemm, "compiler", lambda: None)
+        monkeypatch.setattr(native_build, "compiler", lambda: None)
         assert row_gemm.load_row_gemm() is None
     finally:
         row_gemm.load_row_gemm.cache_clear()
