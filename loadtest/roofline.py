@@ -65,7 +65,7 @@ def weight_gemm_seconds(
         if stock:
             return torch.nn.functional.linear(x, m.weight, m.bias)
         if onednn and isinstance(m, PackedLinear):
-            return torch.ops.mkldnn._linear_pointwise(x, m.packed.onednn, m.bias, "none", [], "")
+            return m.packed.onednn_product(x, m.bias)
         return m(x)
 
     def run() -> None:

@@ -42,7 +42,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
 from common.kv.native import torch_rotate as rotate
 from common.kv.native.norm import NormKernel, load_norm_kernel, torch_add_norm
 from common.kv.paged_attention import PagedContext, paged_attention_forward
-from common.model.linear import BATCH_HINT, PackedLinear, pack_weight, packed_product
+from common.model.linear import BATCH_HINT, PackedLinear, PackedWeight
 
 DECODER_LAYERS = (LlamaDecoderLayer, Qwen2VLDecoderLayer)
 """Decoder layer classes whose forward this module reproduces: pre-norm RMSNorm, q/k/v projections (with or
@@ -57,11 +57,11 @@ class Fused:
         weight = torch.cat([m.weight.detach() for m in layers])
         biases = [m.bias for m in layers]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.packed = pack_weight(weight)
+        self.packed = PackedWeight(weight)
         self.sizes = [m.out_features for m in layers]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_product(x, self.packed, self.bias)
+        return self.packed.product(x, self.bias)
 
 
 def _attention(layer: Any) -> list[torch.nn.Linear]:

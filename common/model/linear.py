@@ -52,7 +52,7 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        return packed_product(x, self.packed, self.bias)
+        return self.packed.product(x, self.bias)
 
     def _apply(self, fn, recurse=True):  # (.to(), .float(), .cpu(), …: the packed copy follows the weight)
         out = super()._apply(fn, recurse)
@@ -101,8 +101,6 @@ class PackedWeight:
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: the row kernel for a few fp32 rows where it runs, else oneDNN."""
-        # (contiguous: oneDNN reads a 2-D input with transposed strides as if it were row-major — checked, wrong
-        # products — and it is a no-op on the contiguous activations a model passes)
         x = x.contiguous()
         if self.rows and x.dtype == torch.float32 and x.shape[-1] == self.in_features:
             kernel = load_row_gemm() if 0 < x.numel() <= MAX_ROWS * self.in_features else None
@@ -110,17 +108,13 @@ class PackedWeight:
                 out = kernel.product(x.view(-1, self.in_features), self._row_panels(kernel), self.out_features, bias)
                 if out is not None:
                     return out.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        return self.onednn_product(x, bias)
 
-
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """``weight`` (``[out, in]``) packed for :func:`packed_product`."""
-    return PackedWeight(weight)
-
-
-def packed_product(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` on the weight's :func:`pack_weight` copies."""
-    return packed.product(x, bias)
+    def onednn_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` through oneDNN on the blocked copy, whatever the rows."""
+        # (contiguous: oneDNN reads a 2-D input with transposed strides as if it were row-major — checked, wrong
+        # products — and it is a no-op on the contiguous activations a model passes)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, bias, "none", [], "")
 
 
 def available() -> bool:
@@ -144,7 +138,7 @@ def packable(module: torch.nn.Module) -> bool:
 
 def pack(module: torch.nn.Linear) -> PackedLinear:
     """Swap ``module`` to a :class:`PackedLinear` in place (and return it)."""
-    packed = pack_weight(module.weight)
+    packed = PackedWeight(module.weight)
     module.__class__ = PackedLinear
     module.packed = packed
     return module  # type: ignore[return-value]
@@ -170,7 +164,7 @@ def _works(dtype: torch.dtype) -> bool:
     try:
         w = torch.linspace(-1, 1, 64 * 48).view(48, 64).to(dtype)
         x = torch.linspace(1, -1, 3 * 64).view(3, 64).to(dtype)
-        got = torch.ops.mkldnn._linear_pointwise(x, pack_weight(w).onednn, None, "none", [], "")
+        got = PackedWeight(w).onednn_product(x, None)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return bool(torch.allclose(got.float(), torch.nn.functional.linear(x, w).float(), rtol=tol, atol=tol))
     except RuntimeError:

@@ -9,7 +9,8 @@
  * 4-level cascade, the 4 combined, the row's scalar tail summed, then the lanes one by one. W is the vector width of
  * the ATen kernels this process runs (16 with AVX-512, 8 with AVX2, 4 with 128-bit vectors): the caller tries each
  * against PyTorch once and uses the one that agrees bit for bit, or none. Built without fast-math and without fused
- * multiply-adds (build.EXACT): the compiler may neither reorder the sums nor turn a division into a reciprocal.
+ * multiply-adds (common/native_build.py's EXACT): the compiler may neither reorder the sums nor turn a division into a
+ * reciprocal.
  *
  * rms_norm_*: rows of h (with `add` not NULL, h + add first, written to `sum`: the residual stream) normed into out.
  * Returns 0; -1 without scratch memory, -2 for a width it does not take (nothing is written then).
