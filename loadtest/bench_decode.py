@@ -51,9 +51,7 @@ from common.config import ModelConfig
 from common.engine.decode import DecodeEngine
 from common.kv.pool import KVPool
 from common.media.synthetic import synthetic_image
-from common.model.linear import PackedLinear
 from common.model.loader import LoadedModel, load_model
-from common.model.row_gemm import load_row_gemm
 from common.protocol.sampling import SamplingParams
 from common.reference.decode import decode_stream
 from common.reference.prefill import prefill
@@ -66,6 +64,7 @@ from loadtest.figures import median_index
 from loadtest.roofline import (
     gemm_flops_per_token,
     kv_bytes_per_token,
+    linear_path,
     lm_weight_bytes,
     memcpy_bytes_per_s,
     read_bytes_per_s,
@@ -277,14 +276,6 @@ def bench_prefill(lm: LoadedModel, requests, peak: float) -> dict:
         "gemm_flops_per_s": peak,
         "fraction_of_gemm_peak": flops / seconds / peak,
     }
-
-
-def linear_path(lm: LoadedModel) -> str:
-    """How the model's linear layers compute (:mod:`common.model.linear`): ``row kernel + onednn`` (a few fp32 rows
-    in the row kernel, more in oneDNN), ``onednn`` or ``torch``."""
-    if not any(isinstance(m, PackedLinear) for m in lm.model.modules()):
-        return "torch"
-    return "row kernel + onednn" if lm.dtype == torch.float32 and load_row_gemm() is not None else "onednn"
 
 
 def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeats: int) -> dict:

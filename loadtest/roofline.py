@@ -24,6 +24,7 @@ import torch
 
 from common.model.linear import PackedLinear
 from common.model.loader import LoadedModel
+from common.model.row_gemm import load_row_gemm
 
 
 def timed(fn) -> float:
@@ -75,6 +76,14 @@ def weight_gemm_seconds(
 
     run()
     return min(timed(run) for _ in range(repeats))
+
+
+def linear_path(lm: LoadedModel) -> str:
+    """How the model's linear layers compute (:mod:`common.model.linear`): ``row kernel + onednn`` (a few fp32 rows
+    in the row kernel, more in oneDNN), ``onednn`` or ``torch``."""
+    if not any(isinstance(m, PackedLinear) for m in lm.model.modules()):
+        return "torch"
+    return "row kernel + onednn" if lm.dtype == torch.float32 and load_row_gemm() is not None else "onednn"
 
 
 def lm_weight_bytes(lm: LoadedModel) -> int:
