@@ -76,10 +76,13 @@ def prism_app(config: dict[str, Any], key: str = KEY):
     from ray import serve
 
     from services.app import build_app
+    from services.platform import front_door
     from services.platform.priority import worker_env
 
     port = free_port()
-    os.environ.update(worker_env())  # (the stages' niceness reaches the cores: services/platform/priority.py)
+    # the stages' niceness reaches the cores (services/platform/priority.py); HAProxy at the front door, as
+    # make serve runs it (services/platform/front_door.py)
+    os.environ.update({**worker_env(), **front_door.env()})
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -221,11 +221,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from loadtest.bench_servers import free_port, wait_ready
     from services.app import build_app
+    from services.platform import front_door
     from services.platform.priority import worker_env
 
     app = "chaos"
     port = free_port()
-    os.environ.update(worker_env())  # (the stages' niceness reaches the cores: services/platform/priority.py)
+    # the stages' niceness reaches the cores (services/platform/priority.py); HAProxy at the front door, as
+    # make serve runs it (services/platform/front_door.py)
+    os.environ.update({**worker_env(), **front_door.env()})
     ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -63,16 +63,23 @@ class GuardSettings(BaseModel):
     retry_after_s: float
     grpc_max_concurrent_calls: int
     front_places: int = 256
-    """In-flight places of this proxy shared between tenants once all are taken (``server.front_places``)."""
+    """In-flight places of this proxy (or ingress replica, behind HAProxy) shared between tenants once all are taken
+    (``server.front_places``)."""
     front_max_waiting: int = 128
     routes: list[GuardRoute] = []
     """Applications whose keys the proxy verifies (none: the proxy authenticates nothing itself)."""
 
     @classmethod
-    def of(cls, apps: Iterable[tuple[str, str, PrismConfig]], verify_keys: bool = True) -> GuardSettings:
+    def of(
+        cls, apps: Iterable[tuple[str, str, PrismConfig]], verify_keys: bool = True, per_ingress_replica: bool = False
+    ) -> GuardSettings:
         """From a cluster's applications — ``(name, route prefix, config)`` each. The proxies serve all of them, so
         they take the most permissive of their settings. ``verify_keys``: only where ``apps`` is every application
-        the proxies will serve (an application they do not know could be mistaken for the longest prefix they do)."""
+        the proxies will serve (an application they do not know could be mistaken for the longest prefix they do).
+        ``per_ingress_replica``: the guard runs in each ingress replica's own server (behind HAProxy:
+        :mod:`services.platform.front_door`), so its default front places are what one replica carries, not what
+        every replica of the ingress does behind one proxy."""
+        replicas = (lambda cfg: 1) if per_ingress_replica else (lambda cfg: cfg.deployments.ingress.max_replicas)
         apps = list(apps) or [("prism", "/", PrismConfig())]
         servers = [cfg.server for _, _, cfg in apps]
         limit = max(cfg.body_limit for _, _, cfg in apps)
@@ -86,8 +93,7 @@ class GuardSettings(BaseModel):
             retry_after_s=max(s.retry_after_s for s in servers),
             grpc_max_concurrent_calls=max(s.max_concurrent_grpc_calls for s in servers),
             front_places=max(
-                cfg.server.front_places or cfg.server.max_in_flight_per_ingress * cfg.deployments.ingress.max_replicas
-                for _, _, cfg in apps
+                cfg.server.front_places or cfg.server.max_in_flight_per_ingress * replicas(cfg) for _, _, cfg in apps
             ),
             front_max_waiting=max(s.front_max_waiting for s in servers),
             routes=[r for r in routes if r.keyed],

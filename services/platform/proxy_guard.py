@@ -1,10 +1,13 @@
-"""The front door where request bytes first land: Serve's HTTP and gRPC proxies, guarded before any replica is called.
+"""The front door where request bytes first land — Serve's HTTP and gRPC proxies, or, behind HAProxy
+(:mod:`services.platform.front_door`), each ingress replica's own HTTP and gRPC servers — guarded before the
+application reads a byte.
 
 Serve's HTTP proxy pulls a request's body off the socket into its own queue and the ingress replica then pulls it
 from there (measured: a 300 MB body grew the proxy actor by 325 MB, and the ingress replica died holding it), so a
 check that only the ingress makes acts after the damage. Serve 2.60 calls the function named by
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` in every proxy actor when it starts — before it starts its HTTP and
-gRPC servers — and wraps its ASGI app in the middlewares it returns. :data:`CALLBACK` (:func:`middlewares`) installs:
+gRPC servers — and wraps its ASGI app in the middlewares it returns; with HAProxy in front, every ingress replica
+does the same for its own servers, when it starts them. :data:`CALLBACK` (:func:`middlewares`) installs:
 
 * for HTTP, :class:`services.platform.proxy_http.ProxyGuard` — Serve's own control headers dropped from what clients
   send; the API key verified from the headers (where the application's keys are known here) and a request without a

@@ -244,6 +244,16 @@ def test_settings_carry_digests_never_keys_and_route_by_the_longest_prefix():
     assert GuardSettings.from_env(env) == settings
 
 
+def test_front_places_default_to_what_the_server_the_guard_runs_in_carries():
+    cfg = PrismConfig.model_validate(
+        {"server": {"max_in_flight_per_ingress": 10}, "deployments": {"ingress": {"max_replicas": 3}}}
+    )
+    assert GuardSettings.of([("prism", "/", cfg)]).front_places == 30  # a proxy in front of every ingress replica
+    assert GuardSettings.of([("prism", "/", cfg)], per_ingress_replica=True).front_places == 10  # behind HAProxy
+    explicit = cfg.model_copy(update={"server": cfg.server.model_copy(update={"front_places": 7})})
+    assert GuardSettings.of([("prism", "/", explicit)], per_ingress_replica=True).front_places == 7
+
+
 def test_the_callback_reads_the_settings_when_called(monkeypatch):
     settings = _settings({KEY: "alpha"})
     for name, value in ray_env(settings).items():
