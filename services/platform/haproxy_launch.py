@@ -8,12 +8,17 @@ on every interface (``listen stats`` / ``bind *:8404``: backends, replica ports 
 reach the node), HAProxy's Prometheus exporter on every interface (``frontend prometheus`` / ``bind :9101``) — both on
 fixed ports, which a second cluster on the machine, or an HAProxy left from an earlier one, makes HAProxy fail to
 start on — and an admin socket any local user may write (``stats socket … mode 666 level admin``: disable a server,
-drop a backend). And an HAProxy outlives its manager actor when ``ray stop`` ends it: nothing else stops it, and it
+drop a backend). It also lets a client take an hour (``timeout client``) to send a request's headers, so a few
+thousand such connections (``maxconn`` 4096) would shut every other client out; Serve's Python proxy had no bound
+either. And an HAProxy outlives its manager actor when ``ray stop`` ends it: nothing else stops it, and it
 keeps its ports. Each launch:
 
 1. reads the configuration Serve wrote and writes a hardened copy beside it (``<config>.prism``): the statistics page
    and the exporter removed (Serve reads HAProxy's figures from the admin socket and a log socket, never from
-   either), any wildcard bind left put on loopback, the admin socket owner-only;
+   either), any wildcard bind left put on loopback, the admin socket owner-only, and, where the defaults set no
+   ``timeout http-request``, :data:`HEADERS_S` for a request's headers — HAProxy then answers 408 and closes (with
+   its own HTML body: HAProxy 2.8 sends its built-in message for this timeout whatever ``errorfile`` says, checked);
+   a body's pace is the guard's (``server.body_read_grace_s``, ``body_min_bytes_per_s``);
 2. asks the kernel to end it when the process that launched it — the manager — ends (``PR_SET_PDEATHSIG``, which an
    ``exec`` keeps);
 3. replaces its own process with the real binary (``PRISM_HAPROXY_BINARY``) on the copy — the same pid, which Serve
@@ -37,6 +42,9 @@ SUFFIX = ".prism"
 DROPPED = (["listen", "stats"], ["frontend", "prometheus"])
 """The sections of Serve's configuration that the hardened copy leaves out."""
 PR_SET_PDEATHSIG = 1
+HEADERS_S = 10
+"""Seconds a client has to send a request's headers, from its first byte (or from the end of the last response, on a
+kept-alive connection: HAProxy's ``timeout http-keep-alive`` covers the wait before it)."""
 
 _SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolvers|userlist|program|cache)\b")
 _WILDCARD_BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|\[::\])?:(\d+)", re.MULTILINE)
@@ -44,16 +52,27 @@ _SOCKET_MODE = re.compile(r"^(\s*stats socket\s+\S+.*?\bmode\s+)\d+", re.MULTILI
 
 
 def harden(config: str) -> str:
-    """``config`` without the :data:`DROPPED` sections, with every wildcard ``bind`` on 127.0.0.1 and the admin socket
-    at mode 600."""
+    """``config`` without the :data:`DROPPED` sections, with every wildcard ``bind`` on 127.0.0.1, the admin socket
+    at mode 600 and a :data:`HEADERS_S` bound on a request's headers."""
     kept, skipping = [], False
+    bounded = re.search(r"^\s*timeout\s+http-request\s", config, re.MULTILINE) is not None
     for line in config.splitlines(keepends=True):
         if _SECTION.match(line):
             skipping = line.split()[:2] in DROPPED
         if not skipping:
             kept.append(line)
+        if not bounded and line.split()[:1] == ["defaults"]:
+            kept.append(f"    timeout http-request {HEADERS_S}s\n")
+            bounded = True
     out = _WILDCARD_BIND.sub(lambda m: f"{m.group(1)}127.0.0.1:{m.group(2)}", "".join(kept))
     return _SOCKET_MODE.sub(lambda m: f"{m.group(1)}600", out)
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # (a reload never reads a half-written file)
 
 
 def launch_args(argv: list[str]) -> list[str]:
@@ -67,11 +86,7 @@ def launch_args(argv: list[str]) -> list[str]:
             continue
         path = next(args)
         with open(path) as f:
-            hardened = harden(f.read())
-        tmp = f"{path}{SUFFIX}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(hardened)
-        os.replace(tmp, path + SUFFIX)  # (a reload never reads a half-written file)
+            _write(path + SUFFIX, harden(f.read()))
         out += ["-f", path + SUFFIX, "-L", path]
     return out
 

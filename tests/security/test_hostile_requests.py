@@ -19,6 +19,7 @@ import grpc
 import httpx
 import pytest
 
+from services.platform.haproxy_launch import HEADERS_S
 from services.proto import prism_pb2, prism_pb2_grpc
 from tests.e2e.prometheus import total, wait_for
 from tests.rawhttp import read_reply, status_of
@@ -328,6 +329,17 @@ def test_oversized_bodies_are_refused_in_the_proxy(served, before, report, case,
     assert seconds < FAST_S
     assert sent < total, "refused while the client was still sending"
     assert max(growth.values()) < 100, growth
+
+
+def test_headers_that_never_end_are_cut_at_the_front_door(served):
+    """A client that sends part of its headers and then nothing holds a connection of the front door; HAProxy gives
+    it ``HEADERS_S`` (Serve's template: an hour), then answers 408 and closes (services/platform/haproxy_launch.py)."""
+    host, port = served["base"].removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: prism\r\nAuthorization: Bearer {API_KEY}\r\n".encode())
+    start = time.perf_counter()
+    reply = read_reply(sock, HEADERS_S + 20)
+    assert status_of(reply) == 408 and time.perf_counter() - start < HEADERS_S + 5, reply[:200]
 
 
 def test_defaults_of_unsupported_parameters_and_vendor_fields_are_served(served, before):

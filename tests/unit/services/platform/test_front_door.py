@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from services.platform import front_door
-from services.platform.haproxy_launch import ENV_BINARY, SUFFIX, harden, launch_args
+from services.platform.haproxy_launch import ENV_BINARY, HEADERS_S, SUFFIX, harden, launch_args
 
 # The parts of a configuration Serve 2.60's template renders that the launcher touches, and some it must not.
 SERVE_CONFIG = """global
@@ -42,18 +42,33 @@ listen stats
 
 
 def test_the_statistics_page_and_the_exporter_go_and_nothing_else_listens_beyond_where_serve_said():
-    out = harden(SERVE_CONFIG)
-    assert "listen stats" not in out and "8404" not in out and "stats uri" not in out
-    assert "frontend prometheus" not in out and "9101" not in out and "prometheus-exporter" not in out
-    binds = [line.split()[1] for line in out.splitlines() if line.strip().startswith("bind ")]
-    assert binds == ["127.0.0.1:8000", "127.0.0.1:9000"]
-    assert "stats socket /tmp/haproxy-serve/x/admin.sock mode 600 level admin" in out
     # every other line as Serve wrote it, in its order (the replicas, wherever they are, included)
-    lines = SERVE_CONFIG.splitlines()
-    dropped = {*lines[lines.index("frontend prometheus") : lines.index("frontend http_frontend")]}
-    dropped |= {*lines[lines.index("listen stats") :]}
-    untouched = [line for line in lines if line not in dropped and "mode 666" not in line]
-    assert [line for line in out.splitlines() if line in untouched] == untouched
+    assert harden(SERVE_CONFIG) == (
+        "global\n"
+        "    log 127.0.0.1:514 local0 info\n"
+        "    stats socket /tmp/haproxy-serve/x/admin.sock mode 600 level admin expose-fd listeners\n"
+        "    stats timeout 30s\n"
+        "defaults\n"
+        f"    timeout http-request {HEADERS_S}s\n"
+        "    mode http\n"
+        "    timeout connect 5s\n"
+        "frontend http_frontend\n"
+        "    bind 127.0.0.1:8000\n"
+        "    default_backend http-prism\n"
+        "frontend grpc_frontend\n"
+        "    bind 127.0.0.1:9000 proto h2\n"
+        "backend http-prism\n"
+        "    server prism-1 127.0.0.1:30000 check\n"
+        "    server prism-2 10.0.0.7:30001 check\n"
+    )
+
+
+def test_a_requests_headers_get_a_bound_unless_serve_set_one():
+    out = harden(SERVE_CONFIG).splitlines()
+    assert out[out.index("defaults") + 1] == f"    timeout http-request {HEADERS_S}s"
+    assert sum("http-request" in line and "timeout" in line for line in out) == 1
+    own = SERVE_CONFIG.replace("    timeout connect 5s\n", "    timeout connect 5s\n    timeout http-request 3s\n")
+    assert "timeout http-request 3s" in harden(own) and f"http-request {HEADERS_S}s" not in harden(own)
 
 
 def test_wildcard_binds_of_any_spelling_move_to_loopback():
@@ -66,9 +81,9 @@ def test_each_launch_writes_the_hardened_copy_and_keeps_the_original_path_on_the
     config.write_text(SERVE_CONFIG)
     args = launch_args(["-db", "-f", str(config), "-dR", "-sf", "123", "-x", "/sock"])
     assert args == ["-db", "-f", f"{config}{SUFFIX}", "-L", str(config), "-dR", "-sf", "123", "-x", "/sock"]
-    assert Path(f"{config}{SUFFIX}").read_text() == harden(SERVE_CONFIG)
     assert config.read_text() == SERVE_CONFIG  # (Serve's own file as it wrote it)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["haproxy.cfg", f"haproxy.cfg{SUFFIX}"]  # no temp left
+    assert Path(f"{config}{SUFFIX}").read_text() == harden(SERVE_CONFIG)
 
 
 def test_the_launcher_runs_the_real_binary_in_its_own_process_on_the_hardened_copy(tmp_path):
