@@ -16,9 +16,10 @@ the proxy start-up hook's middlewares to each ingress replica's own HTTP server,
 binds (:mod:`services.platform.loopback`) to its gRPC server — so a request without a valid key, or a body over the
 limit, is refused before one body byte is read, as before. What changes:
 
-* HAProxy listens on ``http_options.host``/``port`` (and the gRPC port) in the proxy's place; Serve's template also
-  opens a statistics page on every interface and a world-writable admin socket, which
-  :mod:`services.platform.haproxy_launch` removes and closes at every launch (Serve runs HAProxy through it);
+* HAProxy listens on ``http_options.host``/``port`` (and the gRPC port) in the proxy's place, launched through
+  :mod:`services.platform.haproxy_launch` (Serve runs HAProxy through it), which at every launch removes what Serve's
+  template opens beyond that (a statistics page and an exporter on every interface, a world-writable admin socket),
+  bounds a request's headers to ``HEADERS_S`` and has HAProxy end with its manager;
 * each ingress replica listens on a port of its own (Serve allocates it from 30000–31000; loopback under
   ``make serve``), which HAProxy forwards to;
 * a client's disconnect reaches the ingress as its own socket closing (no proxy between to notice it first).
