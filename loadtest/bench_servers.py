@@ -68,6 +68,16 @@ def subprocess_server(module: str, args: list[str]):
         proc.wait(30)
 
 
+def ray_start_env() -> dict[str, str]:
+    """What a local cluster of the bench's (and ``make chaos``'s) needs in its environment: the stages' niceness
+    reaches the cores (services/platform/priority.py), and HAProxy is at the front door, as ``make serve`` runs it
+    (services/platform/front_door.py)."""
+    from services.platform import front_door
+    from services.platform.priority import worker_env
+
+    return {**worker_env(), **front_door.env()}
+
+
 @contextmanager
 def prism_app(config: dict[str, Any], key: str = KEY):
     """Prism's application of ``config`` on a local Ray cluster of this process (its workers at Prism's niceness),
@@ -76,13 +86,9 @@ def prism_app(config: dict[str, Any], key: str = KEY):
     from ray import serve
 
     from services.app import build_app
-    from services.platform import front_door
-    from services.platform.priority import worker_env
 
     port = free_port()
-    # the stages' niceness reaches the cores (services/platform/priority.py); HAProxy at the front door, as
-    # make serve runs it (services/platform/front_door.py)
-    os.environ.update({**worker_env(), **front_door.env()})
+    os.environ.update(ray_start_env())
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -219,16 +219,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from loadtest.bench_servers import free_port, wait_ready
+    from loadtest.bench_servers import free_port, ray_start_env, wait_ready
     from services.app import build_app
-    from services.platform import front_door
-    from services.platform.priority import worker_env
 
     app = "chaos"
     port = free_port()
-    # the stages' niceness reaches the cores (services/platform/priority.py); HAProxy at the front door, as
-    # make serve runs it (services/platform/front_door.py)
-    os.environ.update({**worker_env(), **front_door.env()})
+    os.environ.update(ray_start_env())
     ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_port=free_port(), log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -71,8 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)
 
-    from services.platform import front_door
-    from services.platform.proxy_guard import GuardSettings, ray_env, serve_apps
+    from services.platform.proxy_guard import cluster_env, serve_apps
 
     raw = yaml.safe_load(open(args.config))
     apps = serve_apps(raw)  # every application's config validated: a bad one fails here, before Ray starts
@@ -81,8 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"model {sub.model.name}: {resolve_model_dir(sub.model.model, sub.model.cache_dir)}", flush=True)
     # The proxies guard the front door before the ingress sees a byte — body bounds, and the keys of every application
     # of this config (services/platform/proxy_guard.py); they inherit this environment from the head.
-    front = front_door.env()  # HAProxy in the proxy's place: the guard runs in each ingress replica
-    env = {**os.environ, **ray_env(GuardSettings.of(apps, per_ingress_replica=bool(front))), **front}
+    env = {**os.environ, **cluster_env(apps)}  # (and HAProxy in the proxy's place: services/platform/front_door.py)
     env.update(loopback_env(raw))
     # Safe with the local configs: Ray listens on loopback only, and so do the proxies (http_options.host 127.0.0.1)
     env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")

@@ -79,7 +79,6 @@ class GuardSettings(BaseModel):
         ``per_ingress_replica``: the guard runs in each ingress replica's own server (behind HAProxy:
         :mod:`services.platform.front_door`), so its default front places are what one replica carries, not what
         every replica of the ingress does behind one proxy."""
-        replicas = (lambda cfg: 1) if per_ingress_replica else (lambda cfg: cfg.deployments.ingress.max_replicas)
         apps = list(apps) or [("prism", "/", PrismConfig())]
         servers = [cfg.server for _, _, cfg in apps]
         limit = max(cfg.body_limit for _, _, cfg in apps)
@@ -93,7 +92,10 @@ class GuardSettings(BaseModel):
             retry_after_s=max(s.retry_after_s for s in servers),
             grpc_max_concurrent_calls=max(s.max_concurrent_grpc_calls for s in servers),
             front_places=max(
-                cfg.server.front_places or cfg.server.max_in_flight_per_ingress * replicas(cfg) for _, _, cfg in apps
+                cfg.server.front_places
+                or cfg.server.max_in_flight_per_ingress
+                * (1 if per_ingress_replica else cfg.deployments.ingress.max_replicas)
+                for _, _, cfg in apps
             ),
             front_max_waiting=max(s.front_max_waiting for s in servers),
             routes=[r for r in routes if r.keyed],

@@ -27,16 +27,27 @@ authenticates too, from the headers, before it reads a body.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 from starlette.middleware import Middleware
 
-from services.platform import proxy_grpc
+from common.config import PrismConfig
+from services.platform import front_door, proxy_grpc
 from services.platform.guard_settings import ENV_GUARD, ENV_MAX_BODY_BYTES, GuardSettings, serve_apps
 from services.platform.priority import worker_env
 from services.platform.proxy_http import ProxyGuard
 
 CALLBACK = "services.platform.proxy_guard:middlewares"
-__all__ = ["CALLBACK", "ENV_GUARD", "ENV_MAX_BODY_BYTES", "GuardSettings", "middlewares", "ray_env", "serve_apps"]
+__all__ = [
+    "CALLBACK",
+    "ENV_GUARD",
+    "ENV_MAX_BODY_BYTES",
+    "GuardSettings",
+    "cluster_env",
+    "middlewares",
+    "ray_env",
+    "serve_apps",
+]
 
 GRPC_ENVELOPE_BYTES = 64 << 10
 """gRPC message bytes allowed beyond the JSON body (API key, deadline, protobuf framing)."""
@@ -52,6 +63,14 @@ def ray_env(settings: GuardSettings) -> dict[str, str]:
         ENV_MAX_BODY_BYTES: str(settings.max_body_bytes),
         "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(settings.max_body_bytes + GRPC_ENVELOPE_BYTES),
     }
+
+
+def cluster_env(apps: Iterable[tuple[str, str, PrismConfig]], verify_keys: bool = True) -> dict[str, str]:
+    """:func:`ray_env` for a cluster serving ``apps`` (as :meth:`GuardSettings.of` takes them) behind Prism's front
+    door — HAProxy where Serve has it (:mod:`services.platform.front_door`), the guard then sized for the ingress
+    replica it runs in — with the front door's own environment."""
+    front = front_door.env()
+    return {**ray_env(GuardSettings.of(apps, verify_keys, per_ingress_replica=bool(front))), **front}
 
 
 def middlewares() -> list[Middleware]:

@@ -65,15 +65,12 @@ def prism_server(model_cache, tmp_path_factory, otlp_receiver):
         },
     }
     from common.config import PrismConfig
-    from services.platform import front_door
-    from services.platform.proxy_guard import GuardSettings, ray_env
+    from services.platform.proxy_guard import cluster_env
 
     saved = dict(os.environ)
     # Inherited by the proxy actor: the body bounds; not the keys — this cluster serves more apps than this one, with
     # keys of their own, and the proxy would mistake them for this one's (their ingresses authenticate every request).
-    front = front_door.env()  # (the front door make serve runs)
-    apps = [("prism", "/", PrismConfig.model_validate(config))]
-    os.environ.update({**ray_env(GuardSettings.of(apps, verify_keys=False, per_ingress_replica=bool(front))), **front})
+    os.environ.update(cluster_env([("prism", "/", PrismConfig.model_validate(config))], verify_keys=False))
     ray.init(
         address="local",  # always a fresh cluster of our own, even if another one runs on this machine
         num_cpus=2,
