@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -278,15 +279,30 @@ def _restore_grpc_server():
 
 def test_a_width_bomb_is_refused_as_it_streams_not_after(streamed):
     """``[{},{},…]`` past the structure limit: refused 400 ``json_too_wide`` at the chunk that crosses it — the
-    application (streamed) sees the client leave, or (chunked) is never called; the rest is never pulled."""
+    application (streamed) sees the client leave, or (chunked) is never called; the rest is read and dropped before
+    the answer goes out, so the connection closes with nothing unread."""
     settings = _settings(max_json_structure=300).model_copy(update={"max_body_bytes": 10_000})
-    bomb = [b'{"x": [' + b"{}," * 60, b"{}," * 60, b"{}," * 60, b"{}]}"]
+    bomb = [b'{"x": [' + b"{}," * 60, b"{}," * 60, b"{}," * 60, b"{}," * 60, b"{}]}"]
     declared = str(sum(len(c) for c in bomb)).encode()
     app, refusals, sent, pulled = _run([(b"content-length", declared)], bomb, settings)
     assert refusals == [(400, "json_too_wide")] and _error(sent) == (400, "json_too_wide") and app.disconnected
-    assert pulled == 3, "reading stops at the chunk that crosses the limit (123, 243, then 363 of 300)"
+    assert app.body == b"", "the application gets none of it (pieces are joined up to 64 KiB before it gets them)"
+    assert pulled == 5, "refused at the third piece (123, 243, then 363 of 300); the last two read and dropped"
     app, refusals, sent, pulled = _run([(b"transfer-encoding", b"chunked")], bomb, settings)
-    assert app.calls == 0 and refusals == [(400, "json_too_wide")] and pulled == 3
+    assert app.calls == 0 and refusals == [(400, "json_too_wide")] and pulled == 5
+
+
+def test_a_refused_body_is_drained_only_within_the_body_limit_and_the_arrival_rule():
+    """After a refusal part-way through, the rest of the body is read only while the body read in all stays within
+    ``max_body_bytes`` and keeps to the arrival rule; past either, the answer goes out at once."""
+    settings = _settings(max_json_structure=300).model_copy(update={"max_body_bytes": 1_000})
+    endless = [b"{}," * 70] * 40  # 210 bytes, 140 counted, each: refused at the third, the limit passed at the fifth
+    app, refusals, sent, pulled = _run([(b"transfer-encoding", b"chunked")], endless, settings)
+    assert app.calls == 0 and _error(sent) == (400, "json_too_wide") and pulled == 5
+    settings = settings.model_copy(update={"body_grace_s": 0.2, "body_min_bytes_per_s": 1_000_000})
+    start = time.monotonic()
+    app, refusals, sent, pulled = _run([(b"transfer-encoding", b"chunked")], endless, settings, gaps=[0, 0, 0, 3600])
+    assert _error(sent) == (400, "json_too_wide") and pulled == 4 and time.monotonic() - start < 5
     image = [b'{"url": "data:image/png;base64,' + b"QUJD" * 20, b'"}']
     app, refusals, sent, _ = _run([(b"content-length", str(sum(map(len, image))).encode())], image, settings)
     assert not refusals and sent[0]["status"] == 200
@@ -406,3 +422,37 @@ def test_one_tenants_chunked_uploads_cannot_lock_another_out_of_the_gathering_bu
     asyncio.run(scenario())
     assert _error(sent["alpha"]) == (503, "server_overloaded")
     assert sent["beta"][0]["status"] == 200
+
+
+class _PumpingApp(_App):
+    """An application as Serve's direct ingress runs one: a task of its own pulls ``receive`` while the application
+    runs, and is cancelled when the application returns — here after ``answer_s``, with its own 429."""
+
+    def __init__(self, answer_s: float) -> None:
+        super().__init__()
+        self.answer_s = answer_s
+
+    async def __call__(self, scope, receive, send):
+        async def pump():
+            while (await receive())["type"] == "http.request":
+                pass
+
+        task = asyncio.create_task(pump())
+        done, _ = await asyncio.wait([task], timeout=self.answer_s)
+        if not done:
+            await send({"type": "http.response.start", "status": 429, "headers": []})
+            await send({"type": "http.response.body", "body": b"busy"})
+        task.cancel()
+
+
+def test_a_refusal_is_answered_once_the_application_returns_even_if_it_cancels_its_receive(streamed):
+    """The width refusal is decided inside ``receive``, but answered (after the drain) by the guard's own task: an
+    application that returns — cancelling the task that pulls ``receive`` — while the rest of the body still arrives
+    leaves the client one answer, the refusal, not none (uvicorn's 500)."""
+    settings = _settings(max_json_structure=300).model_copy(update={"max_body_bytes": 10_000})
+    bomb = [b"{}," * 200] + [b"{}," * 20] * 5
+    declared = str(sum(map(len, bomb))).encode()
+    app = _PumpingApp(answer_s=0.1)
+    _, refusals, sent, pulled = _run([(b"content-length", declared)], bomb, settings, app=app, gaps=[0, 0, 0.3])
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [400]
+    assert _error(sent) == (400, "json_too_wide") and refusals == [(400, "json_too_wide")] and pulled == 6
