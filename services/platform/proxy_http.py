@@ -31,11 +31,14 @@ close`` (and counted in ``prism_requests_total{deployment="proxy"}``):
    to the ingress as it arrives (the HTTP server frames it by its length, so it cannot run longer), in pieces of at
    least 64 KiB; the ingress authenticates again from the headers before reading it.
 
-A refusal decided part-way through a body (steps 5 and 7) is answered once the rest of the body has been read and
-dropped (:meth:`ProxyGuard._drain`: up to ``max_body_bytes`` in all, under the arrival rule, nothing kept): an HTTP
-server that closes a connection with request bytes still unread resets it, and a reset can cost the client the answer
-— HAProxy at the front door lost the body of about 1 in 40 such refusals (measured with 85 MB width bombs) — so
-servers drain before closing (nginx's lingering close does the same).
+A refusal decided part-way through a body (steps 5 and 7), and an application's answer that starts before the body is
+all in (the ingress refuses a request on its headers: 415, 429), go out once the rest of the body has been read and
+dropped (:meth:`ProxyGuard._drain`: up to ``max_body_bytes`` in all, under the arrival rule, nothing kept), and close
+the connection. Both halves matter, measured behind HAProxy: an HTTP server that closes a connection with request
+bytes unread resets it, and the reset cost the client the answer's body for 3 in 100–120 (85 MB width bombs; 20 MB
+bodies answered 415) — servers drain before closing, as nginx's lingering close does; and an answer that leaves the
+connection open has the server read the rest of the body at whatever pace the client sends it, with no bound (a
+client that sent one byte every 3 s after its 415 held the connection past 45 s).
 """
 
 from __future__ import annotations
@@ -112,6 +115,12 @@ class Arrival:
         self.waited, self.received = 0.0, 0
         self.ended = False
         """Whether the body has ended (its last piece came, or the client left)."""
+        self.pending: asyncio.Future[Message] | None = None
+        """The server's ``receive`` under way, shared by whoever waits for the next piece. Serve's direct ingress
+        reads through a task of its own that it cancels when the application returns — a cancel that
+        ``asyncio.wait_for`` swallows when the piece has just come (Python 3.11), so that task may still be reading
+        when the guard drains: both then get the same piece, counted once, and none is lost (a lost last piece would
+        leave a drain waiting for an end that already came)."""
 
     def allowance(self) -> float:
         return self.grace_s + self.received / self.min_rate - self.waited
@@ -121,16 +130,27 @@ class Arrival:
         if left <= 0:
             raise _TooSlow
         start = self.clock()
+        if self.pending is None:
+            self.pending = asyncio.ensure_future(receive())
+        piece = self.pending
         try:
-            message = await asyncio.wait_for(receive(), timeout=left)
+            message = await asyncio.wait_for(asyncio.shield(piece), timeout=left)
         except TimeoutError:
             raise _TooSlow from None
         finally:
             self.waited += self.clock() - start
-        if message["type"] == "http.request":
-            self.received += len(message.get("body", b""))
-        self.ended = message["type"] != "http.request" or not message.get("more_body", False)
+        if self.pending is piece:  # the first to take it: counted, and the next call reads the next piece
+            self.pending = None
+            if message["type"] == "http.request":
+                self.received += len(message.get("body", b""))
+            self.ended = message["type"] != "http.request" or not message.get("more_body", False)
         return message
+
+    def close(self) -> None:
+        """Cancel a ``receive`` no one will take (the request is over)."""
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
 
 
 class ProxyGuard:
@@ -175,13 +195,14 @@ class ProxyGuard:
             return
         if tenant is not None and not await self._enter(tenant, _priority(scope), send):
             return
+        arrival = Arrival(self.settings.body_grace_s, self.settings.body_min_bytes_per_s)
         try:
-            arrival = Arrival(self.settings.body_grace_s, self.settings.body_min_bytes_per_s)
             if declared is not None and declared > BUFFER_BYTES:
                 await self._stream(scope, receive, send, arrival)
             else:
                 await self._gathered(scope, receive, send, arrival, tenant)
         finally:
+            arrival.close()
             if tenant is not None:
                 self.door.leave(tenant)
 
@@ -221,11 +242,13 @@ class ProxyGuard:
 
     async def _stream(self, scope: Scope, receive: Receive, send: Send, arrival: Arrival) -> None:
         """A body of declared length, streamed on as the application pulls it, under the arrival rule. A body that
-        falls behind is answered 408 from within ``receive``; a refused one (its width) is answered once the
-        application has returned and the rest of the body is drained — here, not in ``receive``, which Serve calls
-        from a task of its own that it cancels when the application returns."""
+        falls behind is answered 408 from within ``receive``. A refused one (its width), and an application's answer
+        that starts before the body is all in, go out once the application has returned and the rest of the body is
+        drained, closing the connection — here, not in ``receive`` or ``send``, which Serve's direct ingress calls
+        from tasks of its own."""
         state: dict[str, Any] = {"responded": False, "started": False, "done": False, "refusal": None}
         structure = Structure(self.settings.max_json_structure)
+        early: list[Message] = []  # the application's answer, held: it started before the body was all in
 
         async def guarded_receive() -> Message:
             if state["responded"]:
@@ -250,16 +273,33 @@ class ProxyGuard:
                 return  # the guard answers (or answered) instead
             if message["type"] == "http.response.start":
                 state["started"] = True
+                if not state["done"]:
+                    early.append(_closing(message))
+                    return
+            if early:
+                early.append(message)
+                return
             await send(message)
 
         try:
             await self.app(scope, guarded_receive, guarded_send)
         except Exception:
-            if state["refusal"] is None:
-                raise  # (the application's own failure; with a refusal pending, it failed on the client leaving)
-        if state["refusal"] is not None:
-            await self._drain(receive, arrival)
-            await self._refuse(send, state["refusal"])
+            if state["refusal"] is None and not _complete(early):
+                raise  # (the application's own failure; with an answer to give, it failed on the client leaving)
+        if state["refusal"] is not None or _complete(early):
+            state["responded"] = True  # (a read of Serve's still under way ends with its piece)
+            await self._answer_drained(receive, send, arrival, state["refusal"], early)
+
+    async def _answer_drained(
+        self, receive: Receive, send: Send, arrival: Arrival, refusal: PrismError | None, held: list[Message]
+    ) -> None:
+        """The guard's refusal, or else the application's held answer, once the rest of the body is drained."""
+        await self._drain(receive, arrival)
+        if refusal is not None:
+            await self._refuse(send, refusal)
+            return
+        for message in held:
+            await send(message)
 
     async def _coalesced(self, receive: Receive, arrival: Arrival, structure: Structure) -> Message:
         """The next body message for the application: the client's pieces joined until ``COALESCE_BYTES`` or the end
@@ -370,6 +410,17 @@ class ProxyGuard:
             headers.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
         await send({"type": "http.response.start", "status": exc.http_status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _complete(messages: list[Message]) -> bool:
+    """Whether ``messages`` hold a whole answer (its start, and a last body message)."""
+    return bool(messages) and messages[-1]["type"] == "http.response.body" and not messages[-1].get("more_body")
+
+
+def _closing(start: Message) -> Message:
+    """A response start that closes the connection after its response (``Connection: close``)."""
+    headers = [(k, v) for k, v in start.get("headers", ()) if k.lower() != b"connection"]
+    return {**start, "headers": [*headers, (b"connection", b"close")]}
 
 
 def _too_slow(settings: GuardSettings) -> RequestTimeout:

@@ -22,7 +22,7 @@ import pytest
 from services.platform.haproxy_launch import HEADERS_S
 from services.proto import prism_pb2, prism_pb2_grpc
 from tests.e2e.prometheus import total, wait_for
-from tests.rawhttp import read_reply, status_of
+from tests.rawhttp import error_code, read_reply, status_of
 from tests.security.conftest import API_KEY
 from tests.served import serve_processes, server_errors
 
@@ -340,6 +340,33 @@ def test_headers_that_never_end_are_cut_at_the_front_door(served):
     start = time.perf_counter()
     reply = read_reply(sock, HEADERS_S + 20)
     assert status_of(reply) == 408 and time.perf_counter() - start < HEADERS_S + 5, reply[:200]
+
+
+def test_a_body_trickled_after_an_early_answer_gets_the_answer_and_the_connection_closed(served):
+    """The ingress answers 415 on the headers, its body unread; the client then trickles the rest one byte at a time.
+    The answer comes whole, and the connection closes under the arrival rule (``body_read_grace_s`` 10 s, then 64 KiB/s)
+    — before the guard drained and closed, the HTTP server kept reading such a body at the client's pace, the
+    connection open past 45 s (measured)."""
+    host, port = served["base"].removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: prism\r\nContent-Type: text/plain\r\n" \
+           f"Authorization: Bearer {API_KEY}\r\nContent-Length: {2 * MB}\r\n\r\n"  # fmt: skip
+    sock.sendall(head.encode() + b"x" * (64 << 10))
+    start, reply = time.perf_counter(), b""
+    while time.perf_counter() - start < 30:
+        try:
+            sock.sendall(b"x")
+        except OSError:
+            break
+        if select.select([sock], [], [], 2)[0]:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            reply += piece
+    closed_s = time.perf_counter() - start
+    sock.close()
+    assert status_of(reply) == 415 and error_code(reply) == "unsupported_media_type", reply[:300]
+    assert closed_s < 20, f"the connection stayed open {closed_s:.1f} s"
 
 
 def test_defaults_of_unsupported_parameters_and_vendor_fields_are_served(served, before):

@@ -456,3 +456,47 @@ def test_a_refusal_is_answered_once_the_application_returns_even_if_it_cancels_i
     _, refusals, sent, pulled = _run([(b"content-length", declared)], bomb, settings, app=app, gaps=[0, 0, 0.3])
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [400]
     assert _error(sent) == (400, "json_too_wide") and refusals == [(400, "json_too_wide")] and pulled == 6
+
+
+class _Refusing(_App):
+    """An application that answers on the headers alone (as the ingress's 415), its body unread."""
+
+    async def __call__(self, scope, receive, send):
+        self.calls += 1
+        headers = [(b"content-type", b"application/json"), (b"connection", b"keep-alive")]
+        await send({"type": "http.response.start", "status": 415, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def test_an_answer_sent_before_the_body_is_in_goes_out_after_it_and_closes_the_connection(streamed):
+    """An application's answer that starts before the body is all in goes out once the application has returned and
+    the rest of the body is read and dropped — a trickle not waited for past the arrival rule — with ``Connection:
+    close`` (once, replacing its own); an answer after the whole body keeps the application's headers."""
+    _, _, sent, pulled = _run([(b"content-length", b"30")], [b"x" * 10, b"y" * 10, b"z" * 10], app=_Refusing())
+    assert sent[0]["status"] == 415 and sent[1]["body"] == b"{}" and pulled == 3
+    assert [v for k, v in sent[0]["headers"] if k == b"connection"] == [b"close"]
+    _, _, sent, _ = _run([(b"content-length", b"20")], [b"x" * 10, b"y" * 10])
+    assert sent[0]["status"] == 200 and sent[0]["headers"] == []
+    settings = _settings(body_read_grace_s=0.2, body_min_bytes_per_s=1_000_000)
+    start = time.monotonic()
+    _, _, sent, pulled = _run([(b"content-length", b"30")], [b"x" * 10] * 3, settings, app=_Refusing(), gaps=[0, 3600])
+    assert sent[0]["status"] == 415 and pulled == 2 and time.monotonic() - start < 5, "a trickle is not waited for"
+
+
+def test_two_readers_of_one_body_share_each_piece_and_count_it_once():
+    """Serve's reading task may still be waiting for a piece when the guard drains: both get that piece, counted
+    once, and the end of the body is seen (none lost)."""
+    from services.platform.proxy_http import Arrival
+
+    async def scenario():
+        pieces = asyncio.Queue()
+        arrival = Arrival(5.0, 1.0)
+        first = asyncio.ensure_future(arrival.receive(pieces.get))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(arrival.receive(pieces.get))
+        await pieces.put({"type": "http.request", "body": b"x" * 10, "more_body": False})
+        got = await asyncio.gather(first, second)
+        return got, arrival
+
+    got, arrival = asyncio.run(scenario())
+    assert got[0] is got[1] and arrival.received == 10 and arrival.ended and arrival.pending is None
