@@ -258,7 +258,7 @@ class ProxyGuard:
             try:
                 message = await self._coalesced(receive, arrival, structure)
             except (_TooSlow, PrismError) as exc:
-                if not state["started"]:
+                if (not state["started"] or early) and not state["responded"]:  # (a held answer never went out)
                     state["responded"] = True
                     if isinstance(exc, _TooSlow):
                         await self._refuse(send, _too_slow(self.settings))
@@ -288,13 +288,22 @@ class ProxyGuard:
                 raise  # (the application's own failure; with an answer to give, it failed on the client leaving)
         if state["refusal"] is not None or _complete(early):
             state["responded"] = True  # (a read of Serve's still under way ends with its piece)
-            await self._answer_drained(receive, send, arrival, state["refusal"], early)
+            await self._answer_drained(receive, send, arrival, state["refusal"], early, _expects_continue(scope))
 
     async def _answer_drained(
-        self, receive: Receive, send: Send, arrival: Arrival, refusal: PrismError | None, held: list[Message]
+        self,
+        receive: Receive,
+        send: Send,
+        arrival: Arrival,
+        refusal: PrismError | None,
+        held: list[Message],
+        expects_continue: bool,
     ) -> None:
-        """The guard's refusal, or else the application's held answer, once the rest of the body is drained."""
-        await self._drain(receive, arrival)
+        """The guard's refusal, or else the application's held answer, once the rest of the body is drained — but a
+        client that waits for ``100 Continue`` before it sends its body and has sent none is answered at once: reading
+        would ask it for the body (the server sends the 100 when it is first asked for a piece)."""
+        if not (expects_continue and arrival.received == 0):
+            await self._drain(receive, arrival)
         if refusal is not None:
             await self._refuse(send, refusal)
             return
@@ -410,6 +419,11 @@ class ProxyGuard:
             headers.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
         await send({"type": "http.response.start", "status": exc.http_status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _expects_continue(scope: Scope) -> bool:
+    """Whether the client waits for ``100 Continue`` before it sends its body (``Expect: 100-continue``)."""
+    return any(k.lower() == b"expect" and v.strip().lower() == b"100-continue" for k, v in scope.get("headers", ()))
 
 
 def _complete(messages: list[Message]) -> bool:

@@ -500,3 +500,31 @@ def test_two_readers_of_one_body_share_each_piece_and_count_it_once():
 
     got, arrival = asyncio.run(scenario())
     assert got[0] is got[1] and arrival.received == 10 and arrival.ended and arrival.pending is None
+
+
+def test_an_early_answer_to_a_client_waiting_for_100_continue_asks_for_no_body(streamed):
+    """``Expect: 100-continue`` and no body byte yet: the held answer goes out without a read (a read would have the
+    server send ``100 Continue``, and the client its whole body)."""
+    headers = [(b"content-length", b"30"), (b"expect", b"100-continue")]
+    _, _, sent, pulled = _run(headers, [b"x" * 10] * 3, app=_Refusing())
+    assert sent[0]["status"] == 415 and pulled == 0
+
+
+class _StartsThenReads(_App):
+    """An application that starts its answer, then reads the body (its answer held: the body is not in)."""
+
+    async def __call__(self, scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while (await receive())["type"] == "http.request":
+            pass
+
+
+def test_a_body_refused_after_a_held_start_is_answered_by_the_guard(streamed):
+    """The application's start was held (never sent), then the body breaks a limit: the client gets the guard's
+    refusal — not nothing (which the HTTP server would turn into a 500)."""
+    settings = _settings(max_json_structure=300).model_copy(update={"max_body_bytes": 10_000})
+    bomb = [b"{}," * 200, b"{}," * 200]
+    declared = str(sum(map(len, bomb))).encode()
+    _, refusals, sent, _ = _run([(b"content-length", declared)], bomb, settings, app=_StartsThenReads())
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [400]
+    assert _error(sent) == (400, "json_too_wide") and refusals == [(400, "json_too_wide")]
