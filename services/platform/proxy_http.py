@@ -246,14 +246,14 @@ class ProxyGuard:
         that starts before the body is all in, go out once the application has returned and the rest of the body is
         drained, closing the connection — here, not in ``receive`` or ``send``, which Serve's direct ingress calls
         from tasks of its own."""
-        state: dict[str, Any] = {"responded": False, "started": False, "done": False, "refusal": None}
+        state: dict[str, Any] = {"responded": False, "started": False, "refusal": None}
         structure = Structure(self.settings.max_json_structure)
         early: list[Message] = []  # the application's answer, held: it started before the body was all in
 
         async def guarded_receive() -> Message:
             if state["responded"]:
                 return {"type": "http.disconnect"}
-            if state["done"]:  # the whole body is in: the application listens for a disconnect, unguarded
+            if arrival.ended:  # the whole body is in: the application listens for a disconnect, unguarded
                 return await receive()
             try:
                 message = await self._coalesced(receive, arrival, structure)
@@ -265,7 +265,6 @@ class ProxyGuard:
                     else:
                         state["refusal"] = exc
                 return {"type": "http.disconnect"}  # the application sees the client leave: it frees what it held
-            state["done"] = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         async def guarded_send(message: Message) -> None:
@@ -273,7 +272,7 @@ class ProxyGuard:
                 return  # the guard answers (or answered) instead
             if message["type"] == "http.response.start":
                 state["started"] = True
-                if not state["done"]:
+                if not arrival.ended:
                     early.append(_closing(message))
                     return
             if early:
