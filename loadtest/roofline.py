@@ -2,21 +2,30 @@
 
 A decode step must read the language model's weights once (embedding table excluded: one row per token) and every
 running sequence's KV, and compute its GEMMs (weights × rows, plus attention over the KV). Per step its **memory floor**
-is those bytes at ``read_bytes_per_s`` — a read probe on the engine's own torch threads (a sum over 256 MB), measured in
+is those bytes at ``read_bytes_per_s`` — read probes on the engine's own torch threads (a sum over 256 MB), measured in
 the same run — and its **compute floor** those FLOPs at ``gemm_flops_per_s``, the same weight GEMMs on 512 rows (the
 peak the machine's GEMMs reach here: the faster of the model's own path and PyTorch's ``F.linear``); the step's floor is
 the larger (``decode_roofline_fraction_b32``: that floor over the mean b32 step). Until 2026-12-03 the floor was the
 bytes at a one-thread copy's bandwidth (``copy_floor_fraction``, kept beside it): a copy also writes, and the engine
 reads on all its threads, so that bandwidth was well below what the engine can read (12.2 vs 21.4 GB/s in the committed
-run) and the floor too high.
+run) and the floor too high. Until 2026-12-06 the read probe summed memory on 4 KiB pages only; the same sum over memory
+on 2 MiB pages (transparent huge pages, asked for with ``madvise``) reads faster here — 25.7 against 32.7 GB/s over
+256 MB, 26.0 against 30.1 over 2 GB — so the machine reads at the faster rate, and the floor takes the faster probe
+(both are recorded: ``read_bytes_per_s_by_pages``). The engine's own memory stays on 4 KiB pages: moving its KV pool and
+packed weights to 2 MiB pages did not make its step faster (prism-small-llava fp32, batch 32: 17.63 ms on 4 KiB pages,
+17.62 on 2 MiB, medians of three runs each in alternating processes; the pool alone, alternating in one process: 17.73
+against 17.91).
 
-Lifecycle: :mod:`loadtest.bench_decode` measures the probes once per dtype (``read_bytes_per_s``, the weight GEMMs
+Lifecycle: :mod:`loadtest.bench_decode` measures the probes once per dtype (:func:`read_probes`, the weight GEMMs
 on 32 and 512 rows), then places each engine run with :func:`roofline`. The copy probe
 (:func:`memcpy_bytes_per_s`) is also the hand-off benchmark's yardstick (:mod:`loadtest.bench_transfer`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 import time
 
 import numpy as np
@@ -40,12 +49,38 @@ def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def read_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """What the engine's threads can read: a sum over ``nbytes`` of fp32 on torch's threads (the engine's own), best
-    of ``repeats`` — a read probe; a copy (:func:`memcpy_bytes_per_s`) also writes, and on one thread."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()  # (first touch)
-    return nbytes / min(timed(lambda: x.sum()) for _ in range(repeats))
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # (Linux's value)
+
+
+def read_probes(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
+    """A sum over ``nbytes`` of fp32 on torch's threads (the engine's own), best of ``repeats`` — a read probe; a copy
+    (:func:`memcpy_bytes_per_s`) also writes, and on one thread — over memory on 4 KiB pages and over memory advised
+    onto 2 MiB pages (where the kernel gives none, the second is plain pages too). Bytes per second by page size."""
+    out = {}
+    for name, huge in (("4KiB", False), ("2MiB", True)):
+        x = torch.from_numpy(_region(nbytes, huge)).view(torch.float32)
+        x.fill_(1.0)  # (first touch)
+        x.sum()
+        out[name] = nbytes / min(timed(lambda x=x: x.sum()) for _ in range(repeats))
+        del x
+    return out
+
+
+def _region(nbytes: int, huge: bool) -> np.ndarray:
+    """``nbytes`` untouched zero bytes; ``huge``: starting on a 2 MiB boundary and advised ``MADV_HUGEPAGE`` before
+    their first touch, so they fault in as huge pages where transparent huge pages are on (``madvise`` or
+    ``always``)."""
+    if not huge:
+        return np.zeros(nbytes, np.uint8)
+    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = np.zeros(span + HUGE_PAGE, np.uint8)
+    start = -int(raw.ctypes.data) % HUGE_PAGE
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(int(raw.ctypes.data) + start, span, _MADV_HUGEPAGE)  # (advice: refused, the pages stay small)
+    return raw[start : start + nbytes]
 
 
 def weight_gemm_seconds(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from common.model.row_gemm import load_row_gemm
-from loadtest import bench_decode
+from loadtest import bench_decode, roofline
 
 
 def test_agreement_counts_identical_answers_and_the_share_before_the_first_difference():
@@ -31,6 +31,8 @@ def test_bench_decode_reports_each_dtype_and_fp32_is_token_exact(model_cache, tm
             assert row["bound"] == ("memory" if floor == row["memory_floor_ms"] else "compute")
         assert figures["prefill"]["flops_per_s"] > 0 and figures["b32_weight_gemm_ms"] > 0
         assert figures["read_bytes_per_s"] > 0 and figures["decode_speedup_32_vs_engine_b1"] > 0
+        probes = figures["read_bytes_per_s_by_pages"]  # (the floor takes the faster of the two read probes)
+        assert set(probes) == {"4KiB", "2MiB"} and figures["read_bytes_per_s"] == max(probes.values())
         assert figures["b32_weight_gemm_ms_onednn"] > 0 and figures["b32_weight_gemm_ms_torch"] > 0  # (each path timed)
     rows = "row kernel + onednn" if load_row_gemm() is not None else "onednn"  # (the kernel needs AVX-512)
     assert result["dtypes"]["float32"]["linear_path"] == rows
@@ -44,3 +46,10 @@ def test_bench_decode_reports_each_dtype_and_fp32_is_token_exact(model_cache, tm
         assert figures["per_batch"]["32"]["attention_ms_per_step"] > 0
         assert figures["b32_gemm_plus_attention_ms"] > figures["b32_weight_gemm_ms"]
         assert 0 < figures["b32_fraction_if_nothing_else"]
+
+
+def test_the_huge_page_probe_reads_memory_on_a_2_mib_boundary_and_both_probes_read_it_all():
+    region = roofline._region(3 << 20, huge=True)
+    assert region.ctypes.data % roofline.HUGE_PAGE == 0 and region.nbytes == 3 << 20 and not region.any()
+    probes = roofline.read_probes(8 << 20, repeats=1)
+    assert set(probes) == {"4KiB", "2MiB"} and all(rate > 0 for rate in probes.values())
