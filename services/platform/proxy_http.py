@@ -43,40 +43,32 @@ client that sent one byte every 3 s after its 415 held the connection past 45 s)
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 from common.admission.front import FrontDoor
 from common.admission.record import AdmissionRecorder, MetricSink
 from common.auth import KeyStore
-from common.errors import InvalidRequestError, PrismError, ProxyBusy, RequestTimeout, RequestTooLarge
-from common.protocol.body import STRUCTURAL, ascii_int
+from common.errors import InvalidRequestError, PrismError, ProxyBusy, RequestTooLarge
+from services.platform.body_arrival import Arrival, Structure, TooSlow, too_slow
 from services.platform.guard_settings import GuardSettings
 from services.platform.proxy_metrics import ProxySink, count_refusal
+from services.platform.request_headers import (
+    App,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    bearer,
+    content_length,
+    expects_continue,
+    priority,
+    serve_control,
+)
 
 Tenant = tuple[str, str] | None
 """A request's tenant as the guard knows it: ``(application, tenant name)``, ``None`` where it knows no keys."""
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-SERVE_CONTROL_HEADERS = frozenset(
-    {
-        b"x-request-timeout-seconds",
-        b"x-request-disconnect-disabled",
-        b"x-request-id",
-        b"serve_multiplexed_model_id",
-        b"serve-multiplexed-model-id",
-        b"x-session-id",
-        b"x_session_id",
-    }
-)
-"""Headers Ray Serve 2.60's proxy acts on (``ray.serve._private.constants``): a client must not set them."""
-SERVE_CONTROL_PREFIXES = (b"x-serve-router-",)
 BODYLESS = frozenset({"GET", "HEAD", "OPTIONS"})
 BUFFER_BYTES = 1 << 20
 """A body up to this size (declared, or chunked of any size) is gathered here whole before the application is called:
@@ -84,73 +76,6 @@ a slow client costs the ingress nothing until its body is in (as nginx buffers r
 body streams on as it arrives."""
 COALESCE_BYTES = 64 << 10
 """Body bytes handed to the application at once, at least (unless the body ends first)."""
-
-
-class _TooSlow(Exception):
-    pass
-
-
-class Structure:
-    """A body's structural characters (``{ [ , :``), counted chunk by chunk as it passes (base64 holds none)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.count = limit, 0
-
-    def add(self, chunk: bytes) -> None:
-        for char in STRUCTURAL:
-            self.count += chunk.count(char)
-        if self.count > self.limit:
-            raise InvalidRequestError(
-                f"request JSON has more than {self.limit} structural characters ({{ [ , :), the limit",
-                code="json_too_wide",
-            )
-
-
-class Arrival:
-    """How long a body may keep the server waiting: ``grace_s``, plus ``1 / min_rate`` per byte received — counted
-    only while someone waits on the client for more."""
-
-    def __init__(self, grace_s: float, min_rate: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.grace_s, self.min_rate, self.clock = grace_s, min_rate, clock
-        self.waited, self.received = 0.0, 0
-        self.ended = False
-        """Whether the body has ended (its last piece came, or the client left)."""
-        self.pending: asyncio.Future[Message] | None = None
-        """The server's ``receive`` under way, shared by whoever waits for the next piece. Serve's direct ingress
-        reads through a task of its own that it cancels when the application returns — a cancel that
-        ``asyncio.wait_for`` swallows when the piece has just come (Python 3.11), so that task may still be reading
-        when the guard drains: both then get the same piece, counted once, and none is lost (a lost last piece would
-        leave a drain waiting for an end that already came)."""
-
-    def allowance(self) -> float:
-        return self.grace_s + self.received / self.min_rate - self.waited
-
-    async def receive(self, receive: Receive) -> Message:
-        left = self.allowance()
-        if left <= 0:
-            raise _TooSlow
-        start = self.clock()
-        if self.pending is None:
-            self.pending = asyncio.ensure_future(receive())
-        piece = self.pending
-        try:
-            message = await asyncio.wait_for(asyncio.shield(piece), timeout=left)
-        except TimeoutError:
-            raise _TooSlow from None
-        finally:
-            self.waited += self.clock() - start
-        if self.pending is piece:  # the first to take it: counted, and the next call reads the next piece
-            self.pending = None
-            if message["type"] == "http.request":
-                self.received += len(message.get("body", b""))
-            self.ended = message["type"] != "http.request" or not message.get("more_body", False)
-        return message
-
-    def close(self) -> None:
-        """Cancel a ``receive`` no one will take (the request is over)."""
-        if self.pending is not None:
-            self.pending.cancel()
-            self.pending = None
 
 
 class ProxyGuard:
@@ -187,13 +112,13 @@ class ProxyGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if not _serve_control(k)]
+        scope["headers"] = [(k, v) for k, v in scope.get("headers", ()) if not serve_control(k)]
         try:
             declared, tenant = self._admit(scope)
         except PrismError as exc:
             await self._refuse(send, exc)
             return
-        if tenant is not None and not await self._enter(tenant, _priority(scope), send):
+        if tenant is not None and not await self._enter(tenant, priority(scope), send):
             return
         arrival = Arrival(self.settings.body_grace_s, self.settings.body_min_bytes_per_s)
         try:
@@ -224,7 +149,7 @@ class ProxyGuard:
         """The checks on the headers (steps 2–3); the declared body length (``None`` when there is none to trust)
         and the request's tenant as ``(application, name)`` (``None``: a request without a body, or for an
         application whose keys the guard does not know)."""
-        declared, chunked = _content_length(scope)
+        declared, chunked = content_length(scope)
         method = scope.get("method", "GET").upper()
         if method in BODYLESS:
             if chunked or declared:
@@ -233,7 +158,7 @@ class ProxyGuard:
         route = self.settings.route(scope.get("path", "/"))
         tenant = None
         if route is not None:
-            tenant = (route.app, self.stores[route.app].tenant(_bearer(scope)))  # 401 before a body byte is read
+            tenant = (route.app, self.stores[route.app].tenant(bearer(scope)))  # 401 before a body byte is read
         if declared is not None and declared > self.settings.max_body_bytes:
             raise RequestTooLarge(
                 f"request body is larger than {self.settings.max_body_bytes} bytes, the server's limit"
@@ -257,11 +182,11 @@ class ProxyGuard:
                 return await receive()
             try:
                 message = await self._coalesced(receive, arrival, structure)
-            except (_TooSlow, PrismError) as exc:
+            except (TooSlow, PrismError) as exc:
                 if (not state["started"] or early) and not state["responded"]:  # (a held answer never went out)
                     state["responded"] = True
-                    if isinstance(exc, _TooSlow):
-                        await self._refuse(send, _too_slow(self.settings))
+                    if isinstance(exc, TooSlow):
+                        await self._refuse(send, too_slow(self.settings))
                     else:
                         state["refusal"] = exc
                 return {"type": "http.disconnect"}  # the application sees the client leave: it frees what it held
@@ -287,7 +212,7 @@ class ProxyGuard:
                 raise  # (the application's own failure; with an answer to give, it failed on the client leaving)
         if state["refusal"] is not None or _complete(early):
             state["responded"] = True  # (a read of Serve's still under way ends with its piece)
-            await self._answer_drained(receive, send, arrival, state["refusal"], early, _expects_continue(scope))
+            await self._answer_drained(receive, send, arrival, state["refusal"], early, expects_continue(scope))
 
     async def _answer_drained(
         self,
@@ -342,9 +267,9 @@ class ProxyGuard:
 
         try:
             body = await self._gather(receive, arrival, held, tenant)
-        except _TooSlow:
+        except TooSlow:
             give_back()
-            await self._refuse(send, _too_slow(self.settings))
+            await self._refuse(send, too_slow(self.settings))
             return
         except PrismError as exc:
             give_back()
@@ -403,7 +328,7 @@ class ProxyGuard:
         try:
             while not arrival.ended and arrival.received <= self.settings.max_body_bytes:
                 await arrival.receive(receive)
-        except _TooSlow:
+        except TooSlow:
             pass
 
     async def _refuse(self, send: Send, exc: PrismError) -> None:
@@ -420,11 +345,6 @@ class ProxyGuard:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _expects_continue(scope: Scope) -> bool:
-    """Whether the client waits for ``100 Continue`` before it sends its body (``Expect: 100-continue``)."""
-    return any(k.lower() == b"expect" and v.strip().lower() == b"100-continue" for k, v in scope.get("headers", ()))
-
-
 def _complete(messages: list[Message]) -> bool:
     """Whether ``messages`` hold a whole answer (its start, and a last body message)."""
     return bool(messages) and messages[-1]["type"] == "http.response.body" and not messages[-1].get("more_body")
@@ -436,38 +356,10 @@ def _closing(start: Message) -> Message:
     return {**start, "headers": [*headers, (b"connection", b"close")]}
 
 
-def _too_slow(settings: GuardSettings) -> RequestTimeout:
-    return RequestTimeout(
-        f"the request body arrived slower than {settings.body_min_bytes_per_s} bytes/s after "
-        f"{settings.body_grace_s:g} s; it was dropped"
-    )
-
-
 def _json(obj: dict) -> bytes:
     import json
 
     return json.dumps(obj).encode()
-
-
-def _serve_control(name: bytes) -> bool:
-    name = name.lower()
-    return name in SERVE_CONTROL_HEADERS or name.startswith(SERVE_CONTROL_PREFIXES)
-
-
-def _bearer(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"authorization":
-            text = value.decode("latin-1")
-            return text[7:].strip() if text.lower().startswith("bearer ") else None
-    return None
-
-
-def _priority(scope: Scope) -> str:
-    """The traffic class the ``X-Prism-Priority`` header names (``interactive`` when none, or not one of ours)."""
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"x-prism-priority" and value.strip().lower() == b"batch":
-            return "batch"
-    return "interactive"
 
 
 def _replay(body: bytearray, receive: Receive, taken: Callable[[], None]) -> Receive:
@@ -485,17 +377,3 @@ def _replay(body: bytearray, receive: Receive, taken: Callable[[], None]) -> Rec
         return await receive()
 
     return replay
-
-
-def _content_length(scope: Scope) -> tuple[int | None, bool]:
-    """The declared body length — ``None`` when there is none to trust: absent, malformed (the HTTP server's to
-    refuse), or beside ``Transfer-Encoding`` (which then frames the body, RFC 9112 §6.3) — and whether the body is
-    framed by ``Transfer-Encoding``."""
-    declared = None
-    for name, value in scope.get("headers", ()):
-        name = name.lower()
-        if name == b"transfer-encoding":
-            return None, True
-        if name == b"content-length":
-            declared = ascii_int(value.decode("latin-1"))
-    return declared, False

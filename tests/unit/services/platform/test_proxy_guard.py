@@ -486,7 +486,7 @@ def test_an_answer_sent_before_the_body_is_in_goes_out_after_it_and_closes_the_c
 def test_two_readers_of_one_body_share_each_piece_and_count_it_once():
     """Serve's reading task may still be waiting for a piece when the guard drains: both get that piece, counted
     once, and the end of the body is seen (none lost)."""
-    from services.platform.proxy_http import Arrival
+    from services.platform.body_arrival import Arrival
 
     async def scenario():
         pieces = asyncio.Queue()
