@@ -11,10 +11,10 @@ reads on all its threads, so that bandwidth was well below what the engine can r
 run) and the floor too high. Until 2026-12-06 the read probe summed memory on 4 KiB pages only; the same sum over memory
 on 2 MiB pages (transparent huge pages, asked for with ``madvise``) reads faster here — 25.7 against 32.7 GB/s over
 256 MB, 26.0 against 30.1 over 2 GB — so the machine reads at the faster rate, and the floor takes the faster probe
-(both are recorded: ``read_bytes_per_s_by_pages``). The engine's own memory stays on 4 KiB pages: moving its KV pool and
-packed weights to 2 MiB pages did not make its step faster (prism-small-llava fp32, batch 32: 17.63 ms on 4 KiB pages,
-17.62 on 2 MiB, medians of three runs each in alternating processes; the pool alone, alternating in one process: 17.73
-against 17.91).
+(both are recorded: ``read_bytes_per_s_by_pages``). The engine's KV pool is on 2 MiB pages already (allocated through
+numpy, which advises every large array of its own onto huge pages); its packed weights (torch's) are on 4 KiB pages,
+and moving them to 2 MiB pages did not make its step faster (prism-small-llava fp32, batch 32: 17.63 ms against 17.62,
+medians of three runs each in alternating processes).
 
 Lifecycle: :mod:`loadtest.bench_decode` measures the probes once per dtype (:func:`read_probes`, the weight GEMMs
 on 32 and 512 rows), then places each engine run with :func:`roofline`. The copy probe
@@ -68,11 +68,12 @@ def read_probes(nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
 
 
 def _region(nbytes: int, huge: bool) -> np.ndarray:
-    """``nbytes`` untouched zero bytes; ``huge``: starting on a 2 MiB boundary and advised ``MADV_HUGEPAGE`` before
-    their first touch, so they fault in as huge pages where transparent huge pages are on (``madvise`` or
-    ``always``)."""
+    """``nbytes`` untouched bytes; ``huge``: starting on a 2 MiB boundary and advised ``MADV_HUGEPAGE`` before their
+    first touch, so they fault in as huge pages where transparent huge pages are on (``madvise`` or ``always``).
+    Otherwise from torch's allocator, which advises nothing — not numpy's: numpy advises every large array of its own
+    onto huge pages on Linux (so the KV pool, allocated through numpy, is on them already: ``common/kv/aligned.py``)."""
     if not huge:
-        return np.zeros(nbytes, np.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8).numpy()
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     raw = np.zeros(span + HUGE_PAGE, np.uint8)
     start = -int(raw.ctypes.data) % HUGE_PAGE
