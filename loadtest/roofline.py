@@ -71,7 +71,8 @@ def _region(nbytes: int, huge: bool) -> np.ndarray:
     """``nbytes`` untouched bytes; ``huge``: starting on a 2 MiB boundary and advised ``MADV_HUGEPAGE`` before their
     first touch, so they fault in as huge pages where transparent huge pages are on (``madvise`` or ``always``).
     Otherwise from torch's allocator, which advises nothing — not numpy's: numpy advises every large array of its own
-    onto huge pages on Linux (so the KV pool, allocated through numpy, is on them already: ``common/kv/aligned.py``)."""
+    onto huge pages on Linux (so the KV pool, allocated through numpy, is on them already: ``common/kv/aligned.py``).
+    At the probe's size (over glibc's largest mmap threshold, 32 MiB) either is a fresh mapping, never reused heap."""
     if not huge:
         return torch.empty(nbytes, dtype=torch.uint8).numpy()
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE

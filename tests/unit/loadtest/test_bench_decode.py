@@ -4,6 +4,9 @@ greedy tokens at batch 32 are ``generate()``'s and the batch-1 path's (bf16's ag
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from common.model.row_gemm import load_row_gemm
 from loadtest import bench_decode, roofline
@@ -53,3 +56,32 @@ def test_the_huge_page_probe_reads_memory_on_a_2_mib_boundary_and_both_probes_re
     assert region.ctypes.data % roofline.HUGE_PAGE == 0 and region.nbytes == 3 << 20 and not region.any()
     probes = roofline.read_probes(8 << 20, repeats=1)
     assert set(probes) == {"4KiB", "2MiB"} and all(rate > 0 for rate in probes.values())
+
+
+def _huge_kib(address: int) -> int:
+    """``AnonHugePages`` of the mapping of this process that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[madvise]" not in THP.read_text(), reason="the probes' pages differ only in THP madvise mode"
+)
+def test_the_4_kib_probe_reads_memory_nothing_advised_onto_huge_pages():
+    """Its memory must not come from numpy, which advises its large arrays onto huge pages (the probe then read 2 MiB
+    pages under the 4 KiB name, as eb09328 found); the 2 MiB probe's is advised."""
+    # (64 MiB: over glibc's largest mmap threshold, 32 MiB, so a fresh mapping as the probe's 256 MB is; smaller
+    # blocks may reuse heap that numpy advised earlier in this process)
+    small = roofline._region(64 << 20, huge=False)
+    small.fill(1)
+    assert _huge_kib(small.ctypes.data + small.nbytes // 2) == 0  # (the middle: advice splits a mapping at 2 MiB)
