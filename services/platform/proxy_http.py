@@ -221,12 +221,12 @@ class ProxyGuard:
         arrival: Arrival,
         refusal: PrismError | None,
         held: list[Message],
-        expects_continue: bool,
+        waits_for_continue: bool,
     ) -> None:
         """The guard's refusal, or else the application's held answer, once the rest of the body is drained — but a
         client that waits for ``100 Continue`` before it sends its body and has sent none is answered at once: reading
         would ask it for the body (the server sends the 100 when it is first asked for a piece)."""
-        if not (expects_continue and arrival.received == 0):
+        if not (waits_for_continue and arrival.received == 0):
             await self._drain(receive, arrival)
         if refusal is not None:
             await self._refuse(send, refusal)
