@@ -36,6 +36,14 @@ log = logging.getLogger("prism.auth")
 ANONYMOUS_TENANT = "default"
 
 
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` value (scheme case-insensitive, key stripped); ``None`` for an
+    absent value or another scheme. The one parse of it: the HTTP and gRPC guards and the ingress read it alike."""
+    if not authorization or not authorization[:7].lower() == "bearer ":
+        return None
+    return authorization[7:].strip()
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from common.admission.quota import TenantQuotas, Ticket
 from common.admission.record import AdmissionRecorder
-from common.auth import KeyStore
+from common.auth import KeyStore, bearer_key
 from common.config import PrismConfig
 from common.errors import (
     InvalidRequestError,
@@ -151,7 +151,7 @@ class IngressDeployment:
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
-            self.keys.tenant(_bearer(request))
+            self.keys.tenant(bearer_key(request.headers.get("authorization")))
         except PrismError as exc:
             return error_response(exc)
         cards = [
@@ -171,7 +171,7 @@ class IngressDeployment:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         get = request.headers.get
-        headers = RequestHeaders.read(get, _bearer(request), get("x-prism-deadline-ms"))
+        headers = RequestHeaders.read(get, bearer_key(request.headers.get("authorization")), get("x-prism-deadline-ms"))
         life = self._lifecycle("http", headers)
         try:
             async with life:
@@ -368,17 +368,11 @@ def _grpc_usage(call: Call, completion_tokens: int) -> prism_pb2.Usage:
     return prism_pb2.Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=completion_tokens)
 
 
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
-
-
 def _grpc_headers(request: prism_pb2.GenerateRequest, grpc_context) -> RequestHeaders:
     """The call's metadata (``authorization: Bearer <key>`` — what the proxy checks before the message is read —,
     ``x-prism-priority``, ``x-prism-trace``), else the message's ``api_key``; the message's deadline budget."""
     metadata = dict(grpc_context.invocation_metadata() or ())
-    auth = metadata.get("authorization") or ""
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    key = bearer_key(metadata.get("authorization"))
     return RequestHeaders.read(metadata.get, key or request.api_key or None, request.deadline_ms)
 
 

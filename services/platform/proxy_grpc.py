@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from common.auth import KeyStore
+from common.auth import KeyStore, bearer_key
 from common.errors import PrismError
 from services.platform.guard_settings import GuardSettings
 
@@ -46,16 +46,10 @@ class KeyInterceptor(grpc.aio.ServerInterceptor):
             route = self.settings.app(metadata.get("application"))
             if route is not None:
                 try:
-                    self.stores[route.app].tenant(_bearer(metadata.get("authorization")))
+                    self.stores[route.app].tenant(bearer_key(metadata.get("authorization")))
                 except PrismError as exc:
                     return _refusal(grpc.StatusCode.UNAUTHENTICATED, exc)
         return await continuation(details)
-
-
-def _bearer(value: str | None) -> str | None:
-    if not value:
-        return None
-    return value[7:].strip() if value.lower().startswith("bearer ") else None
 
 
 def _refusal(code: grpc.StatusCode, exc: PrismError) -> grpc.RpcMethodHandler:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from common.auth import bearer_key
 from common.protocol.body import ascii_int
 
 Scope = MutableMapping[str, Any]
@@ -40,8 +41,7 @@ def serve_control(name: bytes) -> bool:
 def bearer(scope: Scope) -> str | None:
     for name, value in scope.get("headers", ()):
         if name.lower() == b"authorization":
-            text = value.decode("latin-1")
-            return text[7:].strip() if text.lower().startswith("bearer ") else None
+            return bearer_key(value.decode("latin-1"))
     return None
 
 

@@ -143,3 +143,20 @@ def test_an_empty_key_file_path_is_refused_not_taken_for_anonymous():
 
     with pytest.raises(ValidationError):
         ServerConfig(api_keys_file="")
+
+
+@pytest.mark.parametrize(
+    ("header", "key"),
+    [
+        ("Bearer k-1", "k-1"),
+        ("bearer  k-1 ", "k-1"),
+        ("BEARER k-1", "k-1"),
+        ("Basic dXNlcjpwYXNz", None),
+        ("Bearer", None),
+        ("Bearerk-1", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_the_one_bearer_parse_takes_the_key_of_a_bearer_header_only(header, key) -> None:
+    assert auth.bearer_key(header) == key
