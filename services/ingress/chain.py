@@ -13,8 +13,11 @@ media ──► (its items done) ──► encode ─────┐   (encode t
 ```
 
 (the default ``E/P/D``), so pixels, embeddings and KV go replica to replica (the object store, or NIXL) and never
-through the ingress. In a grouped topology each group is one call (:mod:`services.stages.group`): ``E/PD`` is media,
-encode, then one streaming call that reserves the KV in its own replica, prefills and decodes; ``EPD`` is media, then
+through the ingress. A decode call whose replica the reservation named is sent as soon as Serve has given the prefill
+call a replica, and waits there for the prefill's result (:mod:`services.stages.upstream`): the hop after the prefill
+is then the result's notice and read, not the ingress's routing and sending of the call too.
+In a grouped topology each group is one call (:mod:`services.stages.group`): ``E/PD`` is media, encode, then one
+streaming call that reserves the KV in its own replica, prefills and decodes; ``EPD`` is media, then
 that call with encode in it too; ``EP/D`` reserves here, then one call encodes and prefills for the decode stream.
 Where media is grouped with encode, the request's media references go to that group's call: ``ME/P/D`` is one call
 that fetches, processes and encodes, then the reservation here, prefill and decode; ``ME/PD`` is that call, then the
@@ -47,7 +50,7 @@ from common.protocol.handoff import RequestContext, StreamStart
 from services.ingress.failures import REPLICA_LOST
 from services.ingress.kv_reserver import KVReserver
 from services.ingress.plan import AdmittedRequest
-from services.ingress.responses import cancel_chain, next_event, settled
+from services.ingress.responses import cancel_chain, next_event, pending, settled
 from services.ingress.retry import with_retries
 
 
@@ -143,6 +146,8 @@ class Chain:
                     ctx, reserved = await self.kv.reserve(ctx, admitted.kv_blocks)
                     if reserved and not admitted.refs:  # prefill's timeline starts after the reservation
                         upstream = waited("decode.reserve", ctx.sent_at, blocks=admitted.kv_blocks)
+                if hop == ("decode",) and reserved:  # its replica is known: sent now, it awaits the prefill there
+                    upstream = await pending(upstream, ctx.deadline, "prefill")
                 upstream = self._call(hop, upstream, admitted, ctx)
                 responses.append(upstream)
                 if hop == ("media", "encode"):  # (as above: no KV reserved, no prefill call, until the media is done)

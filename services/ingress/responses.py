@@ -13,6 +13,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 from common.errors import DeadlineExceeded, PrismError
 from common.protocol.handoff import DecodeEvent
 from services.ingress.failures import replica_lost
+from services.stages.upstream import Pending
 
 
 def cancel_chain(chain: list[Any]) -> None:
@@ -61,6 +62,19 @@ async def settled(response: Any, deadline: float, what: str = "the media stage")
                 raise TimeoutError
     except TimeoutError:
         raise DeadlineExceeded(f"deadline exceeded while {what} worked") from None
+
+
+async def pending(response: Any, deadline: float, stage: str) -> Any:
+    """A Serve call's result as a :class:`~services.stages.upstream.Pending` reference, for a downstream call sent
+    before it finished, once Serve has given the call a replica (504 at the deadline if it never does); an in-process
+    response (the monolith's) as it is: it is awaited where it is passed."""
+    if not hasattr(response, "_to_object_ref"):
+        return response
+    try:
+        ref = await asyncio.wait_for(response._to_object_ref(), timeout=_left(deadline))
+    except TimeoutError:
+        raise DeadlineExceeded(f"deadline exceeded while the {stage} stage was queued") from None
+    return Pending(ref, stage)
 
 
 def _left(deadline: float) -> float:

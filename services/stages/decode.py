@@ -69,6 +69,7 @@ from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
 from services.stages.driver import EngineDriver, check_engines
 from services.stages.threads import compile_guide, finish_in_thread
+from services.stages.upstream import arrived
 
 RESERVATION_SWEEP_S = 1.0
 """How often unclaimed reservations are checked against their deadlines while any is held."""
@@ -198,7 +199,9 @@ class DecodeDeployment:
         self, pre: Traced[Any] | Any, sampling: SamplingParams, ctx: RequestContext
     ) -> AsyncIterator[DecodeEvent]:
         """The sequence's events (see the module docstring); a migration's (``ctx.replay``) rebuilds the tokens its
-        client already has, and its stream goes on from the next one."""
+        client already has, and its stream goes on from the next one. ``pre``: the prefill's result, or a
+        :class:`~services.stages.upstream.Pending` one (the call was sent while the prefill worked)."""
+        pre = await arrived(pre)  # (sent before the prefill finished: its result, once it exists)
         stream = _Stream(ctx, Timeline.after(pre, ctx.sent_at), tokens=len(ctx.replay))
         ctx.check_deadline("decode")
         self.queues[ctx.key] = stream.queue

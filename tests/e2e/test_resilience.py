@@ -1,4 +1,5 @@
-"""Per-stage autoscaling on queue depth (1 → 2 → 1) and a replica killed mid-load: nobody hangs past the deadline."""
+"""Per-stage autoscaling on queue depth (1 → 2 → 1) and a replica (decode, prefill) killed mid-load: nobody hangs past
+the deadline."""
 
 from __future__ import annotations
 
@@ -100,7 +101,10 @@ def test_decode_scales_up_under_queue_depth_and_back(scale_base, prism_server):
     assert total(samples, "ray_prism_replicas", **decode) == 1
 
 
-def test_killing_a_replica_mid_load_hangs_nobody(scale_base):
+@pytest.mark.parametrize("victim", ["Decode", "Prefill"])
+def test_killing_a_replica_mid_load_hangs_nobody(scale_base, victim):
+    """A decode replica killed under its streams; a prefill replica killed while decode calls wait on its results
+    (sent before the prefill finished: services/stages/upstream.py) — they come back as lost hand-offs, re-issued."""
     import ray
 
     stop, results = threading.Event(), []
@@ -109,7 +113,7 @@ def test_killing_a_replica_mid_load_hangs_nobody(scale_base):
     for w in workers:
         w.start()
     time.sleep(3)
-    victims = [a for a in ray.util.list_named_actors(all_namespaces=True) if "prism-scale#Decode" in a["name"]]
+    victims = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"prism-scale#{victim}" in a["name"]]
     assert victims, ray.util.list_named_actors(all_namespaces=True)
     ray.kill(ray.get_actor(victims[0]["name"], namespace=victims[0]["namespace"]), no_restart=False)
     time.sleep(6)
