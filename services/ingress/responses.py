@@ -66,14 +66,20 @@ async def settled(response: Any, deadline: float, what: str = "the media stage")
 
 async def pending(response: Any, deadline: float, stage: str) -> Any:
     """A Serve call's result as a :class:`~services.stages.upstream.Pending` reference, for a downstream call sent
-    before it finished, once Serve has given the call a replica (504 at the deadline if it never does); an in-process
-    response (the monolith's) as it is: it is awaited where it is passed."""
+    before it finished, once Serve has given the call a replica (504 at the deadline if it never does; the replica
+    loss behind Serve's error when the call's own upstream replica died first); an in-process response (the
+    monolith's) as it is: it is awaited where it is passed."""
     if not hasattr(response, "_to_object_ref"):
         return response
     try:
         ref = await asyncio.wait_for(response._to_object_ref(), timeout=_left(deadline))
     except TimeoutError:
         raise DeadlineExceeded(f"deadline exceeded while the {stage} stage was queued") from None
+    except RayServeException as exc:  # the call's own upstream replica died before Serve could route it
+        lost = replica_lost(exc)
+        if lost is None:
+            raise
+        raise lost from None  # (re-issued, as next_event does with the same loss)
     return Pending(ref, stage)
 
 

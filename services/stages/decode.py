@@ -69,7 +69,7 @@ from services.platform.loopback import bind_replica
 from services.platform.metrics import Metrics
 from services.stages.driver import EngineDriver, check_engines
 from services.stages.threads import compile_guide, finish_in_thread
-from services.stages.upstream import arrived
+from services.stages.upstream import Pending, arrived
 
 RESERVATION_SWEEP_S = 1.0
 """How often unclaimed reservations are checked against their deadlines while any is held."""
@@ -122,6 +122,8 @@ class DecodeDeployment:
         )
         self.engine = DecodeEngine(self.lm, self.pool, max_batch=eng.max_batch)
         self.queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self.awaiting: set[str] = set()
+        """Attempts whose ``generate`` waits here for its prefill's result (sent early: a request slot each)."""
         self.cancelled = 0
         self.fetches = 0
         # Steps run in a thread of their own, never in the loop's shared pool, where the transport's fetches (and, in
@@ -164,13 +166,16 @@ class DecodeDeployment:
     def _check_slots(self) -> None:
         """Every reservation's ``generate`` must find a request slot on this replica, where the decode router sends
         it and nowhere else. A reservation takes one slot at a time — its ``reserve`` call while it waits, then its
-        ``generate`` — and a stream one: refuse a reservation that would commit more than ``max_ongoing_requests``
-        less one (kept for ``unreserve`` and ``stats``). Otherwise waiting reservations could take every slot while the
-        granted ones' ``generate`` calls wait for one: each side waiting for the other."""
+        ``generate`` (sent before the prefill finished, it waits here in that same slot; if the reservation lapsed
+        meanwhile, the waiting call still holds it: counted apart) — and a stream one: refuse a reservation that would
+        commit more than ``max_ongoing_requests`` less one (kept for ``unreserve`` and ``stats``). Otherwise waiting
+        reservations could take every slot while the granted ones' ``generate`` calls wait for one: each side waiting
+        for the other."""
         if self.grouped:  # (the group's call holds its one slot from its reservation to its stream's end)
             return
         slots = self.cfg.deployments.decode.max_ongoing_requests
-        committed = len(self.queues) + self.engine.num_reserved
+        lapsed = sum(not self.engine.is_reserved(key) for key in self.awaiting)  # (a slot no reservation counts now)
+        committed = len(self.queues) + self.engine.num_reserved + lapsed
         if committed + 2 > slots:
             raise Overloaded(
                 f"the decode replica has {committed} of its {slots} request slots committed (streams and KV "
@@ -201,7 +206,7 @@ class DecodeDeployment:
         """The sequence's events (see the module docstring); a migration's (``ctx.replay``) rebuilds the tokens its
         client already has, and its stream goes on from the next one. ``pre``: the prefill's result, or a
         :class:`~services.stages.upstream.Pending` one (the call was sent while the prefill worked)."""
-        pre = await arrived(pre)  # (sent before the prefill finished: its result, once it exists)
+        pre = await self._arrived(pre, ctx.key)
         stream = _Stream(ctx, Timeline.after(pre, ctx.sent_at), tokens=len(ctx.replay))
         ctx.check_deadline("decode")
         self.queues[ctx.key] = stream.queue
@@ -219,6 +224,17 @@ class DecodeDeployment:
             self._pool_changed()
             if stream.tokens > len(ctx.replay):
                 self.metrics.observe("prism_stage_work_seconds", time.time() - stream.timeline.last)
+
+    async def _arrived(self, pre: Any, key: str) -> Any:
+        """The prefill's result: ``pre`` itself, or, for a call sent before the prefill finished, its result once it
+        exists (:func:`~services.stages.upstream.arrived`), the call counted in :attr:`awaiting` meanwhile."""
+        if not isinstance(pre, Pending):
+            return pre
+        self.awaiting.add(key)
+        try:
+            return await arrived(pre)
+        finally:
+            self.awaiting.discard(key)
 
     async def _import(self, handle: Any, sampling: SamplingParams, stream: _Stream) -> tuple[Prefilled, float]:
         """Bring the prefilled KV in through the transport and start the sequence; returns the prefill's result and

@@ -20,7 +20,8 @@ it while it waits, like any call.
 Failures come back as the upstream's own: a stage's typed error (a 4xx decided in prefill) is raised here as that
 error; a lost upstream replica as :class:`~common.errors.HandoffLost` (the ingress re-issues the chain, as for any
 replica lost before the first token) — never as the actor death itself, which Serve's router would take for the death
-of *this* replica and drop it from its set.
+of *this* replica and drop it from its set. (Serve logs such a failure on this replica too, as one of its requests
+that failed: the price of the upstream's error travelling through it.)
 """
 
 from __future__ import annotations

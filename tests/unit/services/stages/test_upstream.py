@@ -58,3 +58,28 @@ def test_cancelled_while_it_waits_it_stops_waiting():
         assert never.cancelled()
 
     asyncio.run(run())
+
+
+def test_a_waiting_call_whose_reservation_lapsed_still_counts_as_a_slot():
+    """A ``generate`` sent early holds the request slot its reservation committed; if the reservation lapses while it
+    waits, the replica must still count that slot, or it would grant reservations whose calls find none."""
+    from types import SimpleNamespace
+
+    from common.config import PrismConfig
+    from common.errors import Overloaded
+    from services.stages.decode import DecodeDeployment
+
+    cfg = PrismConfig.model_validate({"deployments": {"decode": {"max_ongoing_requests": 4}}})
+    reserved: set[str] = {"a"}
+    replica = SimpleNamespace(
+        cfg=cfg,
+        grouped=False,
+        queues={"s": None},  # one stream
+        awaiting={"a", "b"},  # two calls waiting for their prefill: "a" still reserved, "b" lapsed
+        engine=SimpleNamespace(num_reserved=len(reserved), is_reserved=lambda key: key in reserved),
+        kv_admission=SimpleNamespace(retry_after_s=lambda n: 1.0),
+    )
+    with pytest.raises(Overloaded, match="3 of its 4 request slots"):
+        DecodeDeployment._check_slots(replica)
+    replica.awaiting = {"a"}
+    DecodeDeployment._check_slots(replica)  # 2 committed: one more reservation fits
