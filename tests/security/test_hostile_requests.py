@@ -255,13 +255,24 @@ def _upload(base: str, total: int, chunked: bool, key: bool = True) -> tuple[int
     head += "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {total}\r\n"
     start = time.perf_counter()
     sock.sendall((head + "\r\n").encode())
-    piece, sent = b"x" * MB, 0
+    piece = b"x" * MB
+    frame = f"{len(piece):x}\r\n".encode() + piece + b"\r\n" if chunked else piece
+    sent, left = 0, memoryview(b"")
+    # Never blocked in a send: the server may answer and then stop reading (HAProxy has, once in many runs, left such
+    # a connection open and unread), and a blocking send of the next piece would then wait on it for ever. So send
+    # only what the socket takes now, and stop as soon as an answer (or the close) is there to read.
+    sock.setblocking(False)
     try:
-        while sent < total and not select.select([sock], [], [], 0)[0]:
-            sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n" if chunked else piece)
-            sent += len(piece)
+        while sent < total:
+            readable, writable, _ = select.select([sock], [sock], [], 10)
+            if readable or not writable:  # answered or closed; or stalled for 10 s (then no reply will be read)
+                break
+            left = left or memoryview(frame)
+            left = left[sock.send(left) :]
+            sent += 0 if left else len(piece)
     except OSError:  # the server answered and closed while we were still sending
         pass
+    sock.setblocking(True)
     reply = read_reply(sock, 10)
     return status_of(reply), reply, time.perf_counter() - start, sent
 
