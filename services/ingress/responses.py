@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentResponseGenerator
@@ -40,10 +40,7 @@ async def next_event(stream: DeploymentResponseGenerator, deadline: float) -> De
     except StopAsyncIteration:
         raise PrismError("decode stream ended unexpectedly") from None
     except RayServeException as exc:  # an upstream replica of the chain died: a replica loss like any other
-        lost = replica_lost(exc)
-        if lost is None:
-            raise
-        raise lost from None
+        _raise_loss_behind(exc)
 
 
 async def settled(response: Any, deadline: float, what: str = "the media stage") -> None:
@@ -76,11 +73,16 @@ async def pending(response: Any, deadline: float, stage: str) -> Any:
     except TimeoutError:
         raise DeadlineExceeded(f"deadline exceeded while the {stage} stage was queued") from None
     except RayServeException as exc:  # the call's own upstream replica died before Serve could route it
-        lost = replica_lost(exc)
-        if lost is None:
-            raise
-        raise lost from None  # (re-issued, as next_event does with the same loss)
+        _raise_loss_behind(exc)
     return Pending(ref, stage)
+
+
+def _raise_loss_behind(exc: RayServeException) -> NoReturn:
+    """Serve's error as the replica loss it wraps, if it wraps one (the chain re-issues that), else as it was."""
+    lost = replica_lost(exc)
+    if lost is None:
+        raise exc
+    raise lost from None
 
 
 def _left(deadline: float) -> float:

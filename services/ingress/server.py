@@ -171,7 +171,7 @@ class IngressDeployment:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
         get = request.headers.get
-        headers = RequestHeaders.read(get, bearer_key(request.headers.get("authorization")), get("x-prism-deadline-ms"))
+        headers = RequestHeaders.read(get, bearer_key(get("authorization")), get("x-prism-deadline-ms"))
         life = self._lifecycle("http", headers)
         try:
             async with life:

@@ -2,10 +2,10 @@
 
 Why. A Serve call chained on another (``decode.generate.remote(prefill_response, …)``) is sent only once the
 upstream's result exists: the ingress's router waits for it, then routes the call and sends it, and the replica
-starts it — all on the request's time, after the upstream finished. Measured on a 2-core Xeon (a two-deployment Serve
-app, a 0.5 MB result, nothing else running): upstream done → downstream started 7.0–7.2 ms chained, 3.7–4.1 ms when
-the downstream call was already waiting on the result's reference. Prism's traces show this hop as
-``decode.transfer`` (``loadtest.bench_hops``).
+starts it — all on the request's time, after the upstream finished. Measured on a 2-core AMD EPYC (a
+two-deployment Serve app, a 0.5 MB result, nothing else running): upstream done → downstream started 7.0–7.2 ms
+chained, 3.7–4.1 ms when the downstream call was already waiting on the result's reference. Prism's traces show this
+hop as ``decode.transfer`` (``loadtest.bench_hops``).
 
 Where the downstream replica is known before the upstream finishes — decode, whose KV reservation named it — the
 ingress sends the call at once with :class:`Pending`: the upstream's result reference (``ObjectRef``), nested in this
@@ -54,10 +54,8 @@ async def arrived(value: Any) -> Any:
         return value
     try:
         return await value.ref
-    except LOST as exc:
-        raise HandoffLost(f"the {value.stage} replica was lost before its hand-off was read") from exc
-    except RayTaskError as exc:
-        cause = exc.cause
+    except (*LOST, RayTaskError) as exc:
+        cause = exc.cause if isinstance(exc, RayTaskError) else exc  # (a loss inside the upstream's call, or here)
         if isinstance(cause, LOST):
             raise HandoffLost(f"the {value.stage} replica was lost before its hand-off was read") from exc
         if isinstance(cause, Exception):

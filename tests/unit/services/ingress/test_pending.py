@@ -4,6 +4,7 @@ the call a replica, an in-process call as it is, and a lost upstream replica as 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -27,8 +28,6 @@ class _Response:
 
 
 def _far() -> float:
-    import time
-
     return time.time() + 30
 
 
@@ -55,7 +54,5 @@ def test_an_upstream_replica_lost_while_serve_routed_the_call_is_a_replica_loss(
 
 
 def test_a_call_never_given_a_replica_ends_at_the_deadline():
-    import time
-
     with pytest.raises(DeadlineExceeded, match="prefill stage was queued"):
         asyncio.run(pending(_Response(ref="r", delay=5), time.time() + 0.05, "prefill"))
