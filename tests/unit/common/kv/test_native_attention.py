@@ -45,10 +45,14 @@ def _reference(query, keys, values, tables, lengths, scale):
         (6, 2, 40, 5),
         (2, 1, 16, 1),
         (18, 2, 64, 16),
+        (1, 1, 64, 4),
+        (2, 1, 128, 16),
+        (2, 2, 64, 3),
     ],
-    # (the AVX-512 path takes head sizes 64 and 128 with 1 to 8 query heads per KV head, its 16-token tiles across
-    # blocks of any size and its value sums in passes of a few heads; the others — head size 40 or 16, 9 heads per KV
-    # head — take the portable loops)
+    # (the AVX-512 path takes head sizes 64 and 128 with 1 to 8 query heads per KV head: where the query heads divide
+    # 16, the row-order loops (1, 2, 4, 8 and 16 heads here, 16 / heads tokens to a reduction), else the loops over a
+    # block head by head, their 16-token tiles across blocks of any size and their value sums in passes of a few heads;
+    # the others — head size 40 or 16, 9 heads per KV head — take the portable loops)
     ids=[
         "gqa2-d64",
         "mha-d128",
@@ -61,6 +65,9 @@ def _reference(query, keys, values, tables, lengths, scale):
         "gqa3-d40",
         "mqa-d16-bs1",
         "gqa9-d64",
+        "one-head-d64-bs4",
+        "gqa2-d128-two-heads",
+        "mha-two-heads-bs3",
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -118,6 +125,34 @@ def test_bf16_kernel_rounds_where_pytorchs_bf16_attention_does(q_heads, kv_heads
         torch.testing.assert_close(got[i, :, 0].float(), want.bfloat16().float(), rtol=8e-3, atol=8e-3)
     pytorch = _reference(query, keys, values, tables, lengths, 0.3)
     torch.testing.assert_close(got.float(), pytorch.float(), rtol=2e-2, atol=2e-2)
+
+
+ROW_SHAPES = [(8, 4, 64), (8, 2, 128), (16, 2, 64), (4, 4, 128), (2, 1, 64)]
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), ROW_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_order_gives_the_head_order_loops_bits(q_heads, kv_heads, dim, dtype):
+    """The loops that read each key and value row whole (query heads dividing 16) add the same terms in the same order
+    as the loops that read a block head by head (the build with ``-DROW_ORDER=0``): the same bits, fp32 and bf16, over
+    scattered tables with partial blocks and sequences shorter than one 16-pair reduction."""
+    kernel = load_decode_kernel()
+    if not kernel.fast_path:
+        pytest.skip("no AVX-512 here: both builds run the portable loops")
+    from common.native_build import COMPILE, compiler, load_library
+
+    head_order = native.DecodeKernel(*load_library(native.SOURCE, compiler(), (*COMPILE, "-DROW_ORDER=0")))
+    gen = torch.Generator().manual_seed(q_heads + dim)
+    block_size, blocks = 16, 96
+    keys = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    values = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    lengths = torch.tensor([1, 3, 16, 17, 150, 301])
+    width = max(-(-n // block_size) for n in lengths.tolist())
+    tables = torch.tensor([[(13 * i + 7 * j) % blocks for j in range(width)] for i in range(len(lengths))])
+    query = torch.randn(len(lengths), q_heads, 1, dim, generator=gen).to(dtype)
+    got = kernel.attend(query, keys, values, tables, lengths, 0.125)
+    want = head_order.attend(query, keys, values, tables, lengths, 0.125)
+    assert got is not None and want is not None and torch.equal(got, want)
 
 
 def test_the_avx512_path_is_built_where_the_cpu_has_it():
