@@ -20,9 +20,9 @@
  * caller (Python, through ctypes) does not hold the GIL here.
  *
  * Built with AVX-512F (-march=native on a CPU that has it), head sizes 64 and 128 with 1 to 8 query heads per KV head
- * take the loops below arranged for the vector registers (attend_fast_*): where the query heads divide 16, the loops
- * that read each key and value row whole, in address order (attend_rows_*); otherwise the loops that read a block
- * head by head (attend512_*; both give the same bits). Every other shape, and every build without AVX-512, takes the
+ * take the loops below arranged for the vector registers (attend_fast_*): with fewer than 16 query heads, or 16, the
+ * loops that read each key and value row whole, in address order (attend_rows_*, attend_rows_any_*); otherwise the
+ * loops that read a block head by head (attend512_*; all give the same bits). Every other shape, and every build without AVX-512, takes the
  * portable loops (attend_any_*), which the compiler vectorises as it can. Same passes, same rounding points; the fp32
  * sums are added in another order (outputs within 2e-7 of the portable loops' on unit inputs).
  *
@@ -292,6 +292,66 @@ static inline __m512 reduce16(const __m512 *v) {
 DEFINE_ATTEND_ROWS(f32, float, load16_f32, narrow_f32, 0)
 DEFINE_ATTEND_ROWS(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
 
+/* The row-order loops for a number of query heads Q that does not divide 16: the (token, head) pairs in row order, 16
+ * to a reduction, a reduction's pairs spanning tokens as they fall (its 16 scores land at their token-major places,
+ * contiguous); the value sums kept in `acc` (L1) rather than registers. Taken for Q below 16, where it was measured
+ * faster than the head-by-head loops (the kernel alone over cold KV, 2 threads, AMD EPYC, same bits): 6 heads of 64
+ * over 2 KV heads 4.25 -> 3.31 ms, 12 of 128 over 2 5.81 -> 3.90, 14 of 128 over 2 6.76 -> 5.58 (bf16, 12 over 2: 3.44
+ * -> 3.38). Above 16 its value sums, one load and store each per row, cost more than the order saves: 28 over 4
+ * 2.30 -> 2.43 ms, 32 over 8 3.08 -> 3.78, 32 over 32 2.47 -> 2.37; those keep the head-by-head loops. */
+#define DEFINE_ATTEND_ROWS_ANY(SUFFIX, T, LOAD, NARROW, LATE)                                                          \
+    static inline __attribute__((always_inline)) void attend_rows_any_##SUFFIX(const step_t *s, int64_t i,             \
+                                                                               float *restrict scores,                 \
+                                                                               const int64_t D) {                      \
+        const int64_t bs = s->block_size, Q = s->q_heads, group = Q / s->kv_heads, row = s->kv_heads * D, C = D / 16;  \
+        const int64_t n = s->lengths[i], pairs = n * Q;                                                                \
+        const int64_t *table = s->tables + i * s->table_width;                                                         \
+        const T *restrict qin = (const T *)s->q + i * Q * D;                                                           \
+        T *restrict out = (T *)s->out + i * Q * D;                                                                     \
+        float *restrict qf = scores + Q * n, *restrict acc = qf + Q * D, *restrict sums = acc + Q * D;                 \
+        float *restrict by_token = sums + Q; /* (n * Q rounded up to 16) scores */                                     \
+        for (int64_t j = 0; j < Q * D; j += 16) _mm512_storeu_ps(qf + j, LOAD(qin + j));                               \
+        int64_t t = 0, h = 0, k_off = 0, in_group = 0; /* the next pair: token t, query head h (its KV head at k_off) */ \
+        const T *restrict r = (const T *)s->k + table[0] * bs * row;                                                   \
+        for (int64_t p0 = 0; p0 < pairs; p0 += 16) {                                                                   \
+            __m512 part[16];                                                                                           \
+            for (int64_t u = 0; u < 16; u++) {                                                                         \
+                if (p0 + u >= pairs) {                                                                                 \
+                    part[u] = _mm512_setzero_ps();                                                                     \
+                    continue;                                                                                          \
+                }                                                                                                      \
+                const float *restrict qh = qf + h * D;                                                                 \
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), LOAD(r + k_off));                                        \
+                for (int64_t c = 1; c < C; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), LOAD(r + k_off + 16 * c), a); \
+                part[u] = a;                                                                                           \
+                if (++in_group == group) in_group = 0, k_off += D;                                                     \
+                if (++h == Q && ++t < n) {                                                                             \
+                    h = 0, k_off = 0;                                                                                  \
+                    r = (const T *)s->k + (table[t / bs] * bs + t % bs) * row;                                         \
+                }                                                                                                      \
+            }                                                                                                          \
+            _mm512_storeu_ps(by_token + p0, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(s->scale)));                  \
+        }                                                                                                              \
+        for (int64_t tt = 0; tt < n; tt++)                                                                             \
+            for (int64_t hh = 0; hh < Q; hh++) scores[hh * n + tt] = by_token[tt * Q + hh];                            \
+        softmax_rows(scores, Q, n, sums, LATE);                                                                        \
+        memset(acc, 0, Q * D * sizeof(float));                                                                         \
+        for (int64_t tt = 0; tt < n; tt++) {                                                                           \
+            const T *restrict vr = (const T *)s->v + (table[tt / bs] * bs + tt % bs) * row;                            \
+            for (int64_t hh = 0; hh < Q; hh++) {                                                                       \
+                const __m512 w = _mm512_set1_ps(scores[hh * n + tt]);                                                  \
+                const T *restrict vh = vr + (hh / group) * D;                                                          \
+                float *restrict o = acc + hh * D;                                                                      \
+                for (int64_t c = 0; c < C; c++)                                                                        \
+                    _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(w, LOAD(vh + 16 * c), _mm512_loadu_ps(o + 16 * c)));  \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int64_t j = 0; j < Q * D; j++) out[j] = NARROW(LATE ? acc[j] / sums[j / D] : acc[j]);                     \
+    }
+
+DEFINE_ATTEND_ROWS_ANY(f32, float, load16_f32, narrow_f32, 0)
+DEFINE_ATTEND_ROWS_ANY(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
+
 #ifndef ROW_ORDER /* (built with -DROW_ORDER=0, only the head-by-head loops run: the tests compare the two) */
 #define ROW_ORDER 1
 #endif
@@ -385,6 +445,9 @@ DEFINE_ATTEND_ROWS(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
         }                                                                                                             \
         if (ROW_ORDER && 16 % s->q_heads == 0) { /* (the row-order loops above) */                                   \
             if (s->dim == 64) ATTEND_ROWS(SUFFIX, 64) else ATTEND_ROWS(SUFFIX, 128)                                  \
+        } else if (ROW_ORDER && s->q_heads < 16) {                                                                   \
+            if (s->dim == 64) attend_rows_any_##SUFFIX(s, i, scores, 64);                                            \
+            else attend_rows_any_##SUFFIX(s, i, scores, 128);                                                        \
         } else if (s->dim == 64)                                                                                      \
             ATTEND_GROUPS(SUFFIX, 64) else ATTEND_GROUPS(SUFFIX, 128)                                                 \
     }
@@ -410,7 +473,7 @@ static int attend_range(const step_t *s, attend_fn attend_one, prologue_fn prolo
     int64_t longest = 1;
     for (int64_t i = begin; i < end; i++) longest = s->lengths[i] > longest ? s->lengths[i] : longest;
     /* per query head: the scores, the widened query, the fp32 output, the sum, and the scores by token (attend_rows) */
-    float *scores = malloc(((longest + 16) * 2 + 2 * s->dim + 1) * s->q_heads * sizeof(float));
+    float *scores = malloc((((longest + 16) * 2 + 2 * s->dim + 1) * s->q_heads + 16) * sizeof(float));
     if (!scores) return -1;
     for (int64_t i = begin; i < end; i++) {
         if (prologue) prologue(s, i);

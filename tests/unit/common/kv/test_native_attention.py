@@ -48,11 +48,12 @@ def _reference(query, keys, values, tables, lengths, scale):
         (1, 1, 64, 4),
         (2, 1, 128, 16),
         (2, 2, 64, 3),
+        (24, 4, 64, 16),
     ],
-    # (the AVX-512 path takes head sizes 64 and 128 with 1 to 8 query heads per KV head: where the query heads divide
-    # 16, the row-order loops (1, 2, 4, 8 and 16 heads here, 16 / heads tokens to a reduction), else the loops over a
-    # block head by head, their 16-token tiles across blocks of any size and their value sums in passes of a few heads;
-    # the others — head size 40 or 16, 9 heads per KV head — take the portable loops)
+    # (the AVX-512 path takes head sizes 64 and 128 with 1 to 8 query heads per KV head: up to 16 query heads, the
+    # row-order loops (1, 2, 4, 8 and 16 heads: 16 / heads tokens to a reduction; 6, 7, 12: reductions across tokens),
+    # above 16 (24 here) the loops over a block head by head, their 16-token tiles across blocks of any size and their
+    # value sums in passes of a few heads; the others — head size 40 or 16, 9 heads per KV head — the portable loops)
     ids=[
         "gqa2-d64",
         "mha-d128",
@@ -68,6 +69,7 @@ def _reference(query, keys, values, tables, lengths, scale):
         "one-head-d64-bs4",
         "gqa2-d128-two-heads",
         "mha-two-heads-bs3",
+        "gqa6-d64-24-heads",
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -127,15 +129,16 @@ def test_bf16_kernel_rounds_where_pytorchs_bf16_attention_does(q_heads, kv_heads
     torch.testing.assert_close(got.float(), pytorch.float(), rtol=2e-2, atol=2e-2)
 
 
-ROW_SHAPES = [(8, 4, 64), (8, 2, 128), (16, 2, 64), (4, 4, 128), (2, 1, 64)]
+ROW_SHAPES = [(8, 4, 64), (8, 2, 128), (16, 2, 64), (4, 4, 128), (2, 1, 64), (6, 2, 64), (12, 2, 128), (7, 7, 64)]
 
 
 @pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), ROW_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_order_gives_the_head_order_loops_bits(q_heads, kv_heads, dim, dtype):
-    """The loops that read each key and value row whole (query heads dividing 16) add the same terms in the same order
-    as the loops that read a block head by head (the build with ``-DROW_ORDER=0``): the same bits, fp32 and bf16, over
-    scattered tables with partial blocks and sequences shorter than one 16-pair reduction."""
+    """The loops that read each key and value row whole (query heads dividing 16; and fewer than 16, a reduction's 16
+    pairs then spanning tokens) add the same terms in the same order as the loops that read a block head by head (the
+    build with ``-DROW_ORDER=0``): the same bits, fp32 and bf16, over scattered tables with partial blocks and
+    sequences shorter than one 16-pair reduction."""
     kernel = load_decode_kernel()
     if not kernel.fast_path:
         pytest.skip("no AVX-512 here: both builds run the portable loops")
