@@ -22,9 +22,10 @@
  * Built with AVX-512F (-march=native on a CPU that has it), head sizes 64 and 128 with 1 to 8 query heads per KV head
  * take the loops below arranged for the vector registers (attend_fast_*): with fewer than 16 query heads, or 16, the
  * loops that read each key and value row whole, in address order (attend_rows_*, attend_rows_any_*); otherwise the
- * loops that read a block head by head (attend512_*; all give the same bits). Every other shape, and every build without AVX-512, takes the
- * portable loops (attend_any_*), which the compiler vectorises as it can. Same passes, same rounding points; the fp32
- * sums are added in another order (outputs within 2e-7 of the portable loops' on unit inputs).
+ * loops that read a block head by head (attend512_*; all give the same bits). Every other shape, and every build
+ * without AVX-512, takes the portable loops (attend_any_*), which the compiler vectorises as it can. Same passes, same
+ * rounding points; the fp32 sums are added in another order (outputs within 2e-7 of the portable loops' on unit
+ * inputs).
  *
  * Returns 0; -1 when scratch memory could not be had, -2 for inputs it does not take (query heads not a multiple of KV
  * heads; with the prologue, an odd head size or a sequence of no tokens) — the output is then not to be trusted: the
@@ -227,6 +228,16 @@ static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
 }
 
+/* The row-order loops' scores (token-major: by_token[t * Q + h]) turned head-major into `scores` ([Q][n]) and made
+ * the values' weights there (softmax_rows). */
+static inline __attribute__((always_inline)) void softmax_by_token(const float *restrict by_token,
+                                                                   float *restrict scores, int64_t Q, int64_t n,
+                                                                   float *restrict sums, int late) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t h = 0; h < Q; h++) scores[h * n + t] = by_token[t * Q + h];
+    softmax_rows(scores, Q, n, sums, late);
+}
+
 /* One sequence read row by row in address order (the path for Q query heads dividing 16): every token's whole key
  * row, then, after the softmax, every token's whole value row, each as one ascending run of cache lines. Why: on
  * an AMD EPYC (Zen 4) the hardware prefetcher keeps up with a run that ascends line by line (a plain read of a batch-32
@@ -271,9 +282,7 @@ static inline __m512 reduce16(const __m512 *v) {
             }                                                                                                          \
             _mm512_storeu_ps(by_token + t0 * Q, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(s->scale)));              \
         }                                                                                                              \
-        for (int64_t t = 0; t < n; t++)                                                                                \
-            for (int64_t h = 0; h < Q; h++) scores[h * n + t] = by_token[t * Q + h];                                   \
-        softmax_rows(scores, Q, n, sums, LATE);                                                                        \
+        softmax_by_token(by_token, scores, Q, n, sums, LATE);                                                          \
         __m512 o[16][8];                                                                                               \
         for (int64_t h = 0; h < Q; h++)                                                                                \
             for (int64_t c = 0; c < C; c++) o[h][c] = _mm512_setzero_ps();                                             \
@@ -298,7 +307,9 @@ DEFINE_ATTEND_ROWS(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
  * faster than the head-by-head loops (the kernel alone over cold KV, 2 threads, AMD EPYC, same bits): 6 heads of 64
  * over 2 KV heads 4.25 -> 3.31 ms, 12 of 128 over 2 5.81 -> 3.90, 14 of 128 over 2 6.76 -> 5.58 (bf16, 12 over 2: 3.44
  * -> 3.38). Above 16 its value sums, one load and store each per row, cost more than the order saves: 28 over 4
- * 2.30 -> 2.43 ms, 32 over 8 3.08 -> 3.78, 32 over 32 2.47 -> 2.37; those keep the head-by-head loops. */
+ * 2.30 -> 2.43 ms, 32 over 8 3.08 -> 3.78, 32 over 32 2.47 -> 2.37; those keep the head-by-head loops. Where Q
+ * divides 16, attend_rows_* (Q a constant: the sums in registers where they fit, the pairs' places known) is faster
+ * still: 8 heads of 64 over 4, fp32, 5.4-5.6 ms against 6.0-6.4 for these loops (bf16 4.0 against 4.0). */
 #define DEFINE_ATTEND_ROWS_ANY(SUFFIX, T, LOAD, NARROW, LATE)                                                          \
     static inline __attribute__((always_inline)) void attend_rows_any_##SUFFIX(const step_t *s, int64_t i,             \
                                                                                float *restrict scores,                 \
@@ -311,7 +322,8 @@ DEFINE_ATTEND_ROWS(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
         float *restrict qf = scores + Q * n, *restrict acc = qf + Q * D, *restrict sums = acc + Q * D;                 \
         float *restrict by_token = sums + Q; /* (n * Q rounded up to 16) scores */                                     \
         for (int64_t j = 0; j < Q * D; j += 16) _mm512_storeu_ps(qf + j, LOAD(qin + j));                               \
-        int64_t t = 0, h = 0, k_off = 0, in_group = 0; /* the next pair: token t, query head h (its KV head at k_off) */ \
+        /* the next pair: token t, query head h (its KV head at k_off, read by `group` heads: h is the in_group-th) */ \
+        int64_t t = 0, h = 0, k_off = 0, in_group = 0;                                                                 \
         const T *restrict r = (const T *)s->k + table[0] * bs * row;                                                   \
         for (int64_t p0 = 0; p0 < pairs; p0 += 16) {                                                                   \
             __m512 part[16];                                                                                           \
@@ -322,7 +334,8 @@ DEFINE_ATTEND_ROWS(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
                 }                                                                                                      \
                 const float *restrict qh = qf + h * D;                                                                 \
                 __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), LOAD(r + k_off));                                        \
-                for (int64_t c = 1; c < C; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), LOAD(r + k_off + 16 * c), a); \
+                for (int64_t c = 1; c < C; c++)                                                                        \
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), LOAD(r + k_off + 16 * c), a);                    \
                 part[u] = a;                                                                                           \
                 if (++in_group == group) in_group = 0, k_off += D;                                                     \
                 if (++h == Q && ++t < n) {                                                                             \
@@ -332,9 +345,7 @@ DEFINE_ATTEND_ROWS(bf16, bf16_t, load16_bf16, narrow_bf16, 1)
             }                                                                                                          \
             _mm512_storeu_ps(by_token + p0, _mm512_mul_ps(reduce16(part), _mm512_set1_ps(s->scale)));                  \
         }                                                                                                              \
-        for (int64_t tt = 0; tt < n; tt++)                                                                             \
-            for (int64_t hh = 0; hh < Q; hh++) scores[hh * n + tt] = by_token[tt * Q + hh];                            \
-        softmax_rows(scores, Q, n, sums, LATE);                                                                        \
+        softmax_by_token(by_token, scores, Q, n, sums, LATE);                                                          \
         memset(acc, 0, Q * D * sizeof(float));                                                                         \
         for (int64_t tt = 0; tt < n; tt++) {                                                                           \
             const T *restrict vr = (const T *)s->v + (table[tt / bs] * bs + tt % bs) * row;                            \
