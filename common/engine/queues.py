@@ -163,6 +163,12 @@ class SequenceQueues(Reservations):
         return len(self._running)
 
     @property
+    def most_tokens_left(self) -> int:
+        """The most tokens a running sequence may still generate (its ``max_tokens`` less those it has): how long the
+        busiest stream could go on (0: none running)."""
+        return max((seq.sampling.max_tokens - seq.step for seq in self._running.values()), default=0)
+
+    @property
     def num_waiting(self) -> int:
         return len(self._pending)
 

@@ -354,6 +354,7 @@ class DecodeDeployment:
             "kv_blocks_used": self.pool.used_blocks,
             "kv_blocks_shared": self.pool.shared_blocks,
             "running": self.engine.num_running,
+            "most_tokens_left": self.engine.most_tokens_left,
             "waiting": self.engine.num_waiting,
             "cancelled": self.cancelled,
             "fetches": self.fetches,

@@ -153,8 +153,9 @@ def test_a_decode_node_removed_under_load_loses_no_request(cluster):
 
 def _busy_decode_node(app: str, nodes: dict) -> tuple[str, int]:
     """The group name (``decode`` / ``decode-2``) of a node whose decode replica is generating right now, and that
-    replica's PID: the first answer that shows sequences running, taken at once (a replica seen busy a second ago
-    may have finished them since — a CI run killed such a one and saw nothing migrate)."""
+    replica's PID: the first answer that shows a sequence with many tokens still to go, taken at once (a replica seen
+    busy a second ago may have finished them since, and so may one whose streams were near their end — CI runs
+    killed such ones and saw nothing migrate)."""
     from ray import serve
     from ray._private import state
 
@@ -164,7 +165,7 @@ def _busy_decode_node(app: str, nodes: dict) -> tuple[str, int]:
     group_of_node = {node.node_id: group for group, node in nodes.items() if group.startswith("decode")}
     for _ in range(500):
         stats = handle.stats.remote().result(timeout_s=30)
-        if stats["running"] >= 1:
+        if stats["running"] >= 1 and stats["most_tokens_left"] >= 96:  # (half of max_tokens: ≥ 0.3 s of decoding)
             pid = int(stats["pid"])
             return group_of_node[node_of_pid[pid]], pid
         time.sleep(0.01)

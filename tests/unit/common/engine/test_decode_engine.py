@@ -84,6 +84,21 @@ def test_batch_limit_rotates_and_still_matches(tiny_llava):
     pool.check_no_leaks()
 
 
+def test_most_tokens_left_follows_the_longest_running_sequence(tiny_llava):
+    """What a replica's ``stats`` reports as how long its busiest stream may still go on (the multi-node test kills
+    a replica only while it has one far from its end)."""
+    engine = DecodeEngine(tiny_llava, KVPool(256, 16, tiny_llava.kv_shape, tiny_llava.dtype))
+    assert engine.most_tokens_left == 0
+    for rid, max_tokens in (("short", 5), ("long", 12)):
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        engine.submit(rid, _prefilled(tiny_llava, max_tokens, 0, sampling), sampling)
+    seen = []
+    while engine.has_work():
+        engine.step()
+        seen.append(engine.most_tokens_left)
+    assert seen[0] == 11 and seen[-1] == 0 and seen == sorted(seen, reverse=True)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_fragmented_pool_mixes_views_and_gathers(tiny_qwen, native):
     """Holes left by finished sequences force some sequences onto scattered blocks; results do not change."""
