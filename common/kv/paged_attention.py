@@ -16,7 +16,9 @@ only sequences with scattered blocks are gathered into a padded batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -28,14 +30,50 @@ from common.kv.pool import KVPool
 IMPLEMENTATION = "prism_paged"
 
 
+def is_run(blocks: list[int]) -> bool:
+    """Whether ``blocks`` are consecutive ids (one contiguous run of the pool)."""
+    return blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+
+def padded_tables(tables: list[list[int]], width: int) -> torch.Tensor:
+    """``[len(tables), width]`` int64 block ids, each table padded with its own first block (a valid id, never read)."""
+    rows = [t + [t[0]] * (width - len(t)) for t in tables]
+    return torch.from_numpy(np.array(rows, dtype=np.int64).reshape(len(tables), width))
+
+
+@dataclass(frozen=True)
+class Gather:
+    """How the PyTorch path reads a step's blocks: a sequence whose blocks form one contiguous run (``runs[i]`` = first
+    block) through a view of the pool — no copy at all — and the others (``scattered``: fragmented pool, shared
+    prefix blocks) gathered block by block into one padded batch with a mask."""
+
+    runs: list[int | None]
+    """First block of each sequence's contiguous run, or ``None`` if its blocks are scattered."""
+    scattered: torch.Tensor
+    """Indices (into the batch) of the scattered sequences."""
+    tables: torch.Tensor
+    """``[len(scattered), max_blocks]`` their block ids (padded with a valid id; masked out)."""
+    mask: torch.Tensor
+    """``[len(scattered), 1, 1, max_blocks * block_size]`` True where a slot holds one of the sequence's tokens."""
+
+    @classmethod
+    def of(cls, tables: list[list[int]], lengths: list[int], block_size: int) -> Gather:
+        runs = [t[0] if is_run(t) else None for t in tables]
+        scattered = [i for i, r in enumerate(runs) if r is None]
+        width = max((len(tables[i]) for i in scattered), default=1)
+        slots = torch.arange(width * block_size)
+        cached = torch.tensor([lengths[i] for i in scattered], dtype=torch.long)
+        mask = (slots[None, :] <= cached[:, None]).view(len(scattered), 1, 1, width * block_size)
+        padded = padded_tables([tables[i] for i in scattered], width)
+        return cls(runs, torch.tensor(scattered, dtype=torch.long), padded, mask)
+
+
 @dataclass(frozen=True)
 class PagedContext:
     """One decode step's view of the pool: where each sequence writes its new token and where it reads from.
 
-    With a ``kernel``, every sequence is read through ``block_tables`` by it. Otherwise a sequence whose blocks form
-    one contiguous run (``runs[i]`` = first block) is read through a view of the pool — no copy at all — and the
-    others (``scattered``: fragmented pool, shared prefix blocks) are gathered block by block into one padded batch
-    with a mask.
+    With a ``kernel``, every sequence is read through ``block_tables`` by it. Otherwise (or for a layer the kernel
+    does not take) through :attr:`gather`, built on first use: a step the kernel attends whole never pays for it.
     """
 
     pool: KVPool
@@ -45,19 +83,18 @@ class PagedContext:
     """``[B]`` slot inside that block."""
     lengths: list[int]
     """Tokens each sequence has cached before this step (it attends over ``lengths[i] + 1``)."""
-    runs: list[int | None]
-    """First block of each sequence's contiguous run, or ``None`` if its blocks are scattered."""
-    scattered: torch.Tensor
-    """Indices (into the batch) of the scattered sequences."""
-    tables: torch.Tensor
-    """``[len(scattered), max_blocks]`` their block ids (padded with a valid id; masked out)."""
-    mask: torch.Tensor
-    """``[len(scattered), 1, 1, max_blocks * block_size]`` True where a slot holds one of the sequence's tokens."""
+    block_lists: list[list[int]]
+    """Each sequence's block ids in order (the sequences' own tables: read during the step, not kept)."""
     kernel: DecodeKernel | None = None
     block_tables: torch.Tensor | None = None
     """With a kernel: ``[B, max_blocks]`` int64 block ids of every sequence (padded with a valid id, never read)."""
     attend_lengths: torch.Tensor | None = None
     """With a kernel: ``[B]`` int64, ``lengths[i] + 1``."""
+
+    @cached_property
+    def gather(self) -> Gather:
+        """The PyTorch path's reading plan (:class:`Gather`), made on first use."""
+        return Gather.of(self.block_lists, self.lengths, self.pool.block_size)
 
 
 def run_view(store: torch.Tensor, layer: int, start: int, n: int) -> torch.Tensor:
@@ -92,7 +129,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     bs, heads, dim = pool.block_size, pool.keys.shape[3], pool.keys.shape[4]
     gqa = query.shape[1] != heads
     out = torch.empty_like(query)
-    for i, start in enumerate(ctx.runs):
+    plan = ctx.gather
+    for i, start in enumerate(plan.runs):
         if start is None:
             continue
         n = ctx.lengths[i] + 1
@@ -103,20 +141,20 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             scale=scaling,
             enable_gqa=gqa,
         )
-    if len(ctx.scattered):
-        b, n_blocks = ctx.tables.shape
-        flat_tables = ctx.tables.reshape(-1)
+    if len(plan.scattered):
+        b, n_blocks = plan.tables.shape
+        flat_tables = plan.tables.reshape(-1)
 
         def gather(store: torch.Tensor) -> torch.Tensor:
             # One index_select of whole blocks (≈2.5× faster on CPU than advanced indexing), then a transposed view.
             rows = torch.index_select(store[layer].view(store.shape[1], -1), 0, flat_tables)
             return rows.view(b, n_blocks * bs, heads, dim).transpose(1, 2)
 
-        out[ctx.scattered] = torch.nn.functional.scaled_dot_product_attention(
-            query[ctx.scattered],
+        out[plan.scattered] = torch.nn.functional.scaled_dot_product_attention(
+            query[plan.scattered],
             gather(pool.keys),
             gather(pool.values),
-            attn_mask=ctx.mask,
+            attn_mask=plan.mask,
             scale=scaling,
             enable_gqa=gqa,
         )

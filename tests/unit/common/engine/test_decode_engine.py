@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from common.engine.decode import DecodeEngine
-from common.engine.paged_step import is_run
 from common.kv.landing import Landing
+from common.kv.paged_attention import is_run
 from common.kv.pool import KVPool, LeaseTooLarge
 from common.kv.transport import make_transport
 from common.media.synthetic import synthetic_image
