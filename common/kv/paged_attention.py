@@ -128,8 +128,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         # (inputs the kernel does not take, or no scratch memory: this layer takes PyTorch's path, held here too)
     bs, heads, dim = pool.block_size, pool.keys.shape[3], pool.keys.shape[4]
     gqa = query.shape[1] != heads
-    out = torch.empty_like(query)
-    plan = ctx.gather
+    out, plan = torch.empty_like(query), ctx.gather  # (the plan made now: the kernel did not take this layer)
     for i, start in enumerate(plan.runs):
         if start is None:
             continue

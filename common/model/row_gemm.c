@@ -13,6 +13,12 @@
  * (at most 32 rows: a batched decode step computes what each sequence alone would) and a fused q|k|v or gate|up
  * weight gives each projection's own bits. Threads: PyTorch's OpenMP pool (the same libgomp), each taking a contiguous run of panels.
  *
+ * A gated MLP's gate|up product can end in its activation (row_gemm_f32_silu_mul): the weight packed so that each
+ * panel holds 16 gate columns and the same 16 up columns, each tile stores silu(gate) * up for its 16 columns — no
+ * gate|up output, no separate activation pass. silu is PyTorch's own expression, x / (1 + exp(-x)), with exp the very
+ * function PyTorch's AVX-512 kernels call (SLEEF's, from libtorch: the caller passes it), each op rounded as PyTorch
+ * rounds it; the caller checks the bits against PyTorch's before it uses this.
+ *
  * Without AVX-512 the library builds but row_gemm_fast_path() returns 0 and the caller keeps oneDNN.
  */
 #include <stdint.h>
@@ -25,13 +31,22 @@
 #define MR_MAX 14  /* rows per tile: 28 accumulators + 2 weight vectors of the 32 registers */
 #define PF_PANELS 1
 
+typedef __m512 (*exp16_fn)(__m512); /* 16 lanes' exp (SLEEF's Sleef_expf16_u10, as PyTorch calls it) */
+
+/* silu(g) * u for 16 lanes: g / (1 + exp(-g)) (PyTorch's silu, op by op), then times u. */
+static inline __m512 silu_mul(__m512 g, __m512 u, exp16_fn exp16) {
+    const __m512 e = exp16(_mm512_xor_ps(g, _mm512_set1_ps(-0.f)));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+
 /* One tile of mr rows against one panel. pf: a later panel (pf_bytes long) whose lines from byte pf_from on this tile
  * prefetches into L2, lpk per k, so that its read from memory overlaps this tile's arithmetic. Inlined with mr a
- * constant, so the accumulators stay in registers. */
+ * constant, so the accumulators stay in registers. With exp16, the panel is 16 gate and 16 up columns and the tile
+ * stores silu(gate) * up: 16 columns a row (full panels only). */
 static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const float *x, int64_t ldx,
                                                        const float *panel, float *out, int64_t ldo, const float *bias,
                                                        __mmask16 m0, __mmask16 m1, const char *pf, int64_t pf_from,
-                                                       int lpk, int64_t pf_bytes) {
+                                                       int lpk, int64_t pf_bytes, exp16_fn exp16) {
     __m512 acc[MR_MAX][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
@@ -49,6 +64,13 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
     }
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    if (exp16) {
+        for (int r = 0; r < mr; r++) {
+            const __m512 g = bias ? _mm512_add_ps(acc[r][0], b0) : acc[r][0];
+            _mm512_storeu_ps(out + r * ldo, silu_mul(g, bias ? _mm512_add_ps(acc[r][1], b1) : acc[r][1], exp16));
+        }
+        return;
+    }
     for (int r = 0; r < mr; r++) {
         /* (the bias added after the whole sum, as F.linear's epilogue does; no bias: the sum as it is) */
         _mm512_mask_storeu_ps(out + r * ldo, m0, bias ? _mm512_add_ps(acc[r][0], b0) : acc[r][0]);
@@ -56,9 +78,10 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
     }
 }
 
-/* Every row against one panel, in tiles of near-equal size (the order inside a tile never depends on its size). */
+/* Every row against one panel, in tiles of near-equal size (the order inside a tile never depends on its size). With
+ * exp16, out is [M, N / 2] and the panel's 16 activations land at col / 2. */
 static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const float *panel, float *out,
-                       const float *bias, int64_t col, const char *pf) {
+                       const float *bias, int64_t col, const char *pf, exp16_fn exp16) {
     const int64_t cols = N - col < NR ? N - col : NR;
     const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
@@ -70,22 +93,30 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
         const int mr = (int)((left + left_tiles - 1) / left_tiles);
         const int64_t pf_from = (int64_t)t * K * lpk * 64;
         const float *b = bias ? bias + col : 0;
-#define TILE(R) \
-    case R: tile(R, K, x + m * K, K, panel, out + m * N + col, N, b, m0, m1, pf, pf_from, lpk, pf_bytes); break;
-        switch (mr) {
-            TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7)
-            TILE(8) TILE(9) TILE(10) TILE(11) TILE(12) TILE(13) TILE(14)
+        const int64_t ldo = exp16 ? N / 2 : N;
+        float *o = out + m * ldo + (exp16 ? col / 2 : col);
+        /* (exp16 a constant 0 in the plain tiles: their code is the plain GEMM's, with no activation branch) */
+#define TILE(R, E) \
+    case R: tile(R, K, x + m * K, K, panel, o, ldo, b, m0, m1, pf, pf_from, lpk, pf_bytes, E); break;
+#define TILES(E) \
+    switch (mr) { \
+        TILE(1, E) TILE(2, E) TILE(3, E) TILE(4, E) TILE(5, E) TILE(6, E) TILE(7, E) \
+        TILE(8, E) TILE(9, E) TILE(10, E) TILE(11, E) TILE(12, E) TILE(13, E) TILE(14, E) \
+    }
+        if (exp16) {
+            TILES(exp16)
+        } else {
+            TILES((exp16_fn)0)
         }
+#undef TILES
 #undef TILE
         m += mr;
     }
 }
 
-int row_gemm_fast_path(void) { return 1; }
-
-/* x [M, K] row-major, packed [ceil(N/32)][K][32] (columns past N zero), bias [N] or NULL, out [M, N]. */
-int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                 int64_t K, int threads) {
+/* Every panel, split over the threads in contiguous runs (see the top of the file). */
+static int run_panels(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
+                      int64_t K, int threads, exp16_fn exp16) {
     if (M < 0 || N < 0 || K <= 0) return 1; /* (no inputs: the caller's other path gives the bias) */
     if (M == 0 || N == 0) return 0;
     const int64_t panels = (N + NR - 1) / NR;
@@ -97,10 +128,26 @@ int row_gemm_f32(const float *x, const float *packed, const float *bias, float *
         const int64_t lo = panels * t / n, hi = panels * (t + 1) / n;
         for (int64_t p = lo; p < hi; p++) {
             const char *pf = p + PF_PANELS < hi ? (const char *)(packed + (p + PF_PANELS) * K * NR) : 0;
-            panel_rows(M, N, K, x, packed + p * K * NR, out, bias, p * NR, pf);
+            panel_rows(M, N, K, x, packed + p * K * NR, out, bias, p * NR, pf, exp16);
         }
     }
     return 0;
+}
+
+int row_gemm_fast_path(void) { return 1; }
+
+/* x [M, K] row-major, packed [ceil(N/32)][K][32] (columns past N zero), bias [N] or NULL, out [M, N]. */
+int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
+                 int64_t K, int threads) {
+    return run_panels(x, packed, bias, out, M, N, K, threads, 0);
+}
+
+/* As row_gemm_f32 on a gate|up weight packed 16 gate and 16 up columns to a panel (N a multiple of 32; bias in the
+ * same order), storing silu(gate) * up: out [M, N / 2]. exp16: SLEEF's Sleef_expf16_u10. */
+int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
+                          int64_t K, int threads, exp16_fn exp16) {
+    if (!exp16 || N % NR) return 1;
+    return run_panels(x, packed, bias, out, M, N, K, threads, exp16);
 }
 
 #else
@@ -110,6 +157,12 @@ int row_gemm_fast_path(void) { return 0; }
 int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
                  int64_t K, int threads) {
     (void)x, (void)packed, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads;
+    return 1;
+}
+
+int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
+                          int64_t K, int threads, void *exp16) {
+    (void)x, (void)packed, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads, (void)exp16;
     return 1;
 }
 

@@ -7,8 +7,12 @@ about half the machine's FMA rate, and on 1408-column inputs rounded a 1-row cal
 more (measured on the 2-core Xeon of 2026-12-05): a sequence's down projection then depended on its batch. The C
 kernel streams each weight once per call in panels of 32 columns and sums every output in one fixed order — a chain
 of fused multiply-adds over the inputs from the first, then the bias — so a row's product does not depend on the
-rows, columns or threads beside it (tested: 1 to 32 rows, fused and separate projections). Calls of more rows go to
-oneDNN, so a decode batch over 32 (``engine.max_batch``) or a prefill chunk rounds as oneDNN does. Measured only on
+rows, columns or threads beside it (tested: 1 to 32 rows, fused and separate projections). A gated MLP's gate|up
+product can end in its activation (:meth:`RowGemm.silu_mul`: ``silu(gate) * up`` stored from the registers, with the
+exp PyTorch's own AVX-512 silu calls — SLEEF's ``Sleef_expf16_u10``, taken from libtorch — so the bits are PyTorch's:
+:func:`gated_agrees` checks them once per process, and :mod:`common.engine.decode_forward` on each model's
+weights). Calls of more rows go to oneDNN, so a decode batch over 32 (``engine.max_batch``) or a prefill chunk rounds
+as oneDNN does. Measured only on
 the Xeon; a CPU with AVX-512 elsewhere (AMD Zen 4) uses it too, checked but not timed there.
 
 Lifecycle: :func:`load_row_gemm` builds ``row_gemm.c`` on first use (once per machine, cached:
@@ -17,8 +21,8 @@ itself across row counts (bit for bit). A CPU without AVX-512, no compiler, a fa
 ``None``, and :mod:`common.model.linear` keeps oneDNN for every call (logged once). A weight's panels
 (:meth:`RowGemm.pack`) are made by :class:`common.model.linear.PackedWeight` on its first call of at most
 :data:`MAX_ROWS` rows, so only layers called with a few rows hold them (``prism-small-llava`` in fp32: 104 MB for a
-decode step's layers, 55 MB more for the separate projections once a prompt of at most 32 tokens is prefilled), and
-are read-only after.
+decode step's layers — the gated gate|up panels among them, made by the decode forward when it starts — 55 MB more for
+the separate projections once a prompt of at most 32 tokens is prefilled), and are read-only after.
 """
 
 from __future__ import annotations
@@ -45,12 +49,19 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 class RowGemm:
     """``product(x, panels, n, bias)`` = ``F.linear(x, weight, bias)`` for fp32 ``x`` of at most :data:`MAX_ROWS`
-    rows, on ``pack(weight)``."""
+    rows, on ``pack(weight)``; ``silu_mul(x, panels, n, bias)`` = ``silu(x·gateᵀ) * (x·upᵀ)`` on
+    ``pack_gated(gate, up)`` where :attr:`exp16` is known."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.row_gemm_f32
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
+        self._gated = library.row_gemm_f32_silu_mul
+        self._gated.restype = ctypes.c_int
+        self._gated.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR]
+        self.exp16: int | None = None
+        """The address of the exp PyTorch's AVX-512 kernels call (SLEEF's), set by :func:`load_row_gemm` where it
+        is found and :func:`gated_agrees` holds; ``None``: no :meth:`silu_mul`."""
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -61,6 +72,26 @@ class RowGemm:
         padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
         padded[:n] = weight.detach()
         return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def pack_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """A gated MLP's ``gate`` and ``up`` weights (``[n, k]`` each, ``n`` a multiple of 16) as the panels of
+        :meth:`silu_mul`: each panel 16 gate columns then the same 16 up columns."""
+        return RowGemm.pack(interleave(gate.detach(), up.detach()))
+
+    def silu_mul(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``silu(x·gateᵀ + gate_bias) * (x·upᵀ + up_bias)`` ``[rows, n]`` on ``pack_gated(gate, up)`` (``bias``:
+        ``interleave(gate_bias, up_bias)`` or ``None``), each product's bits those of :meth:`product` and the
+        activation's those of PyTorch's ``silu`` and ``*``; ``None`` where it does not take the call."""
+        rows, k = x.shape
+        if self.exp16 is None or k == 0 or n % PANEL or panels.shape != (2 * n // PANEL, k, PANEL):
+            return None
+        if (bias is not None and not _plain(bias, (2 * n,))) or not _plain(x, (rows, k)) or rows > MAX_ROWS:
+            return None
+        out = torch.empty(rows, n, dtype=torch.float32)
+        b = None if bias is None else bias.data_ptr()
+        status = self._gated(x.data_ptr(), panels.data_ptr(), b, out.data_ptr(), rows, 2 * n, k, _threads(), self.exp16)
+        return None if status else out
 
     def product(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x`` ``[rows, k]`` (fp32, contiguous) times the packed weight, plus ``bias``: ``[rows, n]``; ``None`` where
@@ -81,9 +112,31 @@ class RowGemm:
             rows,
             n,
             k,
-            torch.get_num_threads(),
+            _threads(),
         )
         return None if status else out
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gate`` and ``up`` (``[n, ...]``, ``n`` a multiple of 16) as ``[2n, ...]``: 16 gate rows, then the same 16 up
+    rows, and so on — the order :meth:`RowGemm.pack_gated` packs a gate|up weight in (and its bias)."""
+    n, rest = gate.shape[0], gate.shape[1:]
+    return torch.stack([gate.reshape(n // 16, 16, *rest), up.reshape(n // 16, 16, *rest)], dim=1).reshape(2 * n, *rest)
+
+
+def sleef_exp16() -> int | None:
+    """The address of ``Sleef_expf16_u10`` in this process's libtorch (the exp PyTorch's AVX-512 kernels call, its
+    ``silu`` among them), or ``None`` where libtorch does not export it."""
+    path = Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"
+    try:
+        library = ctypes.CDLL(str(path))  # (already loaded by torch: the same handle)
+        return ctypes.cast(library.Sleef_expf16_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def _plain(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
@@ -111,6 +164,25 @@ def agrees(kernel: RowGemm) -> bool:
     return True
 
 
+def gated_agrees(kernel: RowGemm) -> bool:
+    """Whether :meth:`RowGemm.silu_mul` gives PyTorch's ``silu(gate) * up`` of the kernel's own products bit for bit,
+    with and without a bias, on 1, 5 and 32 rows of inputs large enough that silu's exp under- and overflows."""
+    gen = torch.Generator().manual_seed(1)
+    n, k = 64, 96
+    gate, up = torch.randn(n, k, generator=gen), torch.randn(n, k, generator=gen)
+    panels, separate = kernel.pack_gated(gate, up), kernel.pack(torch.cat([gate, up]))
+    for bias in (None, torch.randn(2 * n, generator=gen)):
+        for rows in (1, 5, MAX_ROWS):
+            x = torch.randn(rows, k, generator=gen) * 8.0  # (gate values to ±300: exp's range and past it)
+            both = kernel.product(x, separate, 2 * n, bias)
+            got = kernel.silu_mul(x, panels, n, None if bias is None else interleave(bias[:n], bias[n:]))
+            if both is None or got is None:
+                return False
+            if not torch.equal(got, torch.nn.functional.silu(both[:, :n]) * both[:, n:]):
+                return False
+    return True
+
+
 @functools.cache
 def load_row_gemm() -> RowGemm | None:
     """The kernel, built and checked once per process, or ``None`` (see the module docstring)."""
@@ -124,6 +196,10 @@ def load_row_gemm() -> RowGemm | None:
     kernel = RowGemm(library)
     with torch.inference_mode():
         if agrees(kernel):
+            kernel.exp16 = sleef_exp16()
+            if kernel.exp16 is not None and not gated_agrees(kernel):
+                log.info("native row GEMM's silu * up differs from PyTorch's here: the activation stays PyTorch's")
+                kernel.exp16 = None
             return kernel
     log.warning("native row GEMM failed its check against F.linear here: oneDNN for every linear")
     return None

@@ -16,6 +16,7 @@ from common.engine.paged_step import build_step_context
 from common.kv.native import load_decode_kernel
 from common.kv.paged_attention import enable_paged_attention
 from common.kv.pool import KVPool
+from common.model import row_gemm
 from common.model.loader import load_model
 
 LENGTHS = [3, 17, 40, 9, 30]  # (tokens cached per sequence: partial blocks, a block boundary, several blocks)
@@ -50,6 +51,8 @@ def test_lean_forward_is_the_models_forward_bit_for_bit(model, dtype, cpu_linear
     forward = DecodeForward.build(lm.adapter.language_model(lm.model))
     assert forward is not None
     assert (forward.layers[0].qkv is not None) == (cpu_linear == "onednn")  # (fused only on packed linears)
+    gated = cpu_linear == "onednn" and dtype == "float32" and row_gemm.load_row_gemm() is not None
+    assert (forward.layers[0].gated is not None) == gated  # (the MLP's activation in the gate|up product's call)
     want, got = _step(lm, None), _step(lm, forward)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
@@ -70,6 +73,20 @@ def test_a_fusion_that_would_round_differently_keeps_the_projections_apart(tiny_
     monkeypatch.setattr(decode_forward, "_fusion_is_exact", lambda layer: False)
     forward = DecodeForward.build(lang)
     assert forward is not None and forward.layers[0].qkv is None and forward.layers[0].gate_up is None
+
+
+def test_a_gated_product_that_would_round_differently_keeps_pytorchs_activation(tiny_llava, monkeypatch):
+    from common.engine import decode_forward
+
+    lang = tiny_llava.adapter.language_model(tiny_llava.model)
+    if row_gemm.load_row_gemm() is None:
+        pytest.skip("no row kernel on this CPU (no AVX-512): no gated product")
+    assert decode_forward._gating_is_exact(lang.layers[0])
+    monkeypatch.setattr(decode_forward.GatedUp, "__call__", lambda self, x: torch.zeros(x.shape[0], 1, self.n))
+    assert not decode_forward._gating_is_exact(lang.layers[0])
+    monkeypatch.setattr(decode_forward, "_gating_is_exact", lambda layer: False)
+    forward = DecodeForward.build(lang)
+    assert forward is not None and forward.layers[0].gate_up is not None and forward.layers[0].gated is None
 
 
 def test_an_unknown_decoder_or_sliding_windows_keep_the_models_forward(tiny_qwen):

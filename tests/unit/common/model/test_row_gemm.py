@@ -3,6 +3,9 @@ beside any columns, checked before use; every way it can be unavailable leaves o
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -64,6 +67,43 @@ def test_the_thread_count_does_not_change_a_bit(kernel):
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     torch.testing.assert_close(one, x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gated_product_is_pytorchs_silu_of_gate_times_up_bit_for_bit(kernel, bias):
+    """gate|up packed 16 columns of each to a panel, ending in silu(gate) * up: the products' own bits (as the fused
+    product gives them) through PyTorch's silu and multiply, in any batch; inputs large enough that exp under- and
+    overflows."""
+    assert kernel.exp16 is not None, "libtorch exports SLEEF's exp on this machine: the gated product must be on"
+    gen = torch.Generator().manual_seed(5)
+    n, k = 1408, 512
+    gate, up = torch.randn(n, k, generator=gen) / 8, torch.randn(n, k, generator=gen) / 8
+    b = torch.randn(2 * n, generator=gen) if bias else None
+    x = torch.randn(row_gemm.MAX_ROWS, k, generator=gen) * torch.logspace(-2, 1.5, row_gemm.MAX_ROWS)[:, None]
+    both = kernel.product(x, kernel.pack(torch.cat([gate, up])), 2 * n, b)
+    want = torch.nn.functional.silu(both[:, :n]) * both[:, n:]
+    gb = None if b is None else row_gemm.interleave(b[:n], b[n:])
+    panels = kernel.pack_gated(gate, up)
+    got = kernel.silu_mul(x, panels, n, gb)
+    assert torch.equal(got, want) and both[:, :n].min() < -90 and both[:, :n].max() > 90
+    for rows in (1, 7, 14, 15):
+        assert torch.equal(kernel.silu_mul(x[:rows].contiguous(), panels, n, gb), want[:rows])
+
+
+def test_the_gated_product_refuses_what_it_does_not_take_and_a_wrong_exp_fails_its_check(kernel, monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    gate, up = torch.randn(48, 64, generator=gen), torch.randn(48, 64, generator=gen)
+    x = torch.randn(4, 64, generator=gen)
+    assert kernel.silu_mul(x, kernel.pack_gated(gate, up), 48, None) is None  # (48 columns: not whole panels)
+    panels = kernel.pack_gated(gate[:32], up[:32])
+    assert kernel.silu_mul(torch.randn(row_gemm.MAX_ROWS + 1, 64), panels, 32, None) is None
+    assert kernel.silu_mul(x, panels, 32, torch.ones(63)) is None
+    assert row_gemm.interleave(torch.arange(32), 100 + torch.arange(32))[14:18].tolist() == [14, 15, 100, 101]
+    monkeypatch.setattr(kernel, "exp16", None)
+    assert kernel.silu_mul(x, panels, 32, None) is None
+    libtorch = ctypes.CDLL(str(Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"))
+    monkeypatch.setattr(kernel, "exp16", ctypes.cast(libtorch.Sleef_exp2f16_u10, ctypes.c_void_p).value)  # (2^x)
+    assert not row_gemm.gated_agrees(kernel)
 
 
 def test_calls_it_does_not_take_return_none(kernel):
