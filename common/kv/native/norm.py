@@ -58,7 +58,7 @@ class NormKernel:
         self._fns = {torch.float32: library.rms_norm_f32, torch.bfloat16: library.rms_norm_bf16}
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
-            fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64]
+            fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64, ctypes.c_int]
 
     def add_norm(
         self, h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -79,8 +79,9 @@ class NormKernel:
             n,
             eps,
             self.lanes,
+            torch.get_num_threads(),
         )
-        if status != 0:  # (no scratch memory: nothing was written)
+        if status != 0:  # (no scratch memory: the rows are computed again here)
             return torch_add_norm(h, add, weight, eps)
         return total, out
 

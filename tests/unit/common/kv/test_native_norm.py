@@ -33,6 +33,25 @@ def test_the_loaded_kernel_is_pytorchs_norm_bit_for_bit(hidden):
         assert same is h and torch.equal(alone, norm.torch_rms_norm(weight, 1e-5, h))
 
 
+def test_rows_split_over_threads_give_the_same_bits():
+    """The rows are split over PyTorch's threads: 1 or 2 threads, rows that split evenly or not, the same bits."""
+    kernel = norm.load_norm_kernel(512)
+    gen = torch.Generator().manual_seed(9)
+    threads = torch.get_num_threads()
+    for rows in (1, 2, 7, 33):
+        h, add = torch.randn(rows, 1, 512, generator=gen) * 20, torch.randn(rows, 1, 512, generator=gen)
+        weight = torch.rand(512, generator=gen)
+        try:
+            got = []
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                got.append(kernel.add_norm(h, add, weight, 1e-6))
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+        assert torch.equal(got[1][1], norm.torch_rms_norm(weight, 1e-6, h + add))
+
+
 def test_the_check_tells_summation_orders_apart(library):
     """Only one vector width gives PyTorch's sums here; the others round some rows differently and are refused."""
     agreeing = [lanes for lanes in (2, *norm.LANES) if norm.agrees(norm.NormKernel(library, lanes), 512)]
