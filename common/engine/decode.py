@@ -290,12 +290,15 @@ class DecodeEngine(SequenceQueues):
                 seq.table.extend(self.pool.allocate(seq.lease, 1))
         logits, raw = step_logits(self.lm, self.forward, self.pool, self.kernel, batch)
         self.masks.apply(batch, logits)
+        # (greedy rows without penalties: one argmax for all, the same ids as each row's own)
+        plain = [seq.sampling.greedy and not (seq.sampling.penalised and seq.counts) for seq in batch]
+        argmax = logits.argmax(-1).tolist() if any(plain) else []
         for i, seq in enumerate(batch):
             if seq.key not in self._running:  # (another choice of its request aborted them all in this loop)
                 continue
             seq.length += 1
             seq.step += 1
-            sampled = sample_token(logits[i], seq.sampling, seq.step, seq.counts)
+            sampled = argmax[i] if plain[i] else sample_token(logits[i], seq.sampling, seq.step, seq.counts)
             if seq.forced:
                 self._replay(seq, sampled)
             else:
