@@ -2,7 +2,8 @@
 
 Why: transformers' RMSNorm is seven PyTorch ops, and the residual add before it an eighth; on a decode step's few rows
 each op costs more in dispatch than in arithmetic (``prism-small-llava``'s 17 norms a step took about 1 ms of a
-batch-32 step). One foreign call does the add and the norm of every row.
+batch-32 step). One foreign call does the add and the norm of every row, the rows split over PyTorch's threads (a
+row's bits do not depend on the thread: tested).
 
 Exactness: ``rms_norm.c`` rounds every op as PyTorch does; its sum follows ATen's summation order for vectors of the
 width ATen runs at here (16 lanes with AVX-512, 8 with AVX2, 4 with 128-bit vectors). :func:`load_norm_kernel` builds
