@@ -30,9 +30,9 @@ activation PyTorch's) and returns ``None`` for a
 language model whose layers are not a known Llama-style decoder (LLaVA's Llama, Qwen2-VL's text model) or that uses
 sliding-window attention, and the engine keeps the model's own forward. It loads the norm kernel for the model's
 hidden size (built once per machine, checked against PyTorch once per process). The fused weights are packed copies made
-then (q, k, v, gate and up once more: 67 MB for ``prism-small-llava`` in fp32; the gated panels, 46 MB, take the
-place of the fused gate|up's row-kernel panels, which a step of at most 32 rows then never makes) and read-only
-afterwards, as the model's weights are.
+then (q, k, v, gate and up once more: 67 MB for ``prism-small-llava`` in fp32; with the gated GEMM, gate and up are
+held once more as its panels instead, 46 MB, and no fused gate|up is kept) and read-only afterwards, as the model's
+weights are.
 """
 
 from __future__ import annotations
@@ -90,8 +90,11 @@ class GatedUp:
     @staticmethod
     def of(layer: Any) -> GatedUp | None:
         """The layer's gated GEMM where this machine can compute it (the row kernel runs, with SLEEF's exp) and the
-        layer is an fp32 SiLU MLP whose width is a multiple of 32 — PyTorch's silu then runs that exp on every
-        element, with no scalar tail — else ``None``. :func:`_gating_is_exact` checks its bits."""
+        layer is an fp32 SiLU MLP whose width is a multiple of 32, else ``None``. It runs SLEEF's exp on every element,
+        as PyTorch's silu does on one row of such a width (a sequence decoded alone, as by ``generate()``); PyTorch's
+        silu over many rows on many threads may run glibc's exp on the last elements of a thread's share where the
+        share does not end on 32 elements (not on 2 threads at this model's 1408), so there the gated bits are the
+        single row's. :func:`_gating_is_exact` checks them against PyTorch's on the first layer."""
         mlp, kernel = layer.mlp, load_row_gemm()
         gate, up = mlp.gate_proj, mlp.up_proj
         if kernel is None or kernel.exp16 is None or gate.weight.dtype != torch.float32 or gate.out_features % 32:
@@ -159,15 +162,7 @@ class DecodeForward:
 
     def __init__(self, lang: Any, fuse: bool, gate: bool = False):
         self.lang = lang
-        self.layers = [
-            _Layer(
-                layer,
-                Fused(_attention(layer)) if fuse else None,
-                Fused(_mlp(layer)) if fuse else None,
-                GatedUp.of(layer) if gate else None,
-            )
-            for layer in lang.layers
-        ]
+        self.layers = [self._lean(layer, fuse, gate) for layer in lang.layers]
         attn = lang.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
@@ -175,6 +170,18 @@ class DecodeForward:
         """The residual adds and norms in one call each (:mod:`common.kv.native.norm`), or PyTorch's ops."""
         config = lang.config
         self.q_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    @staticmethod
+    def _lean(layer: Any, fuse: bool, gate: bool) -> _Layer:
+        """One layer's fused and gated GEMMs. A gated layer keeps no fused gate|up (a call the gated GEMM does not take,
+        over 32 rows, goes to the separate projections: their oneDNN products are the fused one's, and the model's)."""
+        gated = GatedUp.of(layer) if gate else None
+        return _Layer(
+            layer,
+            Fused(_attention(layer)) if fuse else None,
+            Fused(_mlp(layer)) if fuse and gated is None else None,
+            gated,
+        )
 
     @classmethod
     def shared(cls, lang: Any) -> DecodeForward | None:

@@ -164,9 +164,11 @@ class SequenceQueues(Reservations):
 
     @property
     def most_tokens_left(self) -> int:
-        """The most tokens a running sequence may still generate (its ``max_tokens`` less those it has): how long the
-        busiest stream could go on (0: none running)."""
-        return max((seq.sampling.max_tokens - seq.step for seq in self._running.values()), default=0)
+        """The most tokens a running sequence may still generate (its ``max_tokens`` less the ``step + 1`` it has:
+        prefill's first token is step 0): how long the busiest stream could go on (0: none running). Safe to read
+        from another thread than the one stepping (the replica's ``stats``): it reads a snapshot of the sequences."""
+        running = list(self._running.values())  # (one C-level copy: no thread switch while the dict is read)
+        return max((seq.sampling.max_tokens - seq.step - 1 for seq in running), default=0)
 
     @property
     def num_waiting(self) -> int:

@@ -35,7 +35,9 @@ typedef __m512 (*exp16_fn)(__m512); /* 16 lanes' exp (SLEEF's Sleef_expf16_u10, 
 
 /* silu(g) * u for 16 lanes: g / (1 + exp(-g)) (PyTorch's silu, op by op), then times u. */
 static inline __m512 silu_mul(__m512 g, __m512 u, exp16_fn exp16) {
-    const __m512 e = exp16(_mm512_xor_ps(g, _mm512_set1_ps(-0.f)));
+    /* (-g as a sign flip, as PyTorch's neg(); in integer lanes: the float xor is AVX-512DQ, the rest needs only F) */
+    const __m512i minus = _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN));
+    const __m512 e = exp16(_mm512_castsi512_ps(minus));
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
 }
 

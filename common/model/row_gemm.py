@@ -56,9 +56,10 @@ class RowGemm:
         self._fn = library.row_gemm_f32
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
-        self._gated = library.row_gemm_f32_silu_mul
-        self._gated.restype = ctypes.c_int
-        self._gated.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR]
+        self._gated = getattr(library, "row_gemm_f32_silu_mul", None)  # (None: no silu_mul, exp16 stays None)
+        if self._gated is not None:
+            self._gated.restype = ctypes.c_int
+            self._gated.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR]
         self.exp16: int | None = None
         """The address of the exp PyTorch's AVX-512 kernels call (SLEEF's), set by :func:`load_row_gemm` where it
         is found and :func:`gated_agrees` holds; ``None``: no :meth:`silu_mul`."""
@@ -84,7 +85,9 @@ class RowGemm:
         ``interleave(gate_bias, up_bias)`` or ``None``), each product's bits those of :meth:`product` and the
         activation's those of PyTorch's ``silu`` and ``*``; ``None`` where it does not take the call."""
         rows, k = x.shape
-        if self.exp16 is None or k == 0 or n % PANEL or panels.shape != (2 * n // PANEL, k, PANEL):
+        if self.exp16 is None or self._gated is None or k == 0 or 2 * n % PANEL:
+            return None
+        if panels.shape != (2 * n // PANEL, k, PANEL):
             return None
         if (bias is not None and not _plain(bias, (2 * n,))) or not _plain(x, (rows, k)) or rows > MAX_ROWS:
             return None
@@ -196,7 +199,7 @@ def load_row_gemm() -> RowGemm | None:
     kernel = RowGemm(library)
     with torch.inference_mode():
         if agrees(kernel):
-            kernel.exp16 = sleef_exp16()
+            kernel.exp16 = sleef_exp16() if kernel._gated is not None else None
             if kernel.exp16 is not None and not gated_agrees(kernel):
                 log.info("native row GEMM's silu * up differs from PyTorch's here: the activation stays PyTorch's")
                 kernel.exp16 = None

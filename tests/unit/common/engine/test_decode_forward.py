@@ -51,8 +51,11 @@ def test_lean_forward_is_the_models_forward_bit_for_bit(model, dtype, cpu_linear
     forward = DecodeForward.build(lm.adapter.language_model(lm.model))
     assert forward is not None
     assert (forward.layers[0].qkv is not None) == (cpu_linear == "onednn")  # (fused only on packed linears)
-    gated = cpu_linear == "onednn" and dtype == "float32" and row_gemm.load_row_gemm() is not None
+    kernel = row_gemm.load_row_gemm()
+    gated = cpu_linear == "onednn" and dtype == "float32" and kernel is not None and kernel.exp16 is not None
     assert (forward.layers[0].gated is not None) == gated  # (the MLP's activation in the gate|up product's call)
+    fused_mlp = cpu_linear == "onednn" and not gated  # (a gated layer keeps no fused gate|up)
+    assert (forward.layers[0].gate_up is not None) == fused_mlp
     want, got = _step(lm, None), _step(lm, forward)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
