@@ -67,7 +67,7 @@ from common.kv.pool import KVPool, Lease
 from common.model.loader import LoadedModel
 from common.protocol.handoff import Prefilled, PrefillOutput, TokenLogprob
 from common.protocol.sampling import SamplingParams
-from common.stages.sampler import sample_token, token_logprob
+from common.stages.sampler import plain_greedy, sample_token, token_logprob
 from common.stages.stops import StopChecker
 
 log = logging.getLogger("prism.engine.decode")
@@ -290,8 +290,8 @@ class DecodeEngine(SequenceQueues):
                 seq.table.extend(self.pool.allocate(seq.lease, 1))
         logits, raw = step_logits(self.lm, self.forward, self.pool, self.kernel, batch)
         self.masks.apply(batch, logits)
-        # (greedy rows without penalties: one argmax for all, the same ids as each row's own)
-        plain = [seq.sampling.greedy and not (seq.sampling.penalised and seq.counts) for seq in batch]
+        # (one argmax for all the plain greedy rows: the same ids as each row's own)
+        plain = [plain_greedy(seq.sampling, seq.counts) for seq in batch]
         argmax = logits.argmax(-1).tolist() if any(plain) else []
         for i, seq in enumerate(batch):
             if seq.key not in self._running:  # (another choice of its request aborted them all in this loop)

@@ -31,6 +31,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,21 +85,21 @@ class RowGemm:
         """``silu(x·gateᵀ + gate_bias) * (x·upᵀ + up_bias)`` ``[rows, n]`` on ``pack_gated(gate, up)`` (``bias``:
         ``interleave(gate_bias, up_bias)`` or ``None``), each product's bits those of :meth:`product` and the
         activation's those of PyTorch's ``silu`` and ``*``; ``None`` where it does not take the call."""
-        rows, k = x.shape
-        if self.exp16 is None or self._gated is None or k == 0 or 2 * n % PANEL:
+        if self.exp16 is None or self._gated is None or 2 * n % PANEL:
             return None
-        if panels.shape != (2 * n // PANEL, k, PANEL):
-            return None
-        if (bias is not None and not _plain(bias, (2 * n,))) or not _plain(x, (rows, k)) or rows > MAX_ROWS:
-            return None
-        out = torch.empty(rows, n, dtype=torch.float32)
-        b = None if bias is None else bias.data_ptr()
-        status = self._gated(x.data_ptr(), panels.data_ptr(), b, out.data_ptr(), rows, 2 * n, k, _threads(), self.exp16)
-        return None if status else out
+        return self._run(self._gated, x, panels, 2 * n, bias, n, self.exp16)
 
     def product(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x`` ``[rows, k]`` (fp32, contiguous) times the packed weight, plus ``bias``: ``[rows, n]``; ``None`` where
         the kernel does not take the call (the caller computes it another way)."""
+        return self._run(self._fn, x, panels, n, bias, n)
+
+    @staticmethod
+    def _run(
+        fn: Any, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, out_n: int, *extra: Any
+    ) -> torch.Tensor | None:
+        """The C entry ``fn`` on ``x`` and the panels of an ``n``-column weight (``bias`` ``[n]``), into a new
+        ``[rows, out_n]``; ``None`` where it does not take the call."""
         rows, k = x.shape
         if k == 0:  # (no inputs: the product is the bias alone, which the caller's other path gives)
             return None
@@ -106,22 +107,10 @@ class RowGemm:
             return None
         if not _plain(x, (rows, k)) or rows > MAX_ROWS:
             return None
-        out = torch.empty(rows, n, dtype=torch.float32)
-        status = self._fn(
-            x.data_ptr(),
-            panels.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            rows,
-            n,
-            k,
-            _threads(),
-        )
+        out = torch.empty(rows, out_n, dtype=torch.float32)
+        b = None if bias is None else bias.data_ptr()
+        status = fn(x.data_ptr(), panels.data_ptr(), b, out.data_ptr(), rows, n, k, torch.get_num_threads(), *extra)
         return None if status else out
-
-
-def _threads() -> int:
-    return torch.get_num_threads()
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,12 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: Mappin
     return out
 
 
+def plain_greedy(params: SamplingParams, counts: Mapping[int, int] | None) -> bool:
+    """Whether :func:`sample_token` takes the row's argmax as it is (greedy, no penalty to apply): a batch may take
+    such rows' tokens from one argmax over all its rows."""
+    return params.greedy and not (params.penalised and counts)
+
+
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, step: int, counts: Mapping[int, int] | None = None
 ) -> int:
