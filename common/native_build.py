@@ -1,5 +1,5 @@
-"""Builds and loads Prism's C sources (``common/kv/native/*.c``, ``common/model/row_gemm.c``) with the machine's C
-compiler: once per machine, cached.
+"""Builds and loads Prism's C sources (``common/kv/native/*.c``, ``common/model/row_gemm.c``,
+``common/engine/decode_layers.c``) with the machine's C compiler: once per machine, cached.
 
 Lifecycle: :func:`load_library` compiles a source with the system C compiler (``cc -O3 -march=native -ffast-math
 -fopenmp``: built for the CPU it runs on, so the cache key holds the CPU's flags, the source, the headers beside it
@@ -59,6 +59,11 @@ def load_optional(
     except RuntimeError as exc:
         log.warning("%s unavailable (%s): %s", what, exc, instead)
         return None
+
+
+def address(fn: ctypes._CFuncPtr) -> int:
+    """A loaded library's function as the address C code calls it by (one kernel's driver calling another's)."""
+    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
 def load_library(source: Path, compiler: str, flags: tuple[str, ...] = COMPILE) -> tuple[ctypes.CDLL, Path]:

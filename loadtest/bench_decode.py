@@ -69,6 +69,7 @@ from loadtest.roofline import (
     memcpy_bytes_per_s,
     read_probes,
     roofline,
+    serial_floor_ms,
     step_floor_ms,
     timed,
     weight_gemm_seconds,
@@ -99,7 +100,7 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
         engine.submit(rid, pre, sampling)
     attending = _AttentionClock(engine)
     first = engine.step()  # imports, emits the prefill's first tokens (and may decode one more each)
-    attending.seconds = 0.0  # (the timed steps' attention only)
+    attending.reset()  # (the timed steps' attention only)
     e2e_produced = sum(e.token_id is not None for e in first) - batch  # the first tokens are prefill's
     for e in first:
         tokens[e.request_id].append(e.token_id)
@@ -135,29 +136,54 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
         "bytes_per_s": moved / total,
         "steps": len(step_times),
         "flops_per_step": flops / len(step_times),
+        # (the KV's share of the bytes, and the attention's of the FLOPs: the serial floor's two phases)
+        "kv_bytes_per_step": kv_read * kv_bytes_per_token(lm) / len(step_times),
+        "attention_flops_per_step": (flops - rows * gemm_flops_per_token(lm)) / len(step_times),
         "e2e_tokens": e2e_produced + produced,
         "e2e_seconds": e2e,
         "e2e_tokens_per_s": (e2e_produced + produced) / e2e,
         # the attention kernel's share: its mean time per step and the rate it reads the step's KV at
         "attention_ms_per_step": 1000 * attending.seconds / len(step_times) if engine.kernel else None,
         "attention_kv_bytes_per_s": kv_read * kv_bytes_per_token(lm) / attending.seconds if engine.kernel else None,
+        # where the decoder layers ran in one foreign call (common/engine/decode_layers.py): each kernel's mean time
+        # per step (over the layers), and the rest of the mean step (embedding, rotary, LM head, sampling, Python)
+        "layer_kernels_ms_per_step": {k: 1000 * s / len(step_times) for k, s in attending.layer_split().items()},
+        "outside_layer_kernels_ms_per_step": (
+            1000 * (total - sum(attending.layer_split().values())) / len(step_times) if attending.chain else None
+        ),
         "_tokens": tokens,
     }
 
 
 class _AttentionClock:
-    """Times the native attention kernel's calls of one engine (its ``attend`` and ``rope_attend`` — the lean
-    forward's call, which also rotates the new query and key heads and writes the new KV rows — wrapped on the shared
-    kernel object until :meth:`stop`)."""
+    """Times the native attention kernel's calls of one engine: those from Python (its ``attend`` and ``rope_attend``
+    — the lean forward's call, which also rotates the new query and key heads and writes the new KV rows — wrapped on
+    the shared kernel object until :meth:`stop`) and those the decoder-layer driver makes from C (its own clock:
+    :attr:`common.engine.decode_layers.DecodeLayers.seconds`)."""
 
     CALLS = ("attend", "rope_attend")
 
     def __init__(self, engine: DecodeEngine):
-        self.kernel, self.seconds = engine.kernel, 0.0
+        self.kernel, self.wrapped = engine.kernel, 0.0
+        self.chain = engine.forward.chain if engine.forward is not None else None
+        self.reset()
         if self.kernel is None:
             return
         for name in self.CALLS:
             setattr(self.kernel, name, self._timed(getattr(self.kernel, name)))
+
+    def reset(self) -> None:
+        self.wrapped, self._chain_from = 0.0, dict(self.chain.seconds) if self.chain is not None else {}
+
+    def layer_split(self) -> dict[str, float]:
+        """The driver's seconds in each kernel since :meth:`reset` (none without the driver)."""
+        if self.chain is None:
+            return {}
+        return {k: s - self._chain_from[k] for k, s in self.chain.seconds.items()}
+
+    @property
+    def seconds(self) -> float:
+        return self.wrapped + self.layer_split().get("attention", 0.0)
 
     def _timed(self, call):
         def timed(*args, **kwargs):
@@ -165,7 +191,7 @@ class _AttentionClock:
             try:
                 return call(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.wrapped += time.perf_counter() - start
 
         return timed
 
@@ -307,6 +333,7 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
     seq, alone, engine[32] = runs[median_index(speedups)]
     torch_path = bench_engine(lm, requests, 32, native=False) if engine[32]["native_attention"] else None
     gemm_and_attention_ms = gemm_ms + (engine[32]["attention_ms_per_step"] or 0.0)
+    floor_b1, floor_b32 = (step_floor_ms(engine[b], read, peak) for b in (1, 32))
     _say(engine, seq, gen, torch_path, read, peak)
     return {
         "dtype": str(lm.dtype).removeprefix("torch."),
@@ -349,7 +376,16 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         # timed above) and its attention kernel (as timed in the step), one after the other: the evidence for how
         # far the rest of the step (norms, rotary, residuals, KV writes, sampling, dispatch) keeps it from the target.
         "b32_gemm_plus_attention_ms": gemm_and_attention_ms,
-        "b32_fraction_if_nothing_else": step_floor_ms(engine[32], read, peak) / gemm_and_attention_ms,
+        "b32_fraction_if_nothing_else": floor_b32 / gemm_and_attention_ms,
+        # The ceilings the floors themselves set (loadtest/roofline.py): the roofline fraction of a step that reads
+        # and computes at the machine's measured rates but runs its weight GEMMs and its attention one after the
+        # other, as a layer's data dependencies make the engine do; and the speedup at 32 over batch 1 were both
+        # steps at their floors (a batch-1 step at its memory floor, a batch-32 one at its compute floor).
+        "b32_serial_floor_ms": serial_floor_ms(engine[32], read, peak),
+        "decode_roofline_fraction_b32_serial_ceiling": floor_b32 / serial_floor_ms(engine[32], read, peak),
+        "decode_speedup_32_vs_b1_ceiling": 32 * floor_b1 / floor_b32,
+        "b32_layer_kernels_ms_per_step": engine[32]["layer_kernels_ms_per_step"],
+        "b32_outside_layer_kernels_ms_per_step": engine[32]["outside_layer_kernels_ms_per_step"],
         "linear_path": linear_path(lm),
         "attention_paths_b32_step_ms": {
             "native": engine[32]["median_step_ms"] if engine[32]["native_attention"] else None,

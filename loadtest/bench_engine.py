@@ -59,6 +59,10 @@ def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, A
         "b32_attention_kv_bytes_per_s": dec["per_batch"]["32"]["attention_kv_bytes_per_s"],
         "b32_gemm_plus_attention_ms": dec["b32_gemm_plus_attention_ms"],
         "b32_fraction_if_nothing_else": dec["b32_fraction_if_nothing_else"],
+        "b32_serial_floor_ms": dec["b32_serial_floor_ms"],
+        "serial_ceiling": dec["decode_roofline_fraction_b32_serial_ceiling"],
+        "b32_layer_kernels_ms_per_step": dec["b32_layer_kernels_ms_per_step"],
+        "b32_outside_layer_kernels_ms_per_step": dec["b32_outside_layer_kernels_ms_per_step"],
     }
     kept = ("per_batch", "attention_paths_b32_step_ms", "agreement_greedy", "prefill", "b32_weight_gemm_ms")
     kept += ("b32_weight_gemm_flops_per_s", "read_bytes_per_s", "gemm_flops_per_s", "decode_speedup_32_vs_engine_b1")
@@ -69,6 +73,11 @@ def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, A
         "linear_path",
         "b32_gemm_plus_attention_ms",
         "b32_fraction_if_nothing_else",
+        "b32_serial_floor_ms",
+        "decode_roofline_fraction_b32_serial_ceiling",
+        "decode_speedup_32_vs_b1_ceiling",
+        "b32_layer_kernels_ms_per_step",
+        "b32_outside_layer_kernels_ms_per_step",
     )
     per_dtype = {dtype: {k: f[k] for k in kept} for dtype, f in dec["dtypes"].items()}
     median_run["per_dtype"] = per_dtype  # step time, floors, roofline fraction and speedup at 1/8/32; prefill vs FLOPs
@@ -77,7 +86,13 @@ def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, A
     return {
         "decode_speedup_32_vs_sequential": record("decode_speedup_32_vs_sequential", speedups, median_run),
         "decode_speedup_32_vs_engine_b1": record(
-            "decode_speedup_32_vs_engine_b1", vs_b1, {"b1": "the engine at batch 1, the requests one after another"}
+            "decode_speedup_32_vs_engine_b1",
+            vs_b1,
+            {
+                "b1": "the engine at batch 1, the requests one after another",
+                "ceiling": dec["decode_speedup_32_vs_b1_ceiling"],
+                "ceiling_is": "32 x the b1 step's floor / the b32 step's floor (both steps at their floors)",
+            },
         ),
         "decode_roofline_fraction_b32": record("decode_roofline_fraction_b32", fractions, roofline),
     }

@@ -145,6 +145,16 @@ def step_floor_ms(run: dict, read: float, peak: float) -> float:
     return max(line["memory_floor_ms"], line["compute_floor_ms"])
 
 
+def serial_floor_ms(run: dict, read: float, peak: float) -> float:
+    """The floor of a step that runs its weight GEMMs and then its attention, one phase after the other (a layer's
+    attention needs its q|k|v product, and its o projection the attention's output), each phase at the larger of its
+    own memory floor (weights; the KV) and compute floor (the weight GEMMs' FLOPs; the attention's), in ms: the
+    shortest step that does not overlap a layer's attention with GEMMs, whatever its kernels."""
+    kv, attention = run["kv_bytes_per_step"], run["attention_flops_per_step"]
+    weights_ms = max((run["bytes_per_step"] - kv) / read, (run["flops_per_step"] - attention) / peak)
+    return 1000 * (weights_ms + max(kv / read, attention / peak))
+
+
 def roofline(run: dict, read: float, peak: float) -> dict:
     """One engine run against the roofline: per step, the memory floor (its bytes at the ``read`` bandwidth of the
     engine's threads) and the compute floor (its FLOPs at the ``peak`` GEMM rate), the step's floor the larger."""

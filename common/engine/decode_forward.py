@@ -21,7 +21,9 @@ layer: a batch-32 step of ``prism-small-llava`` 22.8 → 20.8 ms, a batch-1 step
 engine alternating both paths, 2026-12-05). In fp32 on the row kernel, the gate|up GEMM ends in the MLP's activation
 (:class:`GatedUp`: each tile stores ``silu(gate) * up``, PyTorch's expression with the exp PyTorch itself calls), which
 drops the split, the silu and the multiply: the 8 layers' gate|up and activation 4.63 → 4.17 ms a batch-32 step,
-1.64 → 1.43 at batch 1 (2-core AMD EPYC, both paths alternating in one process, 2026-12-06).
+1.64 → 1.43 at batch 1 (2-core AMD EPYC, both paths alternating in one process, 2026-12-06). Where every layer runs on
+those kernels, a step of at most 32 rows calls them all from C in one call (:mod:`common.engine.decode_layers`: the
+same kernels, the same bits, none of the Python between them).
 
 Lifecycle: :meth:`DecodeForward.build` runs once per model object, when its first decode engine starts
 (:meth:`DecodeForward.shared`: kept on the language model module, so it lives and dies with the model); it checks the
@@ -44,6 +46,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
 
+from common.engine.decode_layers import DecodeLayers
 from common.kv.native import torch_rotate as rotate
 from common.kv.native.norm import NormKernel, load_norm_kernel, torch_add_norm
 from common.kv.paged_attention import PagedContext, paged_attention_forward
@@ -170,6 +173,8 @@ class DecodeForward:
         """The residual adds and norms in one call each (:mod:`common.kv.native.norm`), or PyTorch's ops."""
         config = lang.config
         self.q_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.chain: DecodeLayers | None = DecodeLayers.of(self) if fuse and gate else None
+        """Every layer's kernels in one foreign call (:mod:`common.engine.decode_layers`), where they all run."""
 
     @staticmethod
     def _lean(layer: Any, fuse: bool, gate: bool) -> _Layer:
@@ -216,6 +221,8 @@ class DecodeForward:
         # Each residual add goes with the norm after it: the next layer's input norm, after the last layer the
         # model's final norm.
         h, x = self._add_norm(h, None, self.layers[0].module.input_layernorm)
+        if self.chain is not None and (out := self.chain(h, x, cos, sin, ctx)) is not None:
+            return out
         for i, layer in enumerate(self.layers):
             after = self.layers[i + 1].module.input_layernorm if i + 1 < len(self.layers) else lang.norm
             h, x = self._layer(layer, h, x, cos, sin, ctx, after)

@@ -89,7 +89,7 @@ class PackedWeight:
     def dtype(self) -> torch.dtype:
         return self.onednn.dtype
 
-    def _row_panels(self, kernel: RowGemm) -> torch.Tensor:
+    def row_panels(self, kernel: RowGemm) -> torch.Tensor:
         """The weight's panels for the row kernel, made on the first call that needs them."""
         panels, source = self._panels, self._source
         if panels is None:
@@ -105,7 +105,7 @@ class PackedWeight:
         if self.rows and x.dtype == torch.float32 and x.shape[-1] == self.in_features:
             kernel = load_row_gemm() if 0 < x.numel() <= MAX_ROWS * self.in_features else None
             if kernel is not None:
-                out = kernel.product(x.view(-1, self.in_features), self._row_panels(kernel), self.out_features, bias)
+                out = kernel.product(x.view(-1, self.in_features), self.row_panels(kernel), self.out_features, bias)
                 if out is not None:
                     return out.view(*x.shape[:-1], self.out_features)
         return self.onednn_product(x, bias)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from common.native_build import EXACT, load_optional
+from common.native_build import EXACT, address, load_optional
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,16 @@ class RowGemm:
         self.exp16: int | None = None
         """The address of the exp PyTorch's AVX-512 kernels call (SLEEF's), set by :func:`load_row_gemm` where it
         is found and :func:`gated_agrees` holds; ``None``: no :meth:`silu_mul`."""
+
+    @property
+    def address(self) -> int:
+        """``row_gemm_f32``'s address (:mod:`common.engine.decode_layers` calls it from C)."""
+        return address(self._fn)
+
+    @property
+    def gated_address(self) -> int | None:
+        """``row_gemm_f32_silu_mul``'s address, where the library has it."""
+        return None if self._gated is None else address(self._gated)
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:

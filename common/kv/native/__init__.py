@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common.native_build import load_optional
+from common.native_build import address, load_optional
 
 log = logging.getLogger("prism.kv.native")
 
@@ -66,6 +66,11 @@ class DecodeKernel:
         for fn in self._rope_fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [_PTR] * 7 + [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+
+    def rope_address(self, dtype: torch.dtype) -> int:
+        """:meth:`rope_attend`'s C entry point's address for ``dtype`` (:mod:`common.engine.decode_layers` calls it
+        from C)."""
+        return address(self._rope_fns[dtype])
 
     def attend(
         self,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common.native_build import EXACT, load_optional
+from common.native_build import EXACT, address, load_optional
 
 log = logging.getLogger("prism.kv.native")
 
@@ -60,6 +60,10 @@ class NormKernel:
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _I64, ctypes.c_int]
+
+    def address(self, dtype: torch.dtype) -> int:
+        """The C entry point's address for ``dtype`` (:mod:`common.engine.decode_layers` calls it from C)."""
+        return address(self._fns[dtype])
 
     def add_norm(
         self, h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float

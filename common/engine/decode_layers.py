@@ -1,0 +1,230 @@
+"""A decode step's decoder layers in one foreign call (``decode_layers.c``): the lean forward's kernels, back to back
+in C.
+
+Why: :class:`common.engine.decode_forward.DecodeForward` runs each layer as seven kernels — the fused q|k|v GEMM, the
+rotation + KV write + attention, the o projection, the residual add + norm, the gated gate|up GEMM, the down
+projection, the add + norm — called from Python, each with its checks, its output tensor and its ctypes crossing:
+about 1.8 ms of a batch-32 step of ``prism-small-llava`` was Python between kernels, a step's whole arithmetic being
+about 15 ms, and the other OpenMP thread spun meanwhile. Here one call runs every layer's seven kernels, each the
+same entry point of its own library with the same inputs and threads: the hidden states are the Python path's bit for
+bit (tested), as the Python path's are the model's.
+
+Lifecycle: :meth:`DecodeLayers.of` runs once per lean forward (:meth:`DecodeForward.build`): where every layer takes
+the fast kernels (fused q|k|v and gated gate|up on the row kernel, the o and down projections' panels, the native
+norm, the attention kernel with its exact rotation) it builds and loads the C driver (once per machine, cached:
+:mod:`common.native_build`; ``PRISM_NATIVE_LAYERS=0`` turns it off) and records each layer's weights' addresses
+(the panels, made then, and the norm weights — held by the model's modules and the lean forward, read-only). Each
+step (:meth:`DecodeLayers.__call__`) takes the batch of at most :data:`~common.model.row_gemm.MAX_ROWS` rows on the
+engine's pool and kernel, allocates one scratch buffer for the step's intermediates, and returns the final-normed
+hidden states — or ``None`` for a step it does not take or a kernel that refused or failed (then the caller runs the
+step its own way, which writes the same KV rows again).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.kv.native import DecodeKernel, load_decode_kernel
+from common.kv.paged_attention import PagedContext
+from common.model.linear import PackedLinear
+from common.model.row_gemm import MAX_ROWS, RowGemm, load_row_gemm
+from common.native_build import load_optional
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_layers.c")
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class LayerWeights(ctypes.Structure):
+    """``layer_t``: one layer's panels, biases (or ``None``), norm weights and epsilons, and its pool layer."""
+
+    _fields_ = [
+        *((name, _P) for name in ("qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias")),
+        *((name, _P) for name in ("down", "down_bias", "next_norm")),
+        ("index", _I64),
+        ("post_eps", ctypes.c_float),
+        ("next_eps", ctypes.c_float),
+    ]
+
+
+_SIZES = ("rows", "hidden", "inter", "q_heads", "kv_heads", "dim", "block_size", "table_width", "lanes")
+_SCRATCH = ("h", "x", "qkv", "query", "attn", "proj", "act")
+KERNELS = ("qkv", "attention", "o_proj", "attention_norm", "gate_up", "down", "mlp_norm")
+"""A layer's kernels in the order they run (``decode_layers.c``'s enum)."""
+
+
+class Chain(ctypes.Structure):
+    """``chain_t``: the kernels' addresses, the sizes, one step's inputs and scratch buffers."""
+
+    _fields_ = [
+        *((name, _P) for name in ("gemm", "gated", "exp16", "rope", "norm")),
+        *((name, _I64) for name in _SIZES),
+        ("scale", ctypes.c_float),
+        ("threads", ctypes.c_int),
+        *((name, _P) for name in ("cos", "sin", "tables", "lengths", "keys", "values")),
+        ("layer_size", _I64),
+        *((name, _P) for name in _SCRATCH),
+        ("ns", _I64 * len(KERNELS)),
+    ]
+
+
+class DecodeLayers:
+    """``layers(h, x, cos, sin, ctx)`` → the final-normed hidden states ``[B, 1, hidden]`` from the residual stream
+    ``h`` and its first input norm ``x`` (both ``[B, 1, hidden]``, left untouched), or ``None``."""
+
+    def __init__(self, library: ctypes.CDLL, forward: Any, attention: DecodeKernel) -> None:
+        self._fn = library.decode_layers
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.POINTER(Chain), ctypes.POINTER(LayerWeights), _I64]
+        self.attention = attention
+        gemm, norms, lang = load_row_gemm(), forward.norms, forward.lang
+        assert gemm is not None and gemm.exp16 is not None and norms is not None
+        config = lang.config
+        self.hidden, self.inter = config.hidden_size, forward.layers[0].gated.n
+        self.q_heads, self.kv_heads, self.dim = forward.q_heads, forward.kv_heads, forward.head_dim
+        self.scale = forward.scaling
+        self.seconds = dict.fromkeys(KERNELS, 0.0)
+        """Spent in each kernel of a layer, summed over the layers of this driver's steps (a benchmark's split of a
+        step; the attention's includes the rotation and the KV write)."""
+        self._template = dict(
+            gemm=gemm.address,
+            gated=gemm.gated_address,
+            exp16=gemm.exp16,
+            rope=attention.rope_address(torch.float32),
+            norm=norms.address(torch.float32),
+            hidden=self.hidden,
+            inter=self.inter,
+            q_heads=self.q_heads,
+            kv_heads=self.kv_heads,
+            dim=self.dim,
+            lanes=norms.lanes,
+            scale=self.scale,
+        )
+        self._layers, self._held = _weights(forward, gemm)
+        self._sizes = [self.hidden, self.hidden, (self.q_heads + 2 * self.kv_heads) * self.dim]
+        self._sizes += [self.q_heads * self.dim, self.q_heads * self.dim, self.hidden, self.inter]
+
+    @staticmethod
+    def of(forward: Any) -> DecodeLayers | None:
+        """The driver for ``forward``'s layers where each takes the fast kernels (see the module docstring), else
+        ``None`` (the lean forward then calls the kernels from Python)."""
+        gemm, attention = load_row_gemm(), load_decode_kernel()
+        if gemm is None or gemm.exp16 is None or forward.norms is None or attention is None:
+            return None
+        if not attention.rope_exact or not all(_takes(layer) for layer in forward.layers):
+            return None
+        loaded = load_optional(SOURCE, "PRISM_NATIVE_LAYERS", "native decoder layers", "the kernels called from Python")
+        return None if loaded is None else DecodeLayers(loaded[0], forward, attention)
+
+    def __call__(
+        self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext
+    ) -> torch.Tensor | None:
+        batch = h.shape[0]
+        pool, tables, lengths = ctx.pool, ctx.block_tables, ctx.attend_lengths
+        if batch > MAX_ROWS or ctx.kernel is not self.attention or tables is None or lengths is None:
+            return None
+        if not self._step_inputs(h, x, cos, sin, pool.keys, pool.values, tables, lengths):
+            return None
+        scratch = torch.empty(batch * sum(self._sizes), dtype=torch.float32)
+        buffers, offset = {}, 0
+        for name, size in zip(_SCRATCH, self._sizes, strict=True):
+            buffers[name] = scratch[offset : offset + batch * size]
+            offset += batch * size
+        buffers["h"].copy_(h.view(-1))
+        buffers["x"].copy_(x.view(-1))
+        chain = Chain(
+            **self._template,
+            **{name: t.data_ptr() for name, t in buffers.items()},
+            rows=batch,
+            block_size=pool.block_size,
+            table_width=tables.shape[1],
+            threads=torch.get_num_threads(),
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            tables=tables.data_ptr(),
+            lengths=lengths.data_ptr(),
+            keys=pool.keys.data_ptr(),
+            values=pool.values.data_ptr(),
+            layer_size=pool.keys[0].numel(),
+        )
+        failed = self._fn(ctypes.byref(chain), self._layers, len(self._layers))
+        for name, ns in zip(KERNELS, chain.ns, strict=True):
+            self.seconds[name] += ns / 1e9
+        if failed:
+            layer, kernel = divmod(failed - 1, len(KERNELS))
+            log.warning(
+                "native decoder layers: layer %d's %s kernel refused the step; it runs from Python",
+                layer,
+                KERNELS[kernel],
+            )
+            return None
+        return buffers["x"].view(batch, 1, self.hidden)
+
+    def _step_inputs(self, h, x, cos, sin, keys, values, tables, lengths) -> bool:
+        """Whether the step's inputs are what the kernels read: fp32, contiguous, of the model's sizes."""
+        batch = h.shape[0]
+        return (
+            h.shape == x.shape == (batch, 1, self.hidden)
+            and cos.shape == sin.shape == (batch, 1, self.dim)
+            and keys.shape == values.shape
+            and keys.shape[-2:] == (self.kv_heads, self.dim)
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (h, x, cos, sin, keys, values))
+            and tables.dtype == lengths.dtype == torch.int64
+            and tables.is_contiguous()
+            and lengths.is_contiguous()
+            and tables.shape[0] == lengths.shape[0] == batch
+        )
+
+
+def _weights(forward: Any, gemm: RowGemm) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """Each layer's ``layer_t`` — its panels (made now where not yet), biases, norm weights and pool layer — and the
+    tensors it points into (held by the driver: a module repacked later cannot free what it reads)."""
+    lang, held, weights = forward.lang, [], []
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        held.append(t)
+        return t.data_ptr()
+
+    for i, layer in enumerate(forward.layers):
+        module, mlp = layer.module, layer.module.mlp
+        after = forward.layers[i + 1].module.input_layernorm if i + 1 < len(forward.layers) else lang.norm
+        o, down, norm = module.self_attn.o_proj, mlp.down_proj, module.post_attention_layernorm
+        weights.append(
+            LayerWeights(
+                qkv=ptr(layer.qkv.packed.row_panels(gemm)),
+                qkv_bias=ptr(layer.qkv.bias),
+                o=ptr(o.packed.row_panels(gemm)),
+                o_bias=ptr(o.bias),
+                post_norm=ptr(norm.weight),
+                gate_up=ptr(layer.gated.panels),
+                gate_up_bias=ptr(layer.gated.bias),
+                down=ptr(down.packed.row_panels(gemm)),
+                down_bias=ptr(down.bias),
+                next_norm=ptr(after.weight),
+                index=module.self_attn.layer_idx,
+                post_eps=norm.variance_epsilon,
+                next_eps=after.variance_epsilon,
+            )
+        )
+    return (LayerWeights * len(weights))(*weights), held
+
+
+def _takes(layer: Any) -> bool:
+    """Whether a lean layer runs on the fast kernels only: fused q|k|v and gated gate|up, the o and down projections
+    packed fp32 linears (their panels the row kernel's)."""
+    module = layer.module
+    linears = (module.self_attn.o_proj, module.mlp.down_proj)
+    return (
+        layer.qkv is not None
+        and layer.gated is not None
+        and layer.qkv.packed.rows
+        and all(isinstance(m, PackedLinear) and m.packed.rows for m in linears)
+    )
