@@ -92,7 +92,8 @@ class DecodeEngine(SequenceQueues):
         self.kernel = load_decode_kernel() if native else None
         # The step's forward without transformers' module stack (the same ops: decode_forward.py); None keeps the
         # model's own forward (a decoder it does not know, or ``lean_forward=False``).
-        self.forward = DecodeForward.shared(lm.adapter.language_model(lm.model)) if lean_forward else None
+        lang = lm.adapter.language_model(lm.model)
+        self.forward = DecodeForward.shared(lang, lm.model.lm_head) if lean_forward else None
         self.lm = lm
         self.pool = pool
         self.max_batch = max_batch

@@ -163,7 +163,7 @@ class DecodeForward:
     ``decode_positions``) with a :class:`PagedContext` → the final-normed hidden states ``[B, 1, hidden]``, exactly
     what ``language_model(..., prism_paged=ctx).last_hidden_state`` returns."""
 
-    def __init__(self, lang: Any, fuse: bool, gate: bool = False):
+    def __init__(self, lang: Any, fuse: bool, gate: bool = False, head: Any = None):
         self.lang = lang
         self.layers = [self._lean(layer, fuse, gate) for layer in lang.layers]
         attn = lang.layers[0].self_attn
@@ -173,8 +173,9 @@ class DecodeForward:
         """The residual adds and norms in one call each (:mod:`common.kv.native.norm`), or PyTorch's ops."""
         config = lang.config
         self.q_heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.chain: DecodeLayers | None = DecodeLayers.of(self) if fuse and gate else None
-        """Every layer's kernels in one foreign call (:mod:`common.engine.decode_layers`), where they all run."""
+        self.chain: DecodeLayers | None = DecodeLayers.of(self, head) if fuse and gate else None
+        """Every layer's kernels in one foreign call, the embedding and the LM head's GEMM with them
+        (:mod:`common.engine.decode_layers`), where they all run."""
 
     @staticmethod
     def _lean(layer: Any, fuse: bool, gate: bool) -> _Layer:
@@ -189,18 +190,19 @@ class DecodeForward:
         )
 
     @classmethod
-    def shared(cls, lang: Any) -> DecodeForward | None:
-        """:meth:`build`'s result for ``lang``, built once per model object: every engine on one model shares its
-        fused weights (tests and benchmarks start many engines on one model)."""
+    def shared(cls, lang: Any, head: Any = None) -> DecodeForward | None:
+        """:meth:`build`'s result for ``lang`` (and its model's LM head), built once per model object: every engine on
+        one model shares its fused weights (tests and benchmarks start many engines on one model)."""
         # (kept on the module itself: a cache keyed by the module would hold it alive through its value)
         if "_prism_decode_forward" not in vars(lang):
-            vars(lang)["_prism_decode_forward"] = cls.build(lang)
+            vars(lang)["_prism_decode_forward"] = cls.build(lang, head)
         return vars(lang)["_prism_decode_forward"]
 
     @classmethod
-    def build(cls, lang: Any) -> DecodeForward | None:
+    def build(cls, lang: Any, head: Any = None) -> DecodeForward | None:
         """The lean forward for ``lang``, or ``None`` where it would not be the model's own (see the module
-        docstring). Fused GEMMs where every projection is a packed linear."""
+        docstring). Fused GEMMs where every projection is a packed linear; ``head``: the model's LM head, whose GEMM
+        the one-call path (:attr:`chain`) runs too where it can."""
         layers = getattr(lang, "layers", None)
         if not layers or any(type(layer) not in DECODER_LAYERS for layer in layers):
             return None
@@ -210,21 +212,39 @@ class DecodeForward:
             return None
         projections = [m for layer in layers for m in (*_attention(layer), *_mlp(layer))]
         fuse = all(isinstance(m, PackedLinear) for m in projections) and _fusion_is_exact(layers[0])
-        return cls(lang, fuse=fuse, gate=fuse and _gating_is_exact(layers[0]))
+        return cls(lang, fuse=fuse, gate=fuse and _gating_is_exact(layers[0]), head=head)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+        return self._forward(input_ids, position_ids, ctx, None)
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, head: Any) -> torch.Tensor:
+        """``head`` (the model's LM head) on the final hidden states: the step's logits ``[B, vocab]``."""
+        return self._forward(input_ids, position_ids, ctx, head)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: PagedContext, head: Any) -> Any:
+        """The hidden states, or with ``head`` the logits: in one foreign call where :attr:`chain` takes the step."""
         lang = self.lang
-        h = lang.embed_tokens(input_ids)
         if position_ids.ndim == 3 and position_ids.shape[0] == 4:  # (Qwen2-VL's text row first, as its forward drops)
             position_ids = position_ids[1:]
-        cos, sin = lang.rotary_emb(h, position_ids)  # ([B, 1, dim] each)
+        # ([B, 1, dim] each; the rotary embedding reads only its input's dtype and device: the embeddings' are the
+        # table's)
+        cos, sin = lang.rotary_emb(lang.embed_tokens.weight, position_ids)
+        out = self.chain(input_ids, cos, sin, ctx) if self.chain is not None else None
+        hidden, logits = out if out is not None else (self._layers_in_python(input_ids, cos, sin, ctx), None)
+        if head is None:
+            return hidden
+        if logits is not None and self.chain is not None and head is self.chain.head:
+            return logits
+        return head(hidden[:, -1:, :])[:, -1]
+
+    def _layers_in_python(self, input_ids: torch.Tensor, cos, sin, ctx: PagedContext) -> torch.Tensor:
+        """The final-normed hidden states, each layer's kernels (or PyTorch's ops) called from here."""
+        h = self.lang.embed_tokens(input_ids)
         # Each residual add goes with the norm after it: the next layer's input norm, after the last layer the
         # model's final norm.
         h, x = self._add_norm(h, None, self.layers[0].module.input_layernorm)
-        if self.chain is not None and (out := self.chain(h, x, cos, sin, ctx)) is not None:
-            return out
         for i, layer in enumerate(self.layers):
-            after = self.layers[i + 1].module.input_layernorm if i + 1 < len(self.layers) else lang.norm
+            after = self.layers[i + 1].module.input_layernorm if i + 1 < len(self.layers) else self.lang.norm
             h, x = self._layer(layer, h, x, cos, sin, ctx, after)
         return x
 

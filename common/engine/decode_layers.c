@@ -14,11 +14,16 @@
  *
  * Buffers are the caller's (chain_t: one set per step, reused by every layer). The residual stream h is updated in
  * place (rms_norm's sum may be its input: each element is read before it is written), x ends as the final norm's output.
- * Returns 0, or layer * KERNELS + kernel + 1 for the first kernel that refused or failed (the caller then runs the whole
- * step its own way: every KV row written here is written again with the same bits). Each kernel's time is summed into
+ * Where the caller gives them, the step's two ends run here too: the token embeddings (rows of the table, copied) with
+ * the first layer's input norm, and the LM head's GEMM after the final norm.
+ *
+ * Returns 0, or layer * KERNELS + kernel + 1 for the first kernel that refused or failed, EMBEDDING or HEAD for the
+ * ends (the caller then runs the whole step its own way: every KV row written here is written again with the same
+ * bits). Each kernel's time is summed into
  * chain_t.ns (a benchmark's split of the step).
  */
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 typedef int (*gemm_fn)(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
@@ -59,7 +64,20 @@ typedef struct {
     float *h, *x;                           /* [rows, hidden]: the residual stream, its normed copy */
     float *qkv, *query, *attn, *proj, *act; /* a layer's intermediates */
     int64_t ns[KERNELS]; /* out: the time spent in each kernel of a layer (KERNELS' order), summed over the layers */
+    /* The step's two ends. embedding: the table whose rows ids[r] (each below table_rows) become h, then the first
+     * layer's input norm of h becomes x (NULL: h and x are the caller's). head: the LM head's panels, its logits
+     * [rows, vocab] from the final x (NULL: none). */
+    const float *embedding, *first_norm;
+    const int64_t *ids;
+    int64_t table_rows;
+    float first_eps;
+    const float *head, *head_bias;
+    int64_t vocab;
+    float *logits;
 } chain_t;
+
+/* decode_layers' refusals outside the layers (a layer's: layer * KERNELS + kernel + 1) */
+enum { EMBEDDING = -1, HEAD = -2 };
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -67,9 +85,17 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* The layers from x = the first layer's input norm of h (done by the caller) to x = the final norm of h. */
+/* The embedding rows and the first input norm (where the caller gives the table), then the layers, from x = the first
+ * layer's input norm of h to x = the final norm of h, then the LM head (where given). */
 int decode_layers(chain_t *c, const layer_t *layers, int64_t count) {
     const int64_t B = c->rows, H = c->hidden, QD = c->q_heads * c->dim, qkv_n = (c->q_heads + 2 * c->kv_heads) * c->dim;
+    if (c->embedding) {
+        for (int64_t r = 0; r < B; r++) {
+            if (c->ids[r] < 0 || c->ids[r] >= c->table_rows) return EMBEDDING; /* (F.embedding raises, in Python) */
+            memcpy(c->h + r * H, c->embedding + c->ids[r] * H, H * sizeof(float));
+        }
+        if (c->norm(c->h, 0, 0, c->first_norm, c->x, B, H, c->first_eps, c->lanes, c->threads)) return EMBEDDING;
+    }
     for (int64_t l = 0; l < count; l++) {
         const layer_t *L = layers + l;
         float *keys = c->keys + L->index * c->layer_size, *values = c->values + L->index * c->layer_size;
@@ -94,5 +120,6 @@ int decode_layers(chain_t *c, const layer_t *layers, int64_t count) {
 #undef RUN
         if (status) return (int)(l * KERNELS + status);
     }
+    if (c->head && c->gemm(c->x, c->head, c->head_bias, c->logits, B, c->vocab, H, c->threads)) return HEAD;
     return 0;
 }

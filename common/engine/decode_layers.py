@@ -7,7 +7,10 @@ projection, the add + norm — called from Python, each with its checks, its out
 about 1.8 ms of a batch-32 step of ``prism-small-llava`` was Python between kernels, a step's whole arithmetic being
 about 15 ms, and the other OpenMP thread spun meanwhile. Here one call runs every layer's seven kernels, each the
 same entry point of its own library with the same inputs and threads: the hidden states are the Python path's bit for
-bit (tested), as the Python path's are the model's.
+bit (tested), as the Python path's are the model's. The step's two ends run in the same call: the token embeddings
+(rows of the table, copied, as ``F.embedding`` copies them) with the first layer's input norm, and the LM head's GEMM
+(the row kernel, as the head's own call takes it) — in Python, after the memory traffic of the layers had evicted the
+interpreter's working set, those few ops took about 0.6 ms of a batch-32 step.
 
 Lifecycle: :meth:`DecodeLayers.of` runs once per lean forward (:meth:`DecodeForward.build`): where every layer takes
 the fast kernels (fused q|k|v and gated gate|up on the row kernel, the o and down projections' panels, the native
@@ -16,8 +19,9 @@ norm, the attention kernel with its exact rotation) it builds and loads the C dr
 (the panels, made then, and the norm weights — held by the model's modules and the lean forward, read-only). Each
 step (:meth:`DecodeLayers.__call__`) takes the batch of at most :data:`~common.model.row_gemm.MAX_ROWS` rows on the
 engine's pool and kernel, allocates one scratch buffer for the step's intermediates, and returns the final-normed
-hidden states — or ``None`` for a step it does not take or a kernel that refused or failed (then the caller runs the
-step its own way, which writes the same KV rows again).
+hidden states and the logits — or ``None`` for a step it does not take or a kernel that refused or failed, a token id
+outside the embedding table among them (then the caller runs the step its own way, which writes the same KV rows
+again, or raises as PyTorch does).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class LayerWeights(ctypes.Structure):
 
 
 _SIZES = ("rows", "hidden", "inter", "q_heads", "kv_heads", "dim", "block_size", "table_width", "lanes")
-_SCRATCH = ("h", "x", "qkv", "query", "attn", "proj", "act")
+_SCRATCH = ("h", "x", "qkv", "query", "attn", "proj", "act", "logits")
 KERNELS = ("qkv", "attention", "o_proj", "attention_norm", "gate_up", "down", "mlp_norm")
 """A layer's kernels in the order they run (``decode_layers.c``'s enum)."""
 
@@ -69,29 +73,42 @@ class Chain(ctypes.Structure):
         ("threads", ctypes.c_int),
         *((name, _P) for name in ("cos", "sin", "tables", "lengths", "keys", "values")),
         ("layer_size", _I64),
-        *((name, _P) for name in _SCRATCH),
+        *((name, _P) for name in _SCRATCH[:-1]),
         ("ns", _I64 * len(KERNELS)),
+        ("embedding", _P),
+        ("first_norm", _P),
+        ("ids", _P),
+        ("table_rows", _I64),
+        ("first_eps", ctypes.c_float),
+        ("head", _P),
+        ("head_bias", _P),
+        ("vocab", _I64),
+        ("logits", _P),
     ]
 
 
 class DecodeLayers:
-    """``layers(h, x, cos, sin, ctx)`` → the final-normed hidden states ``[B, 1, hidden]`` from the residual stream
-    ``h`` and its first input norm ``x`` (both ``[B, 1, hidden]``, left untouched), or ``None``."""
+    """``layers(ids, cos, sin, ctx)`` → the final-normed hidden states ``[B, 1, hidden]`` of the tokens ``ids``
+    (``[B, 1]``) and, with a head, its logits ``[B, vocab]`` (else ``None``); or ``None`` for the step."""
 
-    def __init__(self, library: ctypes.CDLL, forward: Any, attention: DecodeKernel) -> None:
+    def __init__(self, library: ctypes.CDLL, forward: Any, attention: DecodeKernel, head: Any) -> None:
         self._fn = library.decode_layers
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.POINTER(Chain), ctypes.POINTER(LayerWeights), _I64]
         self.attention = attention
         gemm, norms, lang = load_row_gemm(), forward.norms, forward.lang
         assert gemm is not None and gemm.exp16 is not None and norms is not None
-        config = lang.config
-        self.hidden, self.inter = config.hidden_size, forward.layers[0].gated.n
+        self.hidden, self.inter = lang.config.hidden_size, forward.layers[0].gated.n
         self.q_heads, self.kv_heads, self.dim = forward.q_heads, forward.kv_heads, forward.head_dim
-        self.scale = forward.scaling
+        self.head = head if _head_takes(head, self.hidden) else None
+        """The LM head whose GEMM ends each step here (a packed fp32 linear), or ``None``: the caller's."""
         self.seconds = dict.fromkeys(KERNELS, 0.0)
         """Spent in each kernel of a layer, summed over the layers of this driver's steps (a benchmark's split of a
         step; the attention's includes the rotation and the KV write)."""
+        self._layers, self._held = _weights(forward, gemm)
+        embedding, first = lang.embed_tokens.weight, forward.layers[0].module.input_layernorm
+        panels = self.head.packed.row_panels(gemm) if self.head is not None else None
+        self._held += [t for t in (embedding, first.weight, panels) if t is not None]
         self._template = dict(
             gemm=gemm.address,
             gated=gemm.gated_address,
@@ -104,40 +121,47 @@ class DecodeLayers:
             kv_heads=self.kv_heads,
             dim=self.dim,
             lanes=norms.lanes,
-            scale=self.scale,
+            scale=forward.scaling,
+            embedding=embedding.data_ptr(),
+            table_rows=embedding.shape[0],
+            first_norm=first.weight.data_ptr(),
+            first_eps=first.variance_epsilon,
+            head=None if panels is None else panels.data_ptr(),
+            head_bias=None if self.head is None or self.head.bias is None else self.head.bias.data_ptr(),
+            vocab=0 if self.head is None else self.head.out_features,
         )
-        self._layers, self._held = _weights(forward, gemm)
+        if self.head is not None and self.head.bias is not None:
+            self._held.append(self.head.bias)
         self._sizes = [self.hidden, self.hidden, (self.q_heads + 2 * self.kv_heads) * self.dim]
         self._sizes += [self.q_heads * self.dim, self.q_heads * self.dim, self.hidden, self.inter]
+        self._sizes += [self._template["vocab"]]
 
     @staticmethod
-    def of(forward: Any) -> DecodeLayers | None:
-        """The driver for ``forward``'s layers where each takes the fast kernels (see the module docstring), else
-        ``None`` (the lean forward then calls the kernels from Python)."""
+    def of(forward: Any, head: Any = None) -> DecodeLayers | None:
+        """The driver for ``forward``'s layers (and ``head``, the model's LM head, where it is a packed fp32 linear)
+        where each takes the fast kernels (see the module docstring), else ``None`` (the lean forward then calls the
+        kernels from Python)."""
         gemm, attention = load_row_gemm(), load_decode_kernel()
         if gemm is None or gemm.exp16 is None or forward.norms is None or attention is None:
             return None
-        if not attention.rope_exact or not all(_takes(layer) for layer in forward.layers):
+        if not attention.rope_exact or not _embedding_takes(forward.lang.embed_tokens):
+            return None
+        if not all(_takes(layer) for layer in forward.layers):
             return None
         loaded = load_optional(SOURCE, "PRISM_NATIVE_LAYERS", "native decoder layers", "the kernels called from Python")
-        return None if loaded is None else DecodeLayers(loaded[0], forward, attention)
+        return None if loaded is None else DecodeLayers(loaded[0], forward, attention, head)
 
     def __call__(
-        self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext
-    ) -> torch.Tensor | None:
-        batch = h.shape[0]
+        self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        batch = ids.shape[0]
         pool, tables, lengths = ctx.pool, ctx.block_tables, ctx.attend_lengths
         if batch > MAX_ROWS or ctx.kernel is not self.attention or tables is None or lengths is None:
             return None
-        if not self._step_inputs(h, x, cos, sin, pool.keys, pool.values, tables, lengths):
+        if not self._step_inputs(ids, cos, sin, pool.keys, pool.values, tables, lengths):
             return None
         scratch = torch.empty(batch * sum(self._sizes), dtype=torch.float32)
-        buffers, offset = {}, 0
-        for name, size in zip(_SCRATCH, self._sizes, strict=True):
-            buffers[name] = scratch[offset : offset + batch * size]
-            offset += batch * size
-        buffers["h"].copy_(h.view(-1))
-        buffers["x"].copy_(x.view(-1))
+        buffers = dict(zip(_SCRATCH, scratch.split([batch * size for size in self._sizes]), strict=True))
         chain = Chain(
             **self._template,
             **{name: t.data_ptr() for name, t in buffers.items()},
@@ -152,34 +176,41 @@ class DecodeLayers:
             keys=pool.keys.data_ptr(),
             values=pool.values.data_ptr(),
             layer_size=pool.keys[0].numel(),
+            ids=ids.data_ptr(),
         )
         failed = self._fn(ctypes.byref(chain), self._layers, len(self._layers))
         for name, ns in zip(KERNELS, chain.ns, strict=True):
             self.seconds[name] += ns / 1e9
         if failed:
-            layer, kernel = divmod(failed - 1, len(KERNELS))
-            log.warning(
-                "native decoder layers: layer %d's %s kernel refused the step; it runs from Python",
-                layer,
-                KERNELS[kernel],
-            )
+            log.warning("native decoder layers: %s refused the step; it runs from Python", _refused(failed))
             return None
-        return buffers["x"].view(batch, 1, self.hidden)
+        logits = buffers["logits"].view(batch, -1) if self.head is not None else None
+        return buffers["x"].view(batch, 1, self.hidden), logits
 
-    def _step_inputs(self, h, x, cos, sin, keys, values, tables, lengths) -> bool:
-        """Whether the step's inputs are what the kernels read: fp32, contiguous, of the model's sizes."""
-        batch = h.shape[0]
+    def _step_inputs(self, ids, cos, sin, keys, values, tables, lengths) -> bool:
+        """Whether the step's inputs are what the kernels read: fp32 (ids, tables, lengths int64), contiguous, of the
+        model's sizes."""
+        batch = ids.shape[0]
         return (
-            h.shape == x.shape == (batch, 1, self.hidden)
+            ids.shape == (batch, 1)
             and cos.shape == sin.shape == (batch, 1, self.dim)
             and keys.shape == values.shape
             and keys.shape[-2:] == (self.kv_heads, self.dim)
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (h, x, cos, sin, keys, values))
-            and tables.dtype == lengths.dtype == torch.int64
-            and tables.is_contiguous()
-            and lengths.is_contiguous()
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin, keys, values))
+            and ids.dtype == tables.dtype == lengths.dtype == torch.int64
+            and all(t.is_contiguous() for t in (ids, tables, lengths))
             and tables.shape[0] == lengths.shape[0] == batch
         )
+
+
+def _refused(code: int) -> str:
+    """What ``decode_layers`` returned ``code`` for (its refusal codes)."""
+    if code == -1:
+        return "the embedding (a token id outside the table) or the first norm"
+    if code == -2:
+        return "the LM head"
+    layer, kernel = divmod(code - 1, len(KERNELS))
+    return f"layer {layer}'s {KERNELS[kernel]} kernel"
 
 
 def _weights(forward: Any, gemm: RowGemm) -> tuple[ctypes.Array, list[torch.Tensor]]:
@@ -228,3 +259,22 @@ def _takes(layer: Any) -> bool:
         and layer.qkv.packed.rows
         and all(isinstance(m, PackedLinear) and m.packed.rows for m in linears)
     )
+
+
+def _embedding_takes(embedding: Any) -> bool:
+    """Whether the token embedding is a plain fp32 table the driver copies rows of (no renormalisation)."""
+    weight = getattr(embedding, "weight", None)
+    return (
+        type(embedding) is torch.nn.Embedding
+        and embedding.max_norm is None
+        and isinstance(weight, torch.Tensor)
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+    )
+
+
+def _head_takes(head: Any, hidden: int) -> bool:
+    """Whether an LM head's GEMM runs in the driver: a packed fp32 linear of the hidden size with the row kernel's
+    panels."""
+    return isinstance(head, PackedLinear) and head.packed.rows and head.in_features == hidden

@@ -42,12 +42,11 @@ def step_logits(
     positions = lm.adapter.decode_positions(torch.tensor(lengths), torch.tensor([s.rope_delta for s in batch]))
     with torch.inference_mode():
         if forward is not None:
-            hidden = forward(input_ids, positions, ctx)
+            logits = forward.logits(input_ids, positions, ctx, lm.model.lm_head)
         else:
             lang: Any = lm.adapter.language_model(lm.model)
             hidden = lang(input_ids=input_ids, position_ids=positions, use_cache=False, prism_paged=ctx)
-            hidden = hidden.last_hidden_state
-        logits = lm.model.lm_head(hidden[:, -1:, :])[:, -1]
+            logits = lm.model.lm_head(hidden.last_hidden_state[:, -1:, :])[:, -1]
         # (the raw distribution, before the grammar's mask; only the rows that report it, not replaying: one pass)
         asking = [i for i, s in enumerate(batch) if s.sampling.logprobs is not None and not s.forced]
         raw = dict(zip(asking, log_probs(logits[asking]), strict=True)) if asking else {}

@@ -27,13 +27,13 @@ def _lean(lm) -> DecodeForward:
     kernel = row_gemm.load_row_gemm()
     if kernel is None or kernel.exp16 is None or load_decode_kernel() is None:
         pytest.skip("no row kernel with the gated product, or no attention kernel, here: no chain")
-    forward = DecodeForward.build(lm.adapter.language_model(lm.model))
-    assert forward is not None and forward.chain is not None
+    forward = DecodeForward.build(lm.adapter.language_model(lm.model), lm.model.lm_head)
+    assert forward is not None and forward.chain is not None and forward.chain.head is lm.model.lm_head
     return forward
 
 
-def _step(lm, forward: DecodeForward | None, lengths: list[int]) -> tuple[torch.Tensor, ...]:
-    """One decode step over a pool of random KV: the final hidden states and the pool after it."""
+def _step(lm, forward: DecodeForward | None, lengths: list[int], ids=None) -> tuple[torch.Tensor, ...]:
+    """One decode step over a pool of random KV: the final hidden states, the logits and the pool after it."""
     lang = lm.adapter.language_model(lm.model)
     enable_paged_attention(lm.text_config)
     pool = KVPool(4 * len(lengths), 16, lm.kv_shape, lm.dtype)
@@ -42,26 +42,39 @@ def _step(lm, forward: DecodeForward | None, lengths: list[int]) -> tuple[torch.
     pool.values.copy_(torch.randn(pool.values.shape, generator=g))
     tables = [[4 * i + j for j in range(4)] for i in range(len(lengths))]
     ctx = build_step_context(pool, tables, lengths, load_decode_kernel())
-    ids = torch.randint(0, 50, (len(lengths), 1), generator=g)
+    ids = torch.randint(0, 50, (len(lengths), 1), generator=g) if ids is None else ids
     positions = lm.adapter.decode_positions(torch.tensor(lengths), torch.randint(-3, 3, (len(lengths),), generator=g))
+    keys, values = pool.keys.clone(), pool.values.clone()
     with torch.inference_mode():
         if forward is None:
             hidden = lang(input_ids=ids, position_ids=positions, use_cache=False, prism_paged=ctx).last_hidden_state
+            logits = lm.model.lm_head(hidden[:, -1:, :])[:, -1]
         else:
             hidden = forward(ids, positions, ctx)
-    return hidden, pool.keys, pool.values
+            pool.keys.copy_(keys), pool.values.copy_(values)  # (the same step again, for its logits)
+            logits = forward.logits(
+                ids, positions, build_step_context(pool, tables, lengths, ctx.kernel), lm.model.lm_head
+            )
+    return hidden, logits, pool.keys, pool.values
+
+
+class _Counted:
+    """A chain that records what each of its calls returned (``None``: the step went to Python)."""
+
+    def __init__(self, chain) -> None:
+        self.chain, self.results = chain, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.chain, name)
+
+    def __call__(self, *args):
+        self.results.append(out := self.chain(*args))
+        return out
 
 
 def _counting(forward: DecodeForward) -> list:
-    """Record what each call of ``forward``'s chain returned (``None``: the step went to Python)."""
-    chain, results = forward.chain, []
-
-    def counted(*args):
-        results.append(out := chain(*args))
-        return out
-
-    forward.chain = counted  # type: ignore[assignment]
-    return results
+    forward.chain = _Counted(forward.chain)  # type: ignore[assignment]
+    return forward.chain.results
 
 
 @pytest.mark.parametrize("model", ["prism-tiny-llava", "prism-tiny-qwen2vl"])
@@ -71,7 +84,7 @@ def test_the_chain_gives_the_kernels_called_from_python_bit_for_bit(model, model
     chain = forward.chain
     results = _counting(forward)
     got = _step(lm, forward, LENGTHS)
-    assert len(results) == 1 and results[0] is not None  # (the chain took the step)
+    assert len(results) == 2 and all(r is not None and r[1] is not None for r in results)  # (the chain took both)
     forward.chain = None
     python = _step(lm, forward, LENGTHS)
     model_own = _step(lm, None, LENGTHS)
@@ -87,25 +100,36 @@ def test_a_batch_over_the_row_kernels_rows_runs_from_python(tiny_llava):
     results = _counting(forward)
     lengths = [5 + i for i in range(row_gemm.MAX_ROWS + 1)]
     got = _step(tiny_llava, forward, lengths)
-    assert results == [None]
+    assert results == [None, None]
     for a, b in zip(got, _step(tiny_llava, None, lengths), strict=True):
         assert torch.equal(a, b)
 
 
 def test_a_kernel_that_refuses_hands_the_step_back_to_python(tiny_llava, caplog):
     forward = _lean(tiny_llava)
-    # A "norm" that returns 1 without reading its arguments (the row kernel's row_gemm_fast_path, where it runs): the
-    # first layer's first add + norm refuses.
+    # A gated GEMM that returns 1 without reading its arguments (the row kernel's row_gemm_fast_path, where it runs):
+    # the first layer's gate|up refuses, after the layer's attention wrote its KV rows.
     library, _ = load_library(row_gemm.SOURCE, compiler(), row_gemm.EXACT)
     assert library.row_gemm_fast_path() == 1
-    forward.chain._template = forward.chain._template | {"norm": address(library.row_gemm_fast_path)}
+    forward.chain._template = forward.chain._template | {"gated": address(library.row_gemm_fast_path)}
     results = _counting(forward)
     with caplog.at_level(logging.WARNING, logger=decode_layers.__name__):
         got = _step(tiny_llava, forward, LENGTHS)
-    assert results == [None]
-    assert "layer 0's attention_norm kernel refused" in caplog.text
+    assert results == [None, None]
+    assert "layer 0's gate_up kernel refused" in caplog.text
     for a, b in zip(got, _step(tiny_llava, None, LENGTHS), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_token_outside_the_table_is_refused_before_any_layer_and_raises_as_pytorch_does(tiny_llava, caplog):
+    forward = _lean(tiny_llava)
+    results = _counting(forward)
+    vocab = tiny_llava.adapter.language_model(tiny_llava.model).embed_tokens.num_embeddings
+    ids = torch.tensor([[1], [vocab], [2], [3], [4], [5]])
+    with caplog.at_level(logging.WARNING, logger=decode_layers.__name__), pytest.raises(IndexError):
+        _step(tiny_llava, forward, LENGTHS, ids)
+    assert results == [None]
+    assert "a token id outside the table" in caplog.text
 
 
 def test_turned_off_or_in_bf16_there_is_no_chain(tiny_llava, model_cache, monkeypatch):
