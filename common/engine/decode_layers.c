@@ -63,7 +63,7 @@ typedef struct {
     int64_t layer_size;
     float *h, *x;                           /* [rows, hidden]: the residual stream, its normed copy */
     float *qkv, *query, *attn, *proj, *act; /* a layer's intermediates */
-    int64_t ns[KERNELS]; /* out: the time spent in each kernel of a layer (KERNELS' order), summed over the layers */
+    int64_t *ns; /* [KERNELS]: the time spent in each kernel of a layer (KERNELS' order), added to over the layers */
     /* The step's two ends. embedding: the table whose rows ids[r] (each below table_rows) become h, then the first
      * layer's input norm of h becomes x (NULL: h and x are the caller's). head: the LM head's panels, its logits
      * [rows, vocab] from the final x (NULL: none). */

@@ -27,6 +27,7 @@ again, or raises as PyTorch does).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ class Chain(ctypes.Structure):
         *((name, _P) for name in ("cos", "sin", "tables", "lengths", "keys", "values")),
         ("layer_size", _I64),
         *((name, _P) for name in _SCRATCH[:-1]),
-        ("ns", _I64 * len(KERNELS)),
+        ("ns", ctypes.POINTER(_I64)),
         ("embedding", _P),
         ("first_norm", _P),
         ("ids", _P),
@@ -102,14 +103,12 @@ class DecodeLayers:
         self.q_heads, self.kv_heads, self.dim = forward.q_heads, forward.kv_heads, forward.head_dim
         self.head = head if _head_takes(head, self.hidden) else None
         """The LM head whose GEMM ends each step here (a packed fp32 linear), or ``None``: the caller's."""
-        self.seconds = dict.fromkeys(KERNELS, 0.0)
-        """Spent in each kernel of a layer, summed over the layers of this driver's steps (a benchmark's split of a
-        step; the attention's includes the rotation and the KV write)."""
+        self._ns = (_I64 * len(KERNELS))()  # (added to by every step, in C)
         self._layers, self._held = _weights(forward, gemm)
         embedding, first = lang.embed_tokens.weight, forward.layers[0].module.input_layernorm
         panels = self.head.packed.row_panels(gemm) if self.head is not None else None
         self._held += [t for t in (embedding, first.weight, panels) if t is not None]
-        self._template = dict(
+        template = dict(
             gemm=gemm.address,
             gated=gemm.gated_address,
             exp16=gemm.exp16,
@@ -129,12 +128,17 @@ class DecodeLayers:
             head=None if panels is None else panels.data_ptr(),
             head_bias=None if self.head is None or self.head.bias is None else self.head.bias.data_ptr(),
             vocab=0 if self.head is None else self.head.out_features,
+            ns=self._ns,
         )
         if self.head is not None and self.head.bias is not None:
             self._held.append(self.head.bias)
-        self._sizes = [self.hidden, self.hidden, (self.q_heads + 2 * self.kv_heads) * self.dim]
-        self._sizes += [self.q_heads * self.dim, self.q_heads * self.dim, self.hidden, self.inter]
-        self._sizes += [self._template["vocab"]]
+        self._base = Chain(**template)
+        """The fields every step shares; a step's copy gets its own inputs and buffers."""
+        sizes = [self.hidden, self.hidden, (self.q_heads + 2 * self.kv_heads) * self.dim]
+        sizes += [self.q_heads * self.dim, self.q_heads * self.dim, self.hidden, self.inter, template["vocab"]]
+        self._offsets = dict(zip(_SCRATCH, itertools.accumulate([0, *sizes[:-1]]), strict=True))
+        """Each scratch buffer's place in a step's one allocation, per row."""
+        self._row_floats = sum(sizes)
 
     @staticmethod
     def of(forward: Any, head: Any = None) -> DecodeLayers | None:
@@ -160,32 +164,28 @@ class DecodeLayers:
             return None
         if not self._step_inputs(ids, cos, sin, pool.keys, pool.values, tables, lengths):
             return None
-        scratch = torch.empty(batch * sum(self._sizes), dtype=torch.float32)
-        buffers = dict(zip(_SCRATCH, scratch.split([batch * size for size in self._sizes]), strict=True))
-        chain = Chain(
-            **self._template,
-            **{name: t.data_ptr() for name, t in buffers.items()},
-            rows=batch,
-            block_size=pool.block_size,
-            table_width=tables.shape[1],
-            threads=torch.get_num_threads(),
-            cos=cos.data_ptr(),
-            sin=sin.data_ptr(),
-            tables=tables.data_ptr(),
-            lengths=lengths.data_ptr(),
-            keys=pool.keys.data_ptr(),
-            values=pool.values.data_ptr(),
-            layer_size=pool.keys[0].numel(),
-            ids=ids.data_ptr(),
-        )
+        # (few Python ops here: they run right after the previous step's memory traffic, on a cold interpreter)
+        scratch = torch.empty(batch * self._row_floats, dtype=torch.float32)
+        base, chain = scratch.data_ptr(), Chain.from_buffer_copy(self._base)
+        for name, offset in self._offsets.items():
+            setattr(chain, name, base + 4 * batch * offset)
+        chain.rows, chain.block_size, chain.table_width = batch, pool.block_size, tables.shape[1]
+        chain.threads, chain.layer_size = torch.get_num_threads(), pool.keys.numel() // pool.keys.shape[0]
+        chain.cos, chain.sin, chain.tables, chain.lengths = (t.data_ptr() for t in (cos, sin, tables, lengths))
+        chain.ids, chain.keys, chain.values = ids.data_ptr(), pool.keys.data_ptr(), pool.values.data_ptr()
         failed = self._fn(ctypes.byref(chain), self._layers, len(self._layers))
-        for name, ns in zip(KERNELS, chain.ns, strict=True):
-            self.seconds[name] += ns / 1e9
         if failed:
             log.warning("native decoder layers: %s refused the step; it runs from Python", _refused(failed))
             return None
-        logits = buffers["logits"].view(batch, -1) if self.head is not None else None
-        return buffers["x"].view(batch, 1, self.hidden), logits
+        x, at = self._offsets["x"] * batch, self._offsets["logits"] * batch
+        logits = scratch[at:].view(batch, -1) if self.head is not None else None
+        return scratch[x : x + batch * self.hidden].view(batch, 1, self.hidden), logits
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Spent in each kernel of a layer, summed over the layers of this driver's steps (a benchmark's split of a
+        step; the attention's includes the rotation and the KV write)."""
+        return {name: ns / 1e9 for name, ns in zip(KERNELS, self._ns, strict=True)}
 
     def _step_inputs(self, ids, cos, sin, keys, values, tables, lengths) -> bool:
         """Whether the step's inputs are what the kernels read: fp32 (ids, tables, lengths int64), contiguous, of the

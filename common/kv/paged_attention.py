@@ -77,10 +77,6 @@ class PagedContext:
     """
 
     pool: KVPool
-    write_blocks: torch.Tensor
-    """``[B]`` block receiving each sequence's new token."""
-    write_offsets: torch.Tensor
-    """``[B]`` slot inside that block."""
     lengths: list[int]
     """Tokens each sequence has cached before this step (it attends over ``lengths[i] + 1``)."""
     block_lists: list[list[int]]
@@ -90,6 +86,17 @@ class PagedContext:
     """With a kernel: ``[B, max_blocks]`` int64 block ids of every sequence (padded with a valid id, never read)."""
     attend_lengths: torch.Tensor | None = None
     """With a kernel: ``[B]`` int64, ``lengths[i] + 1``."""
+
+    @cached_property
+    def write_blocks(self) -> torch.Tensor:
+        """``[B]`` block receiving each sequence's new token (the PyTorch path's write; the kernel finds it itself)."""
+        bs = self.pool.block_size
+        return torch.tensor([t[n // bs] for t, n in zip(self.block_lists, self.lengths, strict=True)])
+
+    @cached_property
+    def write_offsets(self) -> torch.Tensor:
+        """``[B]`` slot inside that block."""
+        return torch.tensor(self.lengths) % self.pool.block_size
 
     @cached_property
     def gather(self) -> Gather:

@@ -111,7 +111,7 @@ def test_a_kernel_that_refuses_hands_the_step_back_to_python(tiny_llava, caplog)
     # the first layer's gate|up refuses, after the layer's attention wrote its KV rows.
     library, _ = load_library(row_gemm.SOURCE, compiler(), row_gemm.EXACT)
     assert library.row_gemm_fast_path() == 1
-    forward.chain._template = forward.chain._template | {"gated": address(library.row_gemm_fast_path)}
+    forward.chain._base.gated = address(library.row_gemm_fast_path)
     results = _counting(forward)
     with caplog.at_level(logging.WARNING, logger=decode_layers.__name__):
         got = _step(tiny_llava, forward, LENGTHS)
