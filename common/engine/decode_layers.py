@@ -105,9 +105,11 @@ class DecodeLayers:
         """The LM head whose GEMM ends each step here (a packed fp32 linear), or ``None``: the caller's."""
         self._ns = (_I64 * len(KERNELS))()  # (added to by every step, in C)
         self._layers, self._held = _weights(forward, gemm)
+        self._pool_layers = 1 + max(layer.index for layer in self._layers)
+        """The pool layers a step writes: a pool of fewer is refused (the Python path raises there)."""
         embedding, first = lang.embed_tokens.weight, forward.layers[0].module.input_layernorm
         panels = self.head.packed.row_panels(gemm) if self.head is not None else None
-        self._held += [t for t in (embedding, first.weight, panels) if t is not None]
+        self._held += [t.detach() for t in (embedding, first.weight, panels) if t is not None]
         template = dict(
             gemm=gemm.address,
             gated=gemm.gated_address,
@@ -131,7 +133,7 @@ class DecodeLayers:
             ns=self._ns,
         )
         if self.head is not None and self.head.bias is not None:
-            self._held.append(self.head.bias)
+            self._held.append(self.head.bias.detach())
         self._base = Chain(**template)
         """The fields every step shares; a step's copy gets its own inputs and buffers."""
         sizes = [self.hidden, self.hidden, (self.q_heads + 2 * self.kv_heads) * self.dim]
@@ -150,7 +152,10 @@ class DecodeLayers:
             return None
         if not attention.rope_exact or not _embedding_takes(forward.lang.embed_tokens):
             return None
-        if not all(_takes(layer) for layer in forward.layers):
+        layers, norm = forward.layers, forward.lang.norm.weight
+        if layers[0].gated is None or not all(_takes(layer, layers[0].gated.n) for layer in layers):
+            return None
+        if norm.dtype != torch.float32 or not norm.is_contiguous():
             return None
         loaded = load_optional(SOURCE, "PRISM_NATIVE_LAYERS", "native decoder layers", "the kernels called from Python")
         return None if loaded is None else DecodeLayers(loaded[0], forward, attention, head)
@@ -195,6 +200,8 @@ class DecodeLayers:
             ids.shape == (batch, 1)
             and cos.shape == sin.shape == (batch, 1, self.dim)
             and keys.shape == values.shape
+            and keys.dim() == 5
+            and keys.shape[0] >= self._pool_layers
             and keys.shape[-2:] == (self.kv_heads, self.dim)
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin, keys, values))
             and ids.dtype == tables.dtype == lengths.dtype == torch.int64
@@ -221,7 +228,7 @@ def _weights(forward: Any, gemm: RowGemm) -> tuple[ctypes.Array, list[torch.Tens
     def ptr(t: torch.Tensor | None) -> int | None:
         if t is None:
             return None
-        held.append(t)
+        held.append(t.detach())  # (the storage itself: a parameter given new data later cannot free what C reads)
         return t.data_ptr()
 
     for i, layer in enumerate(forward.layers):
@@ -248,16 +255,18 @@ def _weights(forward: Any, gemm: RowGemm) -> tuple[ctypes.Array, list[torch.Tens
     return (LayerWeights * len(weights))(*weights), held
 
 
-def _takes(layer: Any) -> bool:
-    """Whether a lean layer runs on the fast kernels only: fused q|k|v and gated gate|up, the o and down projections
-    packed fp32 linears (their panels the row kernel's)."""
+def _takes(layer: Any, inter: int) -> bool:
+    """Whether a lean layer runs on the fast kernels only — fused q|k|v and gated gate|up (``inter`` wide, as every
+    layer's: one scratch buffer serves them all), the o and down projections packed fp32 linears (their panels the row
+    kernel's) — with fp32 contiguous biases and norm weights, as the kernels' Python callers check on each call."""
     module = layer.module
     linears = (module.self_attn.o_proj, module.mlp.down_proj)
-    return (
-        layer.qkv is not None
-        and layer.gated is not None
-        and layer.qkv.packed.rows
-        and all(isinstance(m, PackedLinear) and m.packed.rows for m in linears)
+    if layer.qkv is None or layer.gated is None or layer.gated.n != inter or not layer.qkv.packed.rows:
+        return False
+    vectors = [layer.qkv.bias, layer.gated.bias, *(m.bias for m in linears)]
+    vectors += [module.input_layernorm.weight, module.post_attention_layernorm.weight]
+    return all(isinstance(m, PackedLinear) and m.packed.rows for m in linears) and all(
+        t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in vectors
     )
 
 

@@ -95,6 +95,29 @@ def test_the_chain_gives_the_kernels_called_from_python_bit_for_bit(model, model
     assert torch.equal(one[0], _step(lm, None, LENGTHS[:1])[0])
 
 
+def test_a_batch_of_the_row_kernels_most_rows_is_the_models_forward(tiny_qwen):
+    forward = _lean(tiny_qwen)
+    results = _counting(forward)
+    lengths = [3 + (7 * i) % 60 for i in range(row_gemm.MAX_ROWS)]
+    got = _step(tiny_qwen, forward, lengths)
+    assert len(results) == 2 and all(r is not None for r in results)
+    for a, b in zip(got, _step(tiny_qwen, None, lengths), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_pool_of_fewer_layers_than_the_model_is_refused(tiny_llava):
+    forward = _lean(tiny_llava)
+    layers, blocks, bs, heads, dim = 1, 8, 16, *tiny_llava.kv_shape[1:]
+    pool = KVPool(blocks, bs, tiny_llava.kv_shape, tiny_llava.dtype)
+    pool.keys = torch.zeros(
+        layers, blocks, bs, heads, dim
+    )  # (a pool of one layer: the second would be written past it)
+    pool.values = torch.zeros(layers, blocks, bs, heads, dim)
+    ctx = build_step_context(pool, [[0]], [3], load_decode_kernel())
+    cos = sin = torch.zeros(1, 1, forward.head_dim)
+    assert forward.chain(torch.tensor([[1]]), cos, sin, ctx) is None
+
+
 def test_a_batch_over_the_row_kernels_rows_runs_from_python(tiny_llava):
     forward = _lean(tiny_llava)
     results = _counting(forward)
