@@ -119,6 +119,7 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
                 tokens[e.request_id].append(e.token_id)
     e2e = time.perf_counter() - e2e_start
     attending.stop()
+    split, attention_s = attending.layer_split(), attending.seconds
     pool.check_no_leaks()
     total = sum(step_times)
     weights = lm_weight_bytes(lm) * len(step_times)
@@ -143,13 +144,13 @@ def bench_engine(lm: LoadedModel, requests, batch: int, native: bool = True) -> 
         "e2e_seconds": e2e,
         "e2e_tokens_per_s": (e2e_produced + produced) / e2e,
         # the attention kernel's share: its mean time per step and the rate it reads the step's KV at
-        "attention_ms_per_step": 1000 * attending.seconds / len(step_times) if engine.kernel else None,
-        "attention_kv_bytes_per_s": kv_read * kv_bytes_per_token(lm) / attending.seconds if engine.kernel else None,
+        "attention_ms_per_step": 1000 * attention_s / len(step_times) if engine.kernel else None,
+        "attention_kv_bytes_per_s": kv_read * kv_bytes_per_token(lm) / attention_s if engine.kernel else None,
         # where the decoder layers ran in one foreign call (common/engine/decode_layers.py): each kernel's mean time
         # per step (over the layers), and the rest of the mean step (embedding, rotary, LM head, sampling, Python)
-        "layer_kernels_ms_per_step": {k: 1000 * s / len(step_times) for k, s in attending.layer_split().items()},
+        "layer_kernels_ms_per_step": {k: 1000 * s / len(step_times) for k, s in split.items()},
         "outside_layer_kernels_ms_per_step": (
-            1000 * (total - sum(attending.layer_split().values())) / len(step_times) if attending.chain else None
+            1000 * (total - sum(split.values())) / len(step_times) if attending.chain else None
         ),
         "_tokens": tokens,
     }
@@ -334,6 +335,7 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
     torch_path = bench_engine(lm, requests, 32, native=False) if engine[32]["native_attention"] else None
     gemm_and_attention_ms = gemm_ms + (engine[32]["attention_ms_per_step"] or 0.0)
     floor_b1, floor_b32 = (step_floor_ms(engine[b], read, peak) for b in (1, 32))
+    serial_b32 = serial_floor_ms(engine[32], read, peak)
     _say(engine, seq, gen, torch_path, read, peak)
     return {
         "dtype": str(lm.dtype).removeprefix("torch."),
@@ -382,8 +384,8 @@ def dtype_figures(lm: LoadedModel, tokens: int, sequential_requests: int, repeat
         # as a layer's data dependencies make the engine do (a ceiling for the b32 step); and the speedup at 32 over
         # batch 1 were both steps at their floors (not a ceiling of the end-to-end figure, which also counts each
         # request's KV import: batch 32 overlaps the imports, batch 1 waits for each).
-        "b32_serial_floor_ms": serial_floor_ms(engine[32], read, peak),
-        "decode_roofline_fraction_b32_serial_ceiling": floor_b32 / serial_floor_ms(engine[32], read, peak),
+        "b32_serial_floor_ms": serial_b32,
+        "decode_roofline_fraction_b32_serial_ceiling": floor_b32 / serial_b32,
         "decode_speedup_32_vs_b1_at_floors": 32 * floor_b1 / floor_b32,
         "b32_layer_kernels_ms_per_step": engine[32]["layer_kernels_ms_per_step"],
         "b32_outside_layer_kernels_ms_per_step": engine[32]["outside_layer_kernels_ms_per_step"],

@@ -14,13 +14,12 @@
  *
  * Buffers are the caller's (chain_t: one set per step, reused by every layer). The residual stream h is updated in
  * place (rms_norm's sum may be its input: each element is read before it is written), x ends as the final norm's output.
- * Where the caller gives them, the step's two ends run here too: the token embeddings (rows of the table, copied) with
- * the first layer's input norm, and the LM head's GEMM after the final norm.
+ * The step's two ends run here too: the token embeddings (rows of the table, copied) with the first layer's input
+ * norm, and, where the caller gives its panels, the LM head's GEMM after the final norm.
  *
  * Returns 0, or layer * KERNELS + kernel + 1 for the first kernel that refused or failed, EMBEDDING or HEAD for the
  * ends (the caller then runs the whole step its own way: every KV row written here is written again with the same
- * bits). Each kernel's time is summed into
- * chain_t.ns (a benchmark's split of the step).
+ * bits). Each kernel's time is summed into chain_t.ns (a benchmark's split of the step).
  */
 #include <stdint.h>
 #include <string.h>
@@ -65,8 +64,8 @@ typedef struct {
     float *qkv, *query, *attn, *proj, *act; /* a layer's intermediates */
     int64_t *ns; /* [KERNELS]: the time spent in each kernel of a layer (KERNELS' order), added to over the layers */
     /* The step's two ends. embedding: the table whose rows ids[r] (each below table_rows) become h, then the first
-     * layer's input norm of h becomes x (NULL: h and x are the caller's). head: the LM head's panels, its logits
-     * [rows, vocab] from the final x (NULL: none). */
+     * layer's input norm of h becomes x. head: the LM head's panels, its logits [rows, vocab] from the final x (NULL:
+     * none, the caller's). */
     const float *embedding, *first_norm;
     const int64_t *ids;
     int64_t table_rows;
@@ -85,17 +84,15 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* The embedding rows and the first input norm (where the caller gives the table), then the layers, from x = the first
- * layer's input norm of h to x = the final norm of h, then the LM head (where given). */
+/* The embedding rows and the first input norm, then the layers, from x = the first layer's input norm of h to x = the
+ * final norm of h, then the LM head (where given). */
 int decode_layers(chain_t *c, const layer_t *layers, int64_t count) {
     const int64_t B = c->rows, H = c->hidden, QD = c->q_heads * c->dim, qkv_n = (c->q_heads + 2 * c->kv_heads) * c->dim;
-    if (c->embedding) {
-        for (int64_t r = 0; r < B; r++) {
-            if (c->ids[r] < 0 || c->ids[r] >= c->table_rows) return EMBEDDING; /* (F.embedding raises, in Python) */
-            memcpy(c->h + r * H, c->embedding + c->ids[r] * H, H * sizeof(float));
-        }
-        if (c->norm(c->h, 0, 0, c->first_norm, c->x, B, H, c->first_eps, c->lanes, c->threads)) return EMBEDDING;
+    for (int64_t r = 0; r < B; r++) {
+        if (c->ids[r] < 0 || c->ids[r] >= c->table_rows) return EMBEDDING; /* (F.embedding raises, in Python) */
+        memcpy(c->h + r * H, c->embedding + c->ids[r] * H, H * sizeof(float));
     }
+    if (c->norm(c->h, 0, 0, c->first_norm, c->x, B, H, c->first_eps, c->lanes, c->threads)) return EMBEDDING;
     for (int64_t l = 0; l < count; l++) {
         const layer_t *L = layers + l;
         float *keys = c->keys + L->index * c->layer_size, *values = c->values + L->index * c->layer_size;

@@ -16,7 +16,7 @@ Lifecycle: :meth:`DecodeLayers.of` runs once per lean forward (:meth:`DecodeForw
 the fast kernels (fused q|k|v and gated gate|up on the row kernel, the o and down projections' panels, the native
 norm, the attention kernel with its exact rotation) it builds and loads the C driver (once per machine, cached:
 :mod:`common.native_build`; ``PRISM_NATIVE_LAYERS=0`` turns it off) and records each layer's weights' addresses
-(the panels, made then, and the norm weights — held by the model's modules and the lean forward, read-only). Each
+(the panels, made then, and the norm weights — read-only, and held by the driver as long as it lives). Each
 step (:meth:`DecodeLayers.__call__`) takes the batch of at most :data:`~common.model.row_gemm.MAX_ROWS` rows on the
 engine's pool and kernel, allocates one scratch buffer for the step's intermediates, and returns the final-normed
 hidden states and the logits — or ``None`` for a step it does not take or a kernel that refused or failed, a token id
@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +105,14 @@ class DecodeLayers:
         self.head = head if _head_takes(head, self.hidden) else None
         """The LM head whose GEMM ends each step here (a packed fp32 linear), or ``None``: the caller's."""
         self._ns = (_I64 * len(KERNELS))()  # (added to by every step, in C)
-        self._layers, self._held = _weights(forward, gemm)
+        self._pinned = _Pinned()
+        """The tensors whose memory C reads (every step, for the driver's life)."""
+        self._layers = _weights(forward, gemm, self._pinned.address)
         self._pool_layers = 1 + max(layer.index for layer in self._layers)
         """The pool layers a step writes: a pool of fewer is refused (the Python path raises there)."""
         embedding, first = lang.embed_tokens.weight, forward.layers[0].module.input_layernorm
-        panels = self.head.packed.row_panels(gemm) if self.head is not None else None
-        self._held += [t.detach() for t in (embedding, first.weight, panels) if t is not None]
+        head_panels = self.head.packed.row_panels(gemm) if self.head is not None else None
+        pin = self._pinned.address
         template = dict(
             gemm=gemm.address,
             gated=gemm.gated_address,
@@ -123,17 +126,15 @@ class DecodeLayers:
             dim=self.dim,
             lanes=norms.lanes,
             scale=forward.scaling,
-            embedding=embedding.data_ptr(),
+            embedding=pin(embedding),
             table_rows=embedding.shape[0],
-            first_norm=first.weight.data_ptr(),
+            first_norm=pin(first.weight),
             first_eps=first.variance_epsilon,
-            head=None if panels is None else panels.data_ptr(),
-            head_bias=None if self.head is None or self.head.bias is None else self.head.bias.data_ptr(),
+            head=pin(head_panels),
+            head_bias=None if self.head is None else pin(self.head.bias),
             vocab=0 if self.head is None else self.head.out_features,
             ns=self._ns,
         )
-        if self.head is not None and self.head.bias is not None:
-            self._held.append(self.head.bias.detach())
         self._base = Chain(**template)
         """The fields every step shares; a step's copy gets its own inputs and buffers."""
         sizes = [self.hidden, self.hidden, (self.q_heads + 2 * self.kv_heads) * self.dim]
@@ -220,17 +221,22 @@ def _refused(code: int) -> str:
     return f"layer {layer}'s {KERNELS[kernel]} kernel"
 
 
-def _weights(forward: Any, gemm: RowGemm) -> tuple[ctypes.Array, list[torch.Tensor]]:
-    """Each layer's ``layer_t`` — its panels (made now where not yet), biases, norm weights and pool layer — and the
-    tensors it points into (held by the driver: a module repacked later cannot free what it reads)."""
-    lang, held, weights = forward.lang, [], []
+class _Pinned(list):
+    """Tensors whose memory C code reads, held for as long as it may (this list's life)."""
 
-    def ptr(t: torch.Tensor | None) -> int | None:
+    def address(self, t: torch.Tensor | None) -> int | None:
+        """``t``'s data address (``None`` for none), ``t``'s storage held: a module repacked or a parameter given new
+        data later cannot free what C reads."""
         if t is None:
             return None
-        held.append(t.detach())  # (the storage itself: a parameter given new data later cannot free what C reads)
+        self.append(t.detach())
         return t.data_ptr()
 
+
+def _weights(forward: Any, gemm: RowGemm, ptr: Callable[[torch.Tensor | None], int | None]) -> ctypes.Array:
+    """Each layer's ``layer_t``: its panels (made now where not yet), biases, norm weights (their addresses from
+    ``ptr``, which holds them) and pool layer."""
+    lang, weights = forward.lang, []
     for i, layer in enumerate(forward.layers):
         module, mlp = layer.module, layer.module.mlp
         after = forward.layers[i + 1].module.input_layernorm if i + 1 < len(forward.layers) else lang.norm
@@ -252,7 +258,7 @@ def _weights(forward: Any, gemm: RowGemm) -> tuple[ctypes.Array, list[torch.Tens
                 next_eps=after.variance_epsilon,
             )
         )
-    return (LayerWeights * len(weights))(*weights), held
+    return (LayerWeights * len(weights))(*weights)
 
 
 def _takes(layer: Any, inter: int) -> bool:
