@@ -16,18 +16,12 @@ from typing import Any
 import httpx
 import yaml
 
+from loadtest.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 KEY, ALPHA, BETA, GAMMA = "bench-key", "bench-alpha", "bench-beta", "bench-gamma"
 """API keys of the Prism runs: tenant ``bench`` for the single-tenant figures, ``alpha`` / ``beta`` for the
 tenant figure, ``gamma`` too for the three-tenant one (the monolith and the naive server ignore keys)."""
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(base: str, timeout: float = 180.0, key: str = KEY) -> None:

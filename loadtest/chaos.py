@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from loadtest.bench_servers import free_port, ray_start_env, wait_ready
+    from loadtest.bench_servers import ray_start_env, wait_ready
+    from loadtest.ports import free_port
     from services.app import build_app
 
     app = "chaos"

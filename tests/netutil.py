@@ -2,45 +2,14 @@
 
 from __future__ import annotations
 
-import random
-import socket
 import subprocess
 import time
 
 import httpx
 
-RAY_WORKER_PORTS = range(10002, 20000)
-"""Ray's default ``min_worker_port``–``max_worker_port``: its workers bind ports there."""
-_given: set[int] = set()
+from loadtest.ports import free_port
 
-
-def _ephemeral_start() -> int:
-    try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, never handed out before by this process, and outside both the kernel's
-    ephemeral range and Ray's worker ports. Why: the port is bound later, by a server the test starts, and a port the
-    kernel chose for ``bind(0)`` could meanwhile go to any process binding port 0 — Ray's own processes bind dozens —
-    which once left Ray's metrics agent without its port in CI (``Address already in use``; every scrape refused)."""
-    low, high = RAY_WORKER_PORTS.stop, _ephemeral_start() - 1
-    for _ in range(500 if high - low > 1000 else 0):
-        port = random.randint(low, high)
-        if port in _given:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _given.add(port)
-        return port
-    with socket.socket() as s:  # (no room below the ephemeral range: the kernel's choice)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "tcp_listeners", "wait_for_http"]
 
 
 def wait_for_http(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
