@@ -235,7 +235,8 @@ class ProxyGuard:
         if refusal is not None:
             await self._refuse(send, refusal)
             return
-        with whole_answer(send):  # (the drain may have stopped short: the close may reset the connection)
+        with whole_answer(send):  # (the drain may have stopped short: the close may reset the connection; no await
+            # after the last send in here — whole_answer's docstring)
             for message in held:
                 await send(message)
 
@@ -346,7 +347,8 @@ class ProxyGuard:
         ]
         if exc.retry_after_s is not None:
             headers.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
-        with whole_answer(send):  # head and body in one segment: the close may reset the connection (body unread)
+        with whole_answer(send):  # head and body in one segment: the close may reset the connection (body unread); no
+            # await after the last send in here (whole_answer's docstring)
             await send({"type": "http.response.start", "status": exc.http_status, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
 

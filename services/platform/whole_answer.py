@@ -28,7 +28,10 @@ def socket_of(send: Callable[..., Any]) -> Any | None:
     ``transport`` is the asyncio transport), or ``None``."""
     transport = getattr(getattr(send, "__self__", None), "transport", None)
     get_extra_info = getattr(transport, "get_extra_info", None)
-    sock = get_extra_info("socket") if callable(get_extra_info) else None
+    try:  # (uvloop builds its socket object here, asking the kernel: a connection gone already raises)
+        sock = get_extra_info("socket") if callable(get_extra_info) else None
+    except (OSError, ValueError):
+        return None
     return sock if sock is not None and getattr(sock, "type", None) == socket.SOCK_STREAM else None
 
 
@@ -43,7 +46,9 @@ def _cork(sock: Any, on: bool) -> bool:
 @contextmanager
 def whole_answer(send: Callable[..., Any]) -> Iterator[None]:
     """Within this block, what is sent on ``send``'s connection is held in the kernel and goes out, at its end, in as
-    few segments as it fits (one, for an error body); outside uvicorn, a no-op."""
+    few segments as it fits (one, for an error body); outside uvicorn, a no-op. Nothing may be awaited in the block
+    after the last ``send``: the server's close, scheduled inside it, would then run first, and a socket closed with
+    request bytes unread drops what it still holds — the whole answer, corked."""
     sock = socket_of(send)
     corked = sock is not None and _cork(sock, True)
     try:

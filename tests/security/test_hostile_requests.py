@@ -473,10 +473,10 @@ def test_a_refusal_closed_with_the_body_unread_arrives_whole_every_time(served):
     """The guard refuses these uploads before reading a byte of them and closes with their bytes unread (a reset).
     Its answer is written as one segment (services/platform/whole_answer.py); split in head and body, HAProxy
     forwarded the head and lost the body to the reset 11 times in 150 for the 401 and once in 150 for the 413
-    (measured before the fix, 0 in 450 after). 30 of each make a return of the split a likely failure here. (After the
+    (measured before the fix, 0 in 450 after). 50 of each make a return of the split a likely failure here. (After the
     count of refusals above: these add to it.)"""
     lost = []
-    for _ in range(30):
+    for _ in range(50):
         for size, key, code in ((150 * MB, False, "invalid_api_key"), (300 * MB, True, "request_too_large")):
             _, reply, _, _ = _upload(served["base"], size, chunked=False, key=key)
             if error_code(reply) != code:

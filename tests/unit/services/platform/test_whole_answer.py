@@ -55,13 +55,13 @@ class _Serving:
 def _upload_unread(port: int, key: str | None = None) -> bytes:
     """A 64 MiB declared upload of which 2 MiB are sent before the answer is read: the server answers and closes with
     body bytes unread (a reset)."""
-    sock = socket.create_connection(("127.0.0.1", port))
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n{auth}Content-Length: {64 * MB}\r\n\r\n"
     sock.sendall(head.encode())
     try:
         sock.sendall(b"x" * (2 * MB))
-    except OSError:  # answered and reset already
+    except OSError:  # answered and reset already (or no answer in 10 s: the reply check below fails)
         pass
     return read_reply(sock, 10)
 
