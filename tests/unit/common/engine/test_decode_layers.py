@@ -107,12 +107,8 @@ def test_a_batch_of_the_row_kernels_most_rows_is_the_models_forward(tiny_qwen):
 
 def test_a_pool_of_fewer_layers_than_the_model_is_refused(tiny_llava):
     forward = _lean(tiny_llava)
-    layers, blocks, bs, heads, dim = 1, 8, 16, *tiny_llava.kv_shape[1:]
-    pool = KVPool(blocks, bs, tiny_llava.kv_shape, tiny_llava.dtype)
-    pool.keys = torch.zeros(
-        layers, blocks, bs, heads, dim
-    )  # (a pool of one layer: the second would be written past it)
-    pool.values = torch.zeros(layers, blocks, bs, heads, dim)
+    # (a pool of one layer: the model's second would be written past it)
+    pool = KVPool(8, 16, (1, *tiny_llava.kv_shape[1:]), tiny_llava.dtype)
     ctx = build_step_context(pool, [[0]], [3], load_decode_kernel())
     cos = sin = torch.zeros(1, 1, forward.head_dim)
     assert forward.chain(torch.tensor([[1]]), cos, sin, ctx) is None

@@ -10,6 +10,7 @@ import asyncio
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import uvicorn
@@ -108,19 +109,12 @@ def test_the_guards_refusal_of_an_unread_upload_goes_out_corked(monkeypatch):
     corked = []
     real = proxy_http.whole_answer
 
+    @contextmanager
     def recording(send):
-        sock = socket_of(send)
-
-        class _Probe:
-            def __enter__(self):
-                self.inner = real(send)
-                self.inner.__enter__()
-                corked.append(_cork(sock) if sock is not None else None)
-
-            def __exit__(self, *exc):
-                return self.inner.__exit__(*exc)
-
-        return _Probe()
+        with real(send):
+            sock = socket_of(send)
+            corked.append(_cork(sock) if sock is not None else None)
+            yield
 
     monkeypatch.setattr(proxy_http, "whole_answer", recording)
     cfg = PrismConfig.model_validate({"server": {"api_keys": {"sk-alpha": "alpha"}}})
