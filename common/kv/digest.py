@@ -58,7 +58,8 @@ def flat_bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
-def _combine(digests: list[int]) -> int:
+def combine(digests: list[int]) -> int:
+    """The checksum of a stream from its segments' XXH3-64 digests, in order."""
     return xxhash.xxh3_64_intdigest(np.array(digests, dtype="<u8").tobytes())
 
 
@@ -84,7 +85,7 @@ class SegmentedDigest:
 
     def intdigest(self) -> int:
         tail = [self._h.intdigest()] if self._fill or not self._done else []
-        return _combine(self._done + tail)
+        return combine(self._done + tail)
 
 
 def _segments(pairs: list[tuple[np.ndarray, np.ndarray | None]]) -> list[list[tuple[np.ndarray, np.ndarray | None]]]:
@@ -139,7 +140,7 @@ def _run(pairs: list[tuple[np.ndarray, np.ndarray | None]], threads: int) -> int
     digests = [0] * len(segments)
     helpers = min(threads, len(segments)) - 1
     if helpers <= 0 or not _at_full_priority():  # (the priority's syscalls only when there is work to share)
-        return _combine([_do_segment(s) for s in segments])
+        return combine([_do_segment(s) for s in segments])
     claims, lock, errors = itertools.count(), threading.Condition(), []
     busy = [0, 0]  # segments being worked on, segments finished or abandoned
 
@@ -172,7 +173,7 @@ def _run(pairs: list[tuple[np.ndarray, np.ndarray | None]], threads: int) -> int
         lock.wait_for(lambda: busy[0] == 0 and (errors or busy[1] == len(segments)))
     if errors:
         raise errors[0]
-    return _combine(digests)
+    return combine(digests)
 
 
 def digest(arrays: Iterable[np.ndarray], threads: int = THREADS) -> int:

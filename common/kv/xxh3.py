@@ -94,6 +94,14 @@ def _copy_hash() -> Any | None:
     return functools.partial(_call_loop, loop, update)
 
 
+def functions() -> tuple[int, int, int] | None:
+    """The package's C ``update``, ``reset`` and ``digest`` by address — for C code that hashes on its own, never
+    taking the GIL (:mod:`common.kv.hash_behind`) — or ``None`` where the module does not export them."""
+    if _LIB is None:
+        return None
+    return tuple(int(ctypes.cast(f, ctypes.c_void_p).value or 0) for f in (_LIB.update, _LIB.reset, _LIB.digest))
+
+
 def warm() -> bool:
     """Build (or load) the land's C loop now — a replica's start — rather than on its first hand-off's time; whether it
     is there."""
@@ -162,6 +170,11 @@ class Stream:
             n = min(chunk, to + size - at)
             _memmove(at, at + offset, n)
             _LIB.update(self._state, at, n)
+
+    @property
+    def address(self) -> int | None:
+        """The C state's address (what :func:`functions` take), or ``None`` on the package's own path."""
+        return self._state
 
     def intdigest(self) -> int:
         return int(self._py.intdigest() if self._py is not None else _LIB.digest(self._state))

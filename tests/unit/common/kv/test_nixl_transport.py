@@ -76,6 +76,29 @@ def test_nixl_lands_exact_blocks_in_the_pool_and_the_same_tokens(agents, pools, 
     assert _wait_released(sender) == 0, "the reader's notifications release the sender's slot"
 
 
+def test_a_landing_of_many_transfers_is_hashed_as_they_land(agents, pools, tiny_llava, monkeypatch):
+    """One transfer per descriptor (each array, layer and run of blocks): the checksum taken behind them is the
+    seal's, and a byte changed in the sender's arena after the seal is caught on what landed."""
+    from common.kv.transport import nixl
+
+    monkeypatch.setattr(nixl, "GROUP_BYTES", 1)
+    sender, receiver = agents
+    pool = pools["llava"]
+    for corrupt in (False, True):
+        local = seal(staged(sender, fixed_request(tiny_llava, 3, SamplingParams(max_tokens=4))), "req-many")
+        remote = sender.publish(local, expires_at=time.time() + 60)
+        n = local.kv.num_blocks
+        blocks = [9 + i for i in range(n - 1)] + [7]
+        if corrupt:
+            local.kv.values.reshape(-1)[-1] += 1  # (the arena's bytes: what the receiver READs)
+            with pytest.raises(HandoffError, match="corrupt"):
+                check_landed(remote, _land(receiver, pool, remote, blocks))
+        else:
+            check_landed(remote, _land(receiver, pool, remote, blocks))
+            np.testing.assert_array_equal(pool.arrays()[1][:, blocks], local.kv.values)
+    assert _wait_released(sender) == 0
+
+
 def test_handoffs_allocate_and_register_nothing_per_request(agents, pools, tiny_llava):
     """Around 20 hand-offs into the pool: no registration and no allocation on either side (the arena and the pool
     were registered once); every slot comes back."""

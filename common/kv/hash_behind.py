@@ -1,0 +1,150 @@
+"""A landing's checksum hashed behind the transfer that moves it: each piece hashed as soon as it has landed, while it
+is still in cache, on a thread that does not wait for the GIL.
+
+Lifecycle, for one landing (:meth:`common.kv.transport.nixl.NixlTransport.land`): :class:`HashBehind` is made with
+the landing's destination pieces, in stream order, before the first transfer is posted — it cuts them at the
+checksum's segment boundaries (:data:`common.kv.digest.SEGMENT_BYTES`) and starts the hash on the given executor;
+the transferring thread calls :meth:`HashBehind.landed` as each transfer completes; :meth:`HashBehind.intdigest`
+waits for the last piece and gives the checksum, the same as :func:`common.kv.digest.digest` of the pieces.
+:meth:`HashBehind.abort` (the transfer failed) stops the hash and returns only once nothing of it reads the
+destination any more.
+
+Why a C loop (``native/hash_behind.c``): NIXL's ``transfer()`` holds the GIL while UCX's cross-memory attach copies
+inside it, so a Python thread that hashed each group and went back to Python for the next waited for the GIL behind
+every post — the hash ran after the copy more than beside it, and read the bytes back from memory. The C loop is one
+foreign call for the whole landing (``ctypes`` releases the GIL for it): it waits for each piece with short naps and
+hashes it with the xxhash package's own C functions. Where it cannot be built (no compiler, another build of the
+package) the pieces are hashed by a Python task per published range (:class:`common.kv.digest.SegmentedDigest`):
+the same checksum, less overlap.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from concurrent.futures import Executor, Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.errors import HandoffError
+from common.kv import xxh3
+from common.kv.digest import SEGMENT_BYTES, SegmentedDigest, combine, flat_bytes
+from common.native_build import load_optional
+
+SOURCE = Path(__file__).with_name("native") / "hash_behind.c"
+ABORTED = np.iinfo(np.uintp).max
+"""Published in place of a count: the landing failed, the loop returns without hashing the rest."""
+
+
+@functools.cache
+def _library() -> Any | None:
+    if xxh3.functions() is None:
+        return None
+    built = load_optional(
+        SOURCE, "PRISM_HASH_BEHIND", "the landing's C hash loop", "landings are hashed by Python tasks between posts"
+    )
+    if built is None:
+        return None
+    lib = built[0]
+    ptr, size = ctypes.c_void_p, ctypes.c_size_t
+    lib.hash_behind.restype = ctypes.c_long
+    lib.hash_behind.argtypes = [ptr, ptr, ptr, size, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.hash_behind_publish.restype = None
+    lib.hash_behind_publish.argtypes = [ptr, size]
+    return lib
+
+
+def warm() -> bool:
+    """Build (or load) the C loop now — a replica's start, not its first hand-off; whether it is there."""
+    return _library() is not None
+
+
+def _cut(pieces: list[np.ndarray]) -> tuple[list[tuple[int, int, bool]], list[int]]:
+    """The pieces cut at every segment boundary of their stream: ``(address, length, ends a segment)`` in order (the
+    last always ends one), and for each piece how many cut pieces there are up to its end."""
+    cut: list[tuple[int, int, bool]] = []
+    upto: list[int] = []
+    fill = 0
+    for piece in pieces:
+        addr, n, at = int(piece.ctypes.data), int(piece.size), 0
+        while at < n:
+            take = min(n - at, SEGMENT_BYTES - fill)
+            fill += take
+            cut.append((addr + at, take, fill == SEGMENT_BYTES))
+            fill, at = (0 if fill == SEGMENT_BYTES else fill), at + take
+        upto.append(len(cut))
+    if cut and not cut[-1][2]:
+        cut[-1] = (*cut[-1][:2], True)
+    return cut, upto
+
+
+class HashBehind:
+    """The hand-off checksum of ``pieces`` (C-contiguous arrays, in stream order), hashed on ``executor`` as they
+    are published landed."""
+
+    def __init__(self, pieces: list[np.ndarray], executor: Executor) -> None:
+        self._pieces = [flat_bytes(p) for p in pieces]  # (held: the loop reads their memory by address)
+        self._published = 0
+        self._lib = _library() if sum(p.size for p in self._pieces) else None
+        if self._lib is None:  # (no loop, or nothing to hash: Python tasks per published range)
+            self._digest, self._tasks, self._executor = SegmentedDigest(), [], executor
+            return
+        cut, self._upto = _cut(self._pieces)
+        self._addrs = np.array([a for a, _, _ in cut], np.uintp)
+        self._lens = np.array([n for _, n, _ in cut], np.uintp)
+        self._ends = np.array([e for _, _, e in cut], np.uint8)
+        self._digests = np.zeros(int(self._ends.sum()), np.uint64)
+        self._ready = np.zeros(1, np.uintp)
+        self._stream = xxh3.Stream()  # (its state, fed by the loop; freed with this object)
+        self._loop: Future = executor.submit(self._run)
+
+    def _run(self) -> int:
+        update, reset, digest = xxh3.functions()  # type: ignore[misc]
+        return self._lib.hash_behind(  # type: ignore[union-attr]
+            self._addrs.ctypes.data,
+            self._lens.ctypes.data,
+            self._ends.ctypes.data,
+            self._addrs.size,
+            self._ready.ctypes.data,
+            self._stream.address,
+            update,
+            reset,
+            digest,
+            self._digests.ctypes.data,
+        )
+
+    def landed(self, upto: int) -> None:
+        """``pieces[:upto]`` have landed: hash them."""
+        if upto <= self._published:
+            return
+        if self._lib is None:
+            batch = self._pieces[self._published : upto]
+            self._tasks.append(self._executor.submit(lambda: [self._digest.update(p) for p in batch]))
+        else:
+            self._lib.hash_behind_publish(self._ready.ctypes.data, self._upto[upto - 1])
+        self._published = upto
+
+    def abort(self) -> None:
+        """Stop hashing; returns once nothing of it reads the pieces (whatever the tasks raised is dropped)."""
+        if self._lib is None:
+            for task in self._tasks:
+                task.exception()
+            return
+        self._lib.hash_behind_publish(self._ready.ctypes.data, int(ABORTED))
+        self._loop.exception()
+
+    def intdigest(self) -> int:
+        """The checksum of every piece (all of them published landed)."""
+        if self._published < len(self._pieces):  # (a caller's bug: the loop must not wait on forever for the rest)
+            self.abort()
+            raise RuntimeError(f"checksum asked with {self._published} of {len(self._pieces)} pieces landed")
+        if self._lib is None:
+            for task in self._tasks:
+                task.result()
+            return self._digest.intdigest()
+        written = self._loop.result()
+        if written != self._digests.size:
+            raise HandoffError(f"the landing's hash loop stopped ({written})")
+        return combine(self._digests.tolist())
