@@ -5,7 +5,8 @@ Lifecycle, for one landing (:meth:`common.kv.transport.nixl.NixlTransport.land`)
 the landing's destination pieces, in stream order, before the first transfer is posted — it cuts them at the
 checksum's segment boundaries (:data:`common.kv.digest.SEGMENT_BYTES`) and starts the hash on the given executor;
 the transferring thread calls :meth:`HashBehind.landed` as each transfer completes; :meth:`HashBehind.intdigest`
-waits for the last piece and gives the checksum, the same as :func:`common.kv.digest.digest` of the pieces.
+waits for the last piece and gives the checksum, the same as :func:`common.kv.digest.digest` of the pieces (a loop
+still queued behind other landings' is run by the caller then, so one slow transfer never holds up another's check).
 :meth:`HashBehind.abort` (the transfer failed) stops the hash and returns only once nothing of it reads the
 destination any more.
 
@@ -133,7 +134,8 @@ class HashBehind:
                 task.exception()
             return
         self._lib.hash_behind_publish(self._ready.ctypes.data, int(ABORTED))
-        self._loop.exception()
+        if not self._loop.cancel():  # (started: it returns at the next piece it would wait for)
+            self._loop.exception()
 
     def intdigest(self) -> int:
         """The checksum of every piece (all of them published landed)."""
@@ -144,7 +146,9 @@ class HashBehind:
             for task in self._tasks:
                 task.result()
             return self._digest.intdigest()
-        written = self._loop.result()
+        # A loop still queued (the executor's threads busy with other landings, one of them perhaps waiting on a slow
+        # sender) is run here instead, every piece landed: a landing never waits on another's transfer.
+        written = self._run() if self._loop.cancel() else self._loop.result()
         if written != self._digests.size:
             raise HandoffError(f"the landing's hash loop stopped ({written})")
         return combine(self._digests.tolist())

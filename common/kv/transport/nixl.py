@@ -68,6 +68,10 @@ is hashed from cache while the next one moves; large enough that the post's own 
 with 4 or 8 MB groups, 0.77 with 16, 0.71 with 32 (``loadtest/bench_transfer.py``; before the C loop, 0.66 with 16)."""
 
 
+HASH_THREADS = 4
+"""Landings hashed behind their transfers at once; one past that is hashed by its own thread once it has landed."""
+
+
 @dataclass(frozen=True)
 class RemoteKV:
     peer: PeerRef
@@ -126,7 +130,8 @@ class NixlTransport(KVTransport):
 
     def __init__(self, agent_name: str | None = None, timeout_s: float = 30.0, staging_bytes: int = STAGING_BYTES):
         self.agent = Agent(agent_name, timeout_s, staging_bytes)
-        self._hasher = ThreadPoolExecutor(1, "prism-nixl-hash")
+        # (a landing's hash loop holds a thread while its transfer lasts: a few, for landings that overlap)
+        self._hasher = ThreadPoolExecutor(HASH_THREADS, "prism-nixl-hash")
 
     def prepare(self, sends: bool = True, receives: bool = True) -> None:
         super().prepare(sends, receives)  # (a hand-off sent by value lands through the copy loop)

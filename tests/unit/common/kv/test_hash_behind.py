@@ -81,6 +81,20 @@ def test_a_checksum_asked_before_the_last_piece_landed_is_refused_and_ends_the_l
     assert executor.submit(lambda: "free").result(timeout=5) == "free"
 
 
+def test_a_landing_queued_behind_a_stalled_one_is_hashed_by_its_caller(path, executor):
+    """The executor's one thread holds a landing whose transfer stalls (a slow sender): another landing on the same
+    executor still gets its checksum as soon as its own pieces have landed."""
+    stalled = HashBehind(_pieces([64]), executor)
+    pieces = _pieces(SIZES[:3])
+    hashed = HashBehind(pieces, executor)
+    hashed.landed(3)
+    start = time.monotonic()
+    assert hashed.intdigest() == digest(pieces)
+    assert time.monotonic() - start < 5
+    stalled.abort()
+    assert executor.submit(lambda: "free").result(timeout=5) == "free"
+
+
 def test_the_c_loop_hashes_while_another_thread_holds_the_gil(executor):
     """Each piece published, then the GIL kept for a while by a call through ``ctypes.PyDLL`` — as NIXL's
     ``transfer()`` keeps it while UCX copies the next group: the C loop, inside its one foreign call, has hashed each
