@@ -17,7 +17,8 @@ several segments is shared between the calling thread and the module's landing t
 each taking the next segment not yet taken; the call returns once every segment is done (no thread of ours touches
 the destination after that) and raises what any of them raised.
 A caller at a lowered priority (throughput work) does its segments alone.
-:class:`SegmentedDigest` is the same checksum fed in order, one piece at a time (the export, a NIXL landing).
+:class:`SegmentedDigest` is the same checksum fed in order, one piece at a time (the export); a NIXL landing's is
+:class:`common.kv.hash_behind.HashBehind`.
 """
 
 from __future__ import annotations

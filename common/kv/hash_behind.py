@@ -15,8 +15,8 @@ inside it, so a Python thread that hashed each group and went back to Python for
 every post — the hash ran after the copy more than beside it, and read the bytes back from memory. The C loop is one
 foreign call for the whole landing (``ctypes`` releases the GIL for it): it waits for each piece with short naps and
 hashes it with the xxhash package's own C functions. Where it cannot be built (no compiler, another build of the
-package) the pieces are hashed by a Python task per published range (:class:`common.kv.digest.SegmentedDigest`):
-the same checksum, less overlap.
+package) the pieces are hashed once every one has landed (:func:`common.kv.digest.digest`, shared between the cores):
+the same checksum, no overlap.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import numpy as np
 
 from common.errors import HandoffError
 from common.kv import xxh3
-from common.kv.digest import SEGMENT_BYTES, SegmentedDigest, combine, flat_bytes
+from common.kv.digest import SEGMENT_BYTES, combine, digest, flat_bytes
 from common.native_build import load_optional
 
 SOURCE = Path(__file__).with_name("native") / "hash_behind.c"
+assert ctypes.sizeof(ctypes.c_size_t) == np.dtype(np.uintp).itemsize  # (the loop takes the counts as size_t)
 ABORTED = np.iinfo(np.uintp).max
 """Published in place of a count: the landing failed, the loop returns without hashing the rest."""
 
@@ -44,14 +45,14 @@ def _library() -> Any | None:
     if xxh3.functions() is None:
         return None
     built = load_optional(
-        SOURCE, "PRISM_HASH_BEHIND", "the landing's C hash loop", "landings are hashed by Python tasks between posts"
+        SOURCE, "PRISM_HASH_BEHIND", "the landing's C hash loop", "landings are hashed once they have landed"
     )
     if built is None:
         return None
     lib = built[0]
     ptr, size = ctypes.c_void_p, ctypes.c_size_t
     lib.hash_behind.restype = ctypes.c_long
-    lib.hash_behind.argtypes = [ptr, ptr, ptr, size, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.hash_behind.argtypes = [ptr, ptr, ptr, size, ptr, ctypes.c_int64, ptr, ptr, ptr, ptr, ptr]
     lib.hash_behind_publish.restype = None
     lib.hash_behind_publish.argtypes = [ptr, size]
     return lib
@@ -83,14 +84,15 @@ def _cut(pieces: list[np.ndarray]) -> tuple[list[tuple[int, int, bool]], list[in
 
 class HashBehind:
     """The hand-off checksum of ``pieces`` (C-contiguous arrays, in stream order), hashed on ``executor`` as they
-    are published landed."""
+    are published landed; a loop left waiting longer than ``timeout_s`` for its next piece gives up (the landing's
+    own deadline has passed by then: its transfer failed, and the checksum is refused)."""
 
-    def __init__(self, pieces: list[np.ndarray], executor: Executor) -> None:
+    def __init__(self, pieces: list[np.ndarray], executor: Executor, timeout_s: float = 60.0) -> None:
         self._pieces = [flat_bytes(p) for p in pieces]  # (held: the loop reads their memory by address)
         self._published = 0
+        self._result: int | None = None
         self._lib = _library() if sum(p.size for p in self._pieces) else None
-        if self._lib is None:  # (no loop, or nothing to hash: Python tasks per published range)
-            self._digest, self._tasks, self._executor = SegmentedDigest(), [], executor
+        if self._lib is None:  # (no loop, or nothing to hash: hashed whole once landed)
             return
         cut, self._upto = _cut(self._pieces)
         self._addrs = np.array([a for a, _, _ in cut], np.uintp)
@@ -98,8 +100,9 @@ class HashBehind:
         self._ends = np.array([e for _, _, e in cut], np.uint8)
         self._digests = np.zeros(int(self._ends.sum()), np.uint64)
         self._ready = np.zeros(1, np.uintp)
+        self._timeout_ns = int(timeout_s * 1e9)
         self._stream = xxh3.Stream()  # (its state, fed by the loop; freed with this object)
-        self._loop: Future = executor.submit(self._run)
+        self._loop: Future = executor.submit(self._run)  # (the work item holds this object while the loop runs)
 
     def _run(self) -> int:
         update, reset, digest = xxh3.functions()  # type: ignore[misc]
@@ -109,6 +112,7 @@ class HashBehind:
             self._ends.ctypes.data,
             self._addrs.size,
             self._ready.ctypes.data,
+            self._timeout_ns,
             self._stream.address,
             update,
             reset,
@@ -120,35 +124,32 @@ class HashBehind:
         """``pieces[:upto]`` have landed: hash them."""
         if upto <= self._published:
             return
-        if self._lib is None:
-            batch = self._pieces[self._published : upto]
-            self._tasks.append(self._executor.submit(lambda: [self._digest.update(p) for p in batch]))
-        else:
+        if self._lib is not None:
             self._lib.hash_behind_publish(self._ready.ctypes.data, self._upto[upto - 1])
         self._published = upto
 
     def abort(self) -> None:
-        """Stop hashing; returns once nothing of it reads the pieces (whatever the tasks raised is dropped)."""
+        """Stop hashing; returns once nothing of it reads the pieces."""
         if self._lib is None:
-            for task in self._tasks:
-                task.exception()
             return
         self._lib.hash_behind_publish(self._ready.ctypes.data, int(ABORTED))
         if not self._loop.cancel():  # (started: it returns at the next piece it would wait for)
             self._loop.exception()
 
     def intdigest(self) -> int:
-        """The checksum of every piece (all of them published landed)."""
-        if self._published < len(self._pieces):  # (a caller's bug: the loop must not wait on forever for the rest)
+        """The checksum of every piece (all of them published landed); the same on every call."""
+        if self._result is not None:
+            return self._result
+        if self._published < len(self._pieces):  # (a caller's bug: the loop must not wait on for the rest)
             self.abort()
             raise RuntimeError(f"checksum asked with {self._published} of {len(self._pieces)} pieces landed")
-        if self._lib is None:
-            for task in self._tasks:
-                task.result()
-            return self._digest.intdigest()
+        if self._lib is None:  # (the fallback: every landed piece at once, shared between the cores)
+            self._result = digest(self._pieces)
+            return self._result
         # A loop still queued (the executor's threads busy with other landings, one of them perhaps waiting on a slow
         # sender) is run here instead, every piece landed: a landing never waits on another's transfer.
         written = self._run() if self._loop.cancel() else self._loop.result()
         if written != self._digests.size:
-            raise HandoffError(f"the landing's hash loop stopped ({written})")
-        return combine(self._digests.tolist())
+            raise HandoffError(f"the landing's hash loop stopped before its last piece ({written})")
+        self._result = combine(self._digests.tolist())
+        return self._result

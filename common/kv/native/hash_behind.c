@@ -8,7 +8,8 @@
  *
  * The XXH3 functions are the xxhash package's own, passed by address, so the digests are the package's.
  * Returns the number of digests written; -1 when the landing was aborted (HASH_BEHIND_ABORTED published) before every
- * piece was hashed; -2 when an update failed.
+ * piece was hashed; -2 when XXH3's reset or update failed; -3 when no piece came for timeout_ns (a caller that never
+ * published the rest nor aborted: the thread is not kept for ever).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -22,15 +23,26 @@ typedef uint64_t (*xxh3_digest_fn)(void *state);
 
 void hash_behind_publish(size_t *ready, size_t value) { __atomic_store_n(ready, value, __ATOMIC_RELEASE); }
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
 long hash_behind(const uintptr_t *addrs, const size_t *lens, const unsigned char *ends, size_t n, const size_t *ready,
-                 void *state, xxh3_update_fn update, xxh3_reset_fn reset, xxh3_digest_fn digest, uint64_t *digests) {
+                 int64_t timeout_ns, void *state, xxh3_update_fn update, xxh3_reset_fn reset, xxh3_digest_fn digest,
+                 uint64_t *digests) {
     /* (a short nap, not a spin: on two cores a spinning hasher takes the core the transfer's progress needs) */
     const struct timespec nap = {0, 20000};
     long written = 0;
     if (reset(state)) return -2;
     for (size_t i = 0; i < n; i++) {
         size_t upto;
-        while ((upto = __atomic_load_n(ready, __ATOMIC_ACQUIRE)) <= i) nanosleep(&nap, NULL);
+        const int64_t give_up = now_ns() + timeout_ns;
+        while ((upto = __atomic_load_n(ready, __ATOMIC_ACQUIRE)) <= i) {
+            if (now_ns() > give_up) return -3;
+            nanosleep(&nap, NULL);
+        }
         if (upto == HASH_BEHIND_ABORTED) return -1;
         if (lens[i] && update(state, (const void *)addrs[i], lens[i])) return -2;
         if (ends[i]) {

@@ -215,7 +215,7 @@ class NixlTransport(KVTransport):
         remote = [(bases[array] + offset, n) for array, offset, n in landing.remote_pieces()]
         groups = _groups([n for _, n in spans], GROUP_BYTES)
         ends = list(itertools.accumulate(len(g) for g in groups))
-        hashed = HashBehind(local, self._hasher)
+        hashed = HashBehind(local, self._hasher, 2 * self.agent.timeout_s)  # (the read gives up at its timeout)
         try:
             self.agent.read(
                 pre.kv.peer,
