@@ -60,7 +60,17 @@ class Landing:
     def of(cls, layout: KVLayout, pool_arrays: tuple[np.ndarray, np.ndarray], blocks: Sequence[int]) -> Landing:
         if len(blocks) != layout.num_blocks:
             raise ValueError(f"{len(blocks)} pool blocks for a hand-off of {layout.num_blocks}")
-        return cls(layout, pool_arrays[0], pool_arrays[1], runs(blocks))
+        # (checked here, where the bytes are counted: a transfer's descriptors are built from both sides' lengths, and
+        # a slice past the pool's end would silently be shorter than its source)
+        keys, values = pool_arrays
+        pool_blocks, geometry = keys.shape[1], (keys.shape[0], *keys.shape[2:])
+        if geometry != (layout.shape[0], *layout.shape[2:]) or keys.dtype != np.dtype(layout.numpy_dtype):
+            raise ValueError(
+                f"a hand-off of {layout.shape} {layout.numpy_dtype} into a pool of {keys.shape} {keys.dtype}"
+            )
+        if blocks and not 0 <= min(blocks) <= max(blocks) < pool_blocks:
+            raise ValueError(f"pool blocks {min(blocks)}..{max(blocks)} outside a pool of {pool_blocks}")
+        return cls(layout, keys, values, runs(blocks))
 
     def destinations(self) -> Iterator[np.ndarray]:
         """The pool's pieces, in the hand-off's byte order."""

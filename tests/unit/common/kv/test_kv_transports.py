@@ -75,6 +75,13 @@ def test_a_landing_must_match_the_handoff(published, tiny_llava):
     pool = KVPool(64, 16, tiny_llava.kv_shape, tiny_llava.dtype)
     with pytest.raises(ValueError, match="pool blocks for a hand-off"):
         Landing.of(published.layout, pool.arrays(), [1, 2])
+    n = published.layout.num_blocks
+    with pytest.raises(ValueError, match=f"pool blocks 60..{59 + n} outside a pool of 64"):
+        Landing.of(published.layout, pool.arrays(), list(range(60, 60 + n)))
+    small = KVPool(64, 8, tiny_llava.kv_shape, tiny_llava.dtype)  # (blocks of 8 tokens: another geometry)
+    with pytest.raises(ValueError, match="into a pool of"):
+        Landing.of(published.layout, small.arrays(), list(range(n)))
+    assert Landing.of(published.layout, pool.arrays(), list(range(64 - n, 64))).runs[0].block == 64 - n
 
 
 @pytest.mark.parametrize(("sender", "receiver"), [("fake", "object_store"), ("object_store", "fake")])
