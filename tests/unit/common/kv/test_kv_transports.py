@@ -10,9 +10,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
+from transformers import DynamicCache
 
 from common.errors import HandoffError
-from common.kv.blocks import check_landed, seal
+from common.kv.blocks import check_landed, export_kv, seal
 from common.kv.landing import Landing, runs
 from common.kv.pool import KVPool
 from common.kv.transport import KVTransport, make_transport
@@ -82,6 +84,21 @@ def test_a_landing_must_match_the_handoff(published, tiny_llava):
     with pytest.raises(ValueError, match="into a pool of"):
         Landing.of(published.layout, small.arrays(), list(range(n)))
     assert Landing.of(published.layout, pool.arrays(), list(range(64 - n, 64))).runs[0].block == 64 - n
+
+
+def test_a_bfloat16_handoff_lands_in_a_bfloat16_pool():
+    """bfloat16 travels as its raw ``uint16`` bits, and the pool's arrays are those bits too: the landing's dtype check
+    agrees, and the bits land as they left."""
+    cache = DynamicCache()
+    for i in range(3):
+        k = torch.randn(1, 2, 37, 8).to(torch.bfloat16)
+        cache.update(k, -k, i)
+    kv = export_kv(cache, 16)
+    pool = KVPool(16, 16, (3, 2, 8), torch.bfloat16)
+    blocks = [5, 6, 2]
+    for dst, src in Landing.of(kv.layout, pool.arrays(), blocks).pairs(kv.keys, kv.values):
+        dst[...] = src
+    np.testing.assert_array_equal(pool.arrays()[1][:, blocks], kv.values)
 
 
 @pytest.mark.parametrize(("sender", "receiver"), [("fake", "object_store"), ("object_store", "fake")])
