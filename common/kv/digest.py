@@ -89,7 +89,7 @@ class SegmentedDigest:
         return combine(self._done + tail)
 
 
-def _segments(pairs: list[tuple[np.ndarray, np.ndarray | None]]) -> list[list[tuple[np.ndarray, np.ndarray | None]]]:
+def cut_segments(pairs: list[tuple[np.ndarray, np.ndarray | None]]) -> list[list[tuple[np.ndarray, np.ndarray | None]]]:
     """The stream of ``pairs`` (flat ``uint8`` destinations, each with its source or ``None``) cut at every
     :data:`SEGMENT_BYTES`: per segment, its pieces."""
     out: list[list[tuple[np.ndarray, np.ndarray | None]]] = [[]]
@@ -137,7 +137,7 @@ def _at_full_priority() -> bool:
 
 
 def _run(pairs: list[tuple[np.ndarray, np.ndarray | None]], threads: int) -> int:
-    segments = _segments(pairs)
+    segments = cut_segments(pairs)
     digests = [0] * len(segments)
     helpers = min(threads, len(segments)) - 1
     if helpers <= 0 or not _at_full_priority():  # (the priority's syscalls only when there is work to share)

@@ -3,12 +3,12 @@ is still in cache, on a thread that does not wait for the GIL.
 
 Lifecycle, for one landing (:meth:`common.kv.transport.nixl.NixlTransport.land`): :class:`HashBehind` is made with
 the landing's destination pieces, in stream order, before the first transfer is posted — it cuts them at the
-checksum's segment boundaries (:data:`common.kv.digest.SEGMENT_BYTES`) and starts the hash on the given executor;
-the transferring thread calls :meth:`HashBehind.landed` as each transfer completes; :meth:`HashBehind.intdigest`
-waits for the last piece and gives the checksum, the same as :func:`common.kv.digest.digest` of the pieces (a loop
-still queued behind other landings' is run by the caller then, so one slow transfer never holds up another's check).
-:meth:`HashBehind.abort` (the transfer failed) stops the hash and returns only once nothing of it reads the
-destination any more.
+checksum's segment boundaries (the digest's own cut, :func:`common.kv.digest.cut_segments`) and starts the hash on
+the given executor; the transferring thread calls :meth:`HashBehind.landed` as each transfer completes;
+:meth:`HashBehind.intdigest` waits for the last piece and gives the checksum, the same as
+:func:`common.kv.digest.digest` of the pieces (a loop still queued behind other landings' is run by the caller then,
+so one slow transfer never holds up another's check). :meth:`HashBehind.abort` (the transfer failed) stops the hash
+and returns only once nothing of it reads the destination any more.
 
 Why a C loop (``native/hash_behind.c``): NIXL's ``transfer()`` holds the GIL while UCX's cross-memory attach copies
 inside it, so a Python thread that hashed each group and went back to Python for the next waited for the GIL behind
@@ -21,8 +21,10 @@ the same checksum, no overlap.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
+import itertools
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ import numpy as np
 
 from common.errors import HandoffError
 from common.kv import xxh3
-from common.kv.digest import SEGMENT_BYTES, combine, digest, flat_bytes
+from common.kv.digest import combine, cut_segments, digest, flat_bytes
 from common.native_build import load_optional
 
 SOURCE = Path(__file__).with_name("native") / "hash_behind.c"
@@ -64,22 +66,13 @@ def warm() -> bool:
 
 
 def _cut(pieces: list[np.ndarray]) -> tuple[list[tuple[int, int, bool]], list[int]]:
-    """The pieces cut at every segment boundary of their stream: ``(address, length, ends a segment)`` in order (the
-    last always ends one), and for each piece how many cut pieces there are up to its end."""
+    """The pieces cut at every segment boundary of their stream (:func:`common.kv.digest.cut_segments`): ``(address,
+    length, ends a segment)`` in order, and for each piece how many cut pieces there are up to its end."""
     cut: list[tuple[int, int, bool]] = []
-    upto: list[int] = []
-    fill = 0
-    for piece in pieces:
-        addr, n, at = int(piece.ctypes.data), int(piece.size), 0
-        while at < n:
-            take = min(n - at, SEGMENT_BYTES - fill)
-            fill += take
-            cut.append((addr + at, take, fill == SEGMENT_BYTES))
-            fill, at = (0 if fill == SEGMENT_BYTES else fill), at + take
-        upto.append(len(cut))
-    if cut and not cut[-1][2]:
-        cut[-1] = (*cut[-1][:2], True)
-    return cut, upto
+    for segment in cut_segments([(p, None) for p in pieces]):
+        cut += [(int(v.ctypes.data), int(v.size), j == len(segment) - 1) for j, (v, _) in enumerate(segment)]
+    ends = list(itertools.accumulate(n for _, n, _ in cut))
+    return cut, [bisect.bisect_right(ends, end) for end in itertools.accumulate(int(p.size) for p in pieces)]
 
 
 class HashBehind:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from common.native_build import compiler, load_library
+from common.native_build import address, compiler, load_library
 
 log = logging.getLogger("prism.kv.xxh3")
 
@@ -90,7 +90,7 @@ def _copy_hash() -> Any | None:
         return None
     ptr, size = ctypes.c_void_p, ctypes.c_size_t
     loop = _typed(library.copy_hash, ctypes.c_int, [ptr, ptr, size, size, ptr, ptr])
-    update = ctypes.cast(_LIB.update, ctypes.c_void_p).value  # (the package's function, by address)
+    update = address(_LIB.update)  # (the package's function, by address)
     return functools.partial(_call_loop, loop, update)
 
 
@@ -99,7 +99,7 @@ def functions() -> tuple[int, int, int] | None:
     taking the GIL (:mod:`common.kv.hash_behind`) — or ``None`` where the module does not export them."""
     if _LIB is None:
         return None
-    return tuple(int(ctypes.cast(f, ctypes.c_void_p).value or 0) for f in (_LIB.update, _LIB.reset, _LIB.digest))
+    return address(_LIB.update), address(_LIB.reset), address(_LIB.digest)
 
 
 def warm() -> bool:

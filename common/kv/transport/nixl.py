@@ -35,7 +35,6 @@ freed once merged.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +46,6 @@ from common.errors import HandoffError, RevisionMismatch
 from common.kv import hash_behind
 from common.kv.blocks import fresh_buffers
 from common.kv.digest import SCHEME, digest
-from common.kv.hash_behind import HashBehind
 from common.kv.landing import Landing
 from common.kv.transport.base import KVTransport, Received
 from common.kv.transport.nixl_agent import STAGING_BYTES, Agent, PeerRef, Spans
@@ -64,8 +62,9 @@ from common.protocol.handoff import (
 GROUP_BYTES = 4 << 20
 """About how many bytes each of a landing's transfers moves (a KV of a few MB goes as one). Small enough that a group
 is hashed from cache while the next one moves; large enough that the post's own cost (a few tens of µs) is noise.
-256 MB landed into a pool, 2-core AMD EPYC Zen 4, against UCX's own READ of the same size in the same run: 0.80–0.83
-with 4 or 8 MB groups, 0.77 with 16, 0.71 with 32 (``loadtest/bench_transfer.py``; before the C loop, 0.66 with 16)."""
+256 MB landed into a pool, 2-core AMD EPYC Zen 4, against UCX's own READ of the same size in the same run (the
+parts of ``loadtest/bench_transfer.py`` in a driver of their own, 5–7 repeats; repeats spread widely on that host):
+0.80–0.83 with 4 or 8 MB groups, 0.77 with 16, 0.71 with 32; before the C loop, 0.53–0.78 with 16."""
 
 
 HASH_THREADS = 4
@@ -137,7 +136,7 @@ class NixlTransport(KVTransport):
         super().prepare(sends, receives)  # (a hand-off sent by value lands through the copy loop)
         self.agent.prepare(sends, receives)
         if receives:
-            hash_behind.warm()
+            hash_behind.warm()  # (the landing's hash loop built now, not on the first hand-off)
 
     @property
     def registrations(self) -> int:
@@ -214,13 +213,13 @@ class NixlTransport(KVTransport):
         bases = (pre.kv.keys_addr, pre.kv.values_addr)
         remote = [(bases[array] + offset, n) for array, offset, n in landing.remote_pieces()]
         groups = _groups([n for _, n in spans], GROUP_BYTES)
-        ends = list(itertools.accumulate(len(g) for g in groups))
-        hashed = HashBehind(local, self._hasher, 2 * self.agent.timeout_s)  # (the read gives up at its timeout)
+        # (the hash loop waits at most twice as long as the read does for its transfers)
+        hashed = hash_behind.HashBehind(local, self._hasher, 2 * self.agent.timeout_s)
         try:
             self.agent.read(
                 pre.kv.peer,
                 [([spans[i] for i in g], [remote[i] for i in g]) for g in groups],
-                lambda group: hashed.landed(ends[group]),
+                lambda group: hashed.landed(groups[group][-1] + 1),  # (groups are consecutive spans)
             )
         except BaseException:
             hashed.abort()  # (nothing of ours reads the blocks once we return)
