@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import bench_ucx
-from loadtest.figures import record
+from loadtest.figures import bandwidth, record
 
 
 def decode_figures(model: str, runs: int, tokens: int, out: Path) -> dict[str, Any]:
@@ -120,15 +120,41 @@ STORE_BYTES = 1 << 30
 
 
 def nixl_versus_ucx(nx: dict[str, Any], size: int) -> tuple[float | None, list[float | None]]:
-    """UCX's default READ (of ``size`` bytes) as a fraction of memcpy, and each NIXL hand-off of ``size`` over it.
+    """UCX's default READ (of ``size`` bytes) as a fraction of memcpy, and each NIXL hand-off of ``size`` over the
+    READ timed beside it (repeat by repeat: :func:`loadtest.bench_transfer.measure`'s ``beside``).
 
     UCX's READ is of the largest size only, so NIXL's hand-offs of that size are what it is compared with — both
-    fractions of the one memcpy measured at that size. NIXL's headline figure is the worse of its two sizes; until
-    2026-12-04 that headline was compared here, a 64 MB hand-off against a 256 MB READ, each over a memcpy of its
-    own."""
-    ucx = nx["ucx_read"].get("default", {}).get("fraction_of_memcpy")
+    fractions of the one memcpy measured at that size. Until 2026-12-04 NIXL's headline (the worse of its two sizes)
+    was compared here; until 2026-12-07 with the median of READs timed after every hand-off rather than between
+    them (on this shared machine, a slow spell then fell on one side only: the same code read 0.48–0.84)."""
+    ucx = nx["ucx_read"].get("default", {})
     fractions = nx["sizes"][str(size)]["fractions"]
-    return ucx, [f / ucx if ucx else None for f in fractions]
+    if "fractions" not in ucx:
+        return None, [None for _ in fractions]
+    return ucx["fraction_of_memcpy"], [f / u for f, u in zip(fractions, ucx["fractions"], strict=True)]
+
+
+def nixl_beside_ucx(runs: int, ucx_transports: dict[str, str | None]) -> dict[str, Any]:
+    """NIXL's hand-off figures with UCX's default READ of the largest size timed between its hand-offs of that size
+    (``ucx_read["default"]``), and UCX's READ with each other transport of ``ucx_transports`` on its own."""
+    from loadtest import bench_transfer
+
+    size, error = bench_transfer.SIZES[-1], "no READ timed"
+    try:
+        read_once, end = bench_ucx.beside(size)
+    except Exception as exc:  # (UCX would not start here: the hand-offs are still measured, the ratio is not)
+        read_once, end, error = None, lambda: None, f"{type(exc).__name__}: {str(exc)[-300:]}"
+    try:
+        nx = bench_transfer.transport_figures("nixl", runs, beside={size: read_once} if read_once else None)
+    finally:
+        end()
+    at_size = nx["sizes"][str(size)]
+    memcpy, side = at_size["memcpy_bytes_per_s"], at_size.pop("beside_seconds", None)
+    default = {"ucx_tls": "unset", "timed": "between the hand-offs", **bandwidth(size, side, memcpy)} if side else None
+    others = {label: tls for label, tls in ucx_transports.items() if tls is not None}
+    nx["ucx_read"] = {"default": default or {"ucx_tls": "unset", "error": error}}
+    nx["ucx_read"] |= bench_ucx.figures(size, memcpy, runs, others)
+    return nx
 
 
 def transfer_figures(store_runs: int, nixl_runs: int, ucx_transports: dict[str, str | None]) -> dict[str, Any]:
@@ -150,10 +176,7 @@ def transfer_figures(store_runs: int, nixl_runs: int, ucx_transports: dict[str, 
     )
     try:
         store = bench_transfer.transport_figures("object_store", store_runs, STORE_BYTES)
-        nx = bench_transfer.transport_figures("nixl", nixl_runs)
-        size = bench_transfer.SIZES[-1]
-        memcpy = nx["sizes"][str(size)]["memcpy_bytes_per_s"]
-        nx["ucx_read"] = bench_ucx.figures(size, memcpy, nixl_runs, ucx_transports)
+        nx = nixl_beside_ucx(nixl_runs, ucx_transports)
     finally:
         ray.shutdown()
     note = (
@@ -164,9 +187,10 @@ def transfer_figures(store_runs: int, nixl_runs: int, ucx_transports: dict[str, 
     nixl_note = (
         "publish + open + one READ from the sender's staging arena into the decode pool's leased blocks + the seal's "
         "check (hashed as the groups land); one copy; ucx_read: one READ between pre-registered buffers, UCX's own "
-        "ceiling (loadtest/bench_ucx.py); nixl_vs_ucx_read: the hand-offs of ucx_read's size over its default, same run"
+        "ceiling (loadtest/bench_ucx.py); nixl_vs_ucx_read: each hand-off of ucx_read's size over the default "
+        "READ timed beside it"
     )
-    ucx, versus = nixl_versus_ucx(nx, size)
+    ucx, versus = nixl_versus_ucx(nx, bench_transfer.SIZES[-1])
     return {
         "handoff_bw_fraction_of_memcpy": record("handoff_bw_fraction_of_memcpy", store["fractions"], store, note=note),
         "nixl_bw_fraction_of_memcpy": record("nixl_bw_fraction_of_memcpy", nx["fractions"], nx, note=nixl_note),
@@ -174,7 +198,7 @@ def transfer_figures(store_runs: int, nixl_runs: int, ucx_transports: dict[str, 
             "nixl_vs_ucx_read",
             versus,
             {"ucx_read_fraction_of_memcpy": ucx},
-            note="each NIXL hand-off of the largest size: its fraction of memcpy over UCX's own READ of that size "
-            "(UCX_TLS unset), same run",
+            note="each NIXL hand-off of the largest size: its fraction of memcpy over that of UCX's own READ of that "
+            "size (UCX_TLS unset) timed beside it, after or before it alternately",
         ),
     }

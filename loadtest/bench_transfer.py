@@ -135,23 +135,37 @@ def figure(nbytes: int, times: list[tuple[float, float, float]], memcpy: float, 
 
 
 def measure(
-    sender_publish, receiver_receive, nbytes: int, repeats: int, memcpy: float, floor: float, warmups: int = 1
+    sender_publish,
+    receiver_receive,
+    nbytes: int,
+    repeats: int,
+    memcpy: float,
+    floor: float,
+    warmups: int = 1,
+    beside: Callable[[], float] | None = None,
 ) -> dict:
     """Drive one sender/receiver pair (local callables or actor wrappers that return plain values): ``warmups``
-    hand-offs first (the first one's time is reported as ``cold_seconds``), then ``repeats`` timed ones."""
+    hand-offs first (the first one's time is reported as ``cold_seconds``), then ``repeats`` timed ones. ``beside``
+    (seconds of something compared with the hand-offs) is timed next to each repeat — after it, then before the
+    next, alternately: neither side always follows the other — its times as ``beside_seconds``, repeat by repeat."""
     cold = 0.0
     for _ in range(warmups):
         handle, publish_s, _ = sender_publish(nbytes)
         receive_s, _ = receiver_receive(handle, nbytes)
         cold = cold or publish_s + receive_s
-    times = []
-    for _ in range(repeats):
+    times, side = [], []
+    for i in range(repeats):
+        if beside is not None and i % 2:
+            side.append(beside())
         handle, publish_s, export_s = sender_publish(nbytes)
         receive_s, moved = receiver_receive(handle, nbytes)
         if moved != nbytes:
             raise RuntimeError(f"hand-off moved {moved} bytes of {nbytes}")
         times.append((publish_s, receive_s, export_s))
-    return {**figure(nbytes, times, memcpy, floor), "warmups": warmups, "cold_seconds": cold}
+        if beside is not None and not i % 2:
+            side.append(beside())
+    extra = {"beside_seconds": side} if beside is not None else {}
+    return {**figure(nbytes, times, memcpy, floor), "warmups": warmups, "cold_seconds": cold, **extra}
 
 
 # ---- the two real transports, each side in its own Ray actor ------------------------------------------------------
@@ -192,9 +206,12 @@ def _actors(kind: str):
     return SenderActor.remote(), ReceiverActor.remote()
 
 
-def transport_figures(kind: str, repeats: int = 5, store_bytes: int = 0) -> dict[str, Any]:
-    """Both payload sizes through ``kind`` (``object_store`` | ``nixl``); fresh actors per transport. The headline is
-    the size with the lower median fraction; ``fractions`` are its repeats' (the figure's runs). Warm-ups: enough
+def transport_figures(
+    kind: str, repeats: int = 5, store_bytes: int = 0, beside: dict[int, Callable[[], float]] | None = None
+) -> dict[str, Any]:
+    """Both payload sizes through ``kind`` (``object_store`` | ``nixl``); fresh actors per transport, ended after. The
+    headline is the size with the lower median fraction; ``fractions`` are its repeats' (the figure's runs).
+    ``beside``: per size, what :func:`measure` times between its hand-offs. Warm-ups: enough
     hand-offs to have cycled twice through ``store_bytes`` of object store (each process maps the store's pages on
     first touch, once: long-lived replicas have), at least one. Twice: the store does not place successive objects in
     order, and after one pass some 64 MB puts still landed on pages the sender had never touched (18 ms for the put
@@ -203,16 +220,21 @@ def transport_figures(kind: str, repeats: int = 5, store_bytes: int = 0) -> dict
 
     sender, receiver = _actors(kind)
     sizes = {}
-    for nbytes in SIZES:
-        memcpy = memcpy_bytes_per_s(nbytes)
+    try:
+        for nbytes in SIZES:
+            memcpy = memcpy_bytes_per_s(nbytes)
 
-        def publish(n: int):
-            ray.get(sender.release.remote())  # NIXL: frees the slots earlier reads finished with
-            return ray.get(sender.publish.remote(n))
+            def publish(n: int):
+                ray.get(sender.release.remote())  # NIXL: frees the slots earlier reads finished with
+                return ray.get(sender.publish.remote(n))
 
-        warmups = 1 + 2 * -(-store_bytes // nbytes)
-        receive = lambda h, n: ray.get(receiver.receive.remote(h, n))  # noqa: E731
-        sizes[str(nbytes)] = measure(publish, receive, nbytes, repeats, memcpy, COPY_FLOORS[kind], warmups)
+            warmups = 1 + 2 * -(-store_bytes // nbytes)
+            receive = lambda h, n: ray.get(receiver.receive.remote(h, n))  # noqa: E731
+            side = (beside or {}).get(nbytes)
+            sizes[str(nbytes)] = measure(publish, receive, nbytes, repeats, memcpy, COPY_FLOORS[kind], warmups, side)
+    finally:  # (their NIXL agents' threads, or their pools, are not left beside what is measured next)
+        for actor in (sender, receiver):
+            ray.kill(actor)
     worst = min(sizes.values(), key=lambda f: f["fraction_of_memcpy"])
     out: dict[str, Any] = {
         "fraction_of_memcpy": worst["fraction_of_memcpy"],

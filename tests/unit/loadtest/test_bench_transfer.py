@@ -78,6 +78,24 @@ def test_the_median_repeat_with_every_repeats_fraction_and_a_short_delivery_is_a
         bt.measure(sender.publish, short, SMALL, repeats=1, memcpy=1.0, floor=0.5)
 
 
+def test_what_is_timed_beside_the_hand_offs_runs_after_then_before_them_alternately(pair):
+    sender, receiver = pair
+    order: list[str] = []
+
+    def publish(n):
+        order.append("hand-off")
+        return sender.publish(n)
+
+    def beside() -> float:
+        order.append("beside")
+        return 0.5 + len(order)
+
+    fig = bt.measure(publish, receiver.receive, SMALL, repeats=4, memcpy=1.0, floor=0.5, warmups=1, beside=beside)
+    assert order == ["hand-off"] + ["hand-off", "beside", "beside", "hand-off"] * 2  # (the warm-up: nothing beside)
+    assert fig["beside_seconds"] == [3.5, 4.5, 7.5, 8.5] and len(fig["fractions"]) == 4
+    assert "beside_seconds" not in bt.measure(sender.publish, receiver.receive, SMALL, 1, 1.0, 0.5)
+
+
 def test_payload_geometry():
     assert bt.SIZES == (64 << 20, 256 << 20)
     assert bt.payload_tokens(64 << 20) * bt.TOKEN_BYTES == 64 << 20  # whole tokens: the bytes are exact
@@ -93,9 +111,9 @@ def test_nixl_is_compared_with_ucx_at_the_size_ucx_read():
     nx = {
         "fractions": [0.2, 0.3],  # (the headline: the 64 MB hand-offs here)
         "sizes": {str(64 << 20): {"fractions": [0.2, 0.3]}, str(256 << 20): {"fractions": [0.4, 0.6]}},
-        "ucx_read": {"default": {"fraction_of_memcpy": 0.8}},
+        "ucx_read": {"default": {"fraction_of_memcpy": 0.8, "fractions": [0.5, 1.0]}},
     }
     ucx, versus = nixl_versus_ucx(nx, 256 << 20)
-    assert ucx == 0.8 and versus == pytest.approx([0.5, 0.75])
+    assert ucx == 0.8 and versus == pytest.approx([0.8, 0.6])  # each hand-off over the READ timed beside it
     nx["ucx_read"] = {"default": {"error": "no UCX"}}
     assert nixl_versus_ucx(nx, 256 << 20) == (None, [None, None])

@@ -19,3 +19,16 @@ def test_a_read_between_two_registered_buffers_lands_and_is_summarised():
     fig = bandwidth(nbytes, times, memcpy=10e9)
     assert fig["repeats"] == 3 and fig["bytes_per_s"] == pytest.approx(nbytes / fig["seconds"])
     assert fig["fraction_of_memcpy"] == pytest.approx(fig["bytes_per_s"] / 10e9) and len(fig["fractions"]) == 3
+
+
+def test_a_connected_reader_times_one_read_at_a_time_and_sees_the_bytes_land():
+    pytest.importorskip("nixl")
+    sender, receiver = bench_ucx.Peer("bench-ucx-test-s2"), bench_ucx.Peer("bench-ucx-test-r2")
+    nbytes = 1 << 20
+    metadata, addr = sender.expose(nbytes)
+    receiver.connect(metadata, addr, nbytes)
+    assert receiver.buffer is not None and not receiver.buffer.any()
+    assert receiver.read_once() > 0 and receiver.buffer.all()
+    sender.buffer[-1] = 0  # type: ignore[index]  # (the last byte is what read_once checks landed)
+    with pytest.raises(RuntimeError, match="did not land"):
+        receiver.read_once()
