@@ -1,5 +1,5 @@
 """Builds and loads Prism's C sources (``common/kv/native/*.c``, ``common/model/row_gemm.c``,
-``common/engine/decode_layers.c``) with the machine's C compiler: once per machine, cached.
+``common/engine/decode_layers.c``, ``common/grammar/masks.c``) with the machine's C compiler: once per machine, cached.
 
 Lifecycle: :func:`load_library` compiles a source with the system C compiler (``cc -O3 -march=native -ffast-math
 -fopenmp``: built for the CPU it runs on, so the cache key holds the CPU's flags, the source, the headers beside it

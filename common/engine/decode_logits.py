@@ -19,6 +19,7 @@ import torch
 from common.engine.decode_forward import DecodeForward
 from common.engine.paged_step import build_step_context
 from common.engine.sequence import RunningSequence
+from common.grammar import masks
 from common.grammar.masks import MaskBuffer, apply_masks
 from common.kv.native import DecodeKernel
 from common.kv.pool import KVPool
@@ -59,6 +60,7 @@ class StepMasks:
     def __init__(self, max_batch: int) -> None:
         self.max_batch = max_batch
         self._buffer: MaskBuffer | None = None
+        masks.warm()  # (the C kernel built with the engine, not on its first constrained step)
         self.seconds = 0.0
         """Spent filling and applying masks (the structured-output overhead of the steps)."""
         self.rows = 0

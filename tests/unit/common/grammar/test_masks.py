@@ -22,9 +22,16 @@ def _naive(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> torch.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dense", [True, False])
-def test_apply_masks_equals_a_plain_masked_fill(dtype, dense, monkeypatch):
-    monkeypatch.setattr(masks_module, "DENSE_VOCAB", 10**6 if dense else 0)
+@pytest.mark.parametrize("path", ["c", "dense", "sparse"])
+def test_apply_masks_equals_a_plain_masked_fill(dtype, path, monkeypatch):
+    if path == "c" and not masks_module.warm():
+        pytest.skip("no C compiler here: the numpy paths are what runs")
+    if path != "c":
+        monkeypatch.setattr(masks_module, "_kernel", lambda: None)
+    monkeypatch.setattr(masks_module, "DENSE_VOCAB", 10**6 if path == "dense" else 0)
+    calls = []
+    apply_in_c = masks_module._apply_in_c
+    monkeypatch.setattr(masks_module, "_apply_in_c", lambda *a: calls.append(apply_in_c(*a)) or calls[-1])
     rng = np.random.default_rng(0)
     vocab, words = 1000, 32  # (1000 is not a multiple of 32: the last word's high bits are padding)
     masks = np.full((4, words), -1, dtype=np.int32)
@@ -44,3 +51,18 @@ def test_apply_masks_equals_a_plain_masked_fill(dtype, dense, monkeypatch):
     apply_masks(got, rows, torch.from_numpy(masks))
     assert torch.equal(got, want)
     assert torch.equal(got[[1, 4]], logits[[1, 4]])  # rows without a grammar: untouched
+    assert calls == [path == "c"]  # (the path under test is the one that ran)
+
+
+def test_logits_the_c_kernel_does_not_take_go_through_numpy_and_short_masks_are_refused():
+    masks = torch.zeros(2, 2, dtype=torch.int32)
+    masks[0, 0] = 0b101  # tokens 0 and 2 allowed
+    wide = torch.randn(2, 128)
+    strided = wide[:, ::2]  # (rows of 64 that are not contiguous: numpy's path)
+    want = _naive(strided, [0, 1], masks)
+    assert not masks_module._apply_in_c(strided, [0, 1], masks, REFUSED)
+    apply_masks(strided, [0, 1], masks)
+    assert torch.equal(strided, want)
+    if masks_module.warm():
+        with pytest.raises(ValueError, match="cover 64 tokens, the logits 65"):
+            apply_masks(torch.randn(2, 65), [0, 1], masks)
