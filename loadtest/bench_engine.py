@@ -125,7 +125,7 @@ def nixl_versus_ucx(nx: dict[str, Any], size: int) -> tuple[float | None, list[f
 
     UCX's READ is of the largest size only, so NIXL's hand-offs of that size are what it is compared with — both
     fractions of the one memcpy measured at that size. Until 2026-12-04 NIXL's headline (the worse of its two sizes)
-    was compared here; until 2026-12-07 with the median of READs timed after every hand-off rather than between
+    was compared here; until 2026-12-06 with the median of READs timed after every hand-off rather than between
     them (on this shared machine, a slow spell then fell on one side only: the same code read 0.48–0.84)."""
     ucx = nx["ucx_read"].get("default", {})
     fractions = nx["sizes"][str(size)]["fractions"]
