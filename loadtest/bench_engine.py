@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -139,18 +140,33 @@ def nixl_beside_ucx(runs: int, ucx_transports: dict[str, str | None]) -> dict[st
     (``ucx_read["default"]``), and UCX's READ with each other transport of ``ucx_transports`` on its own."""
     from loadtest import bench_transfer
 
-    size, error = bench_transfer.SIZES[-1], "no READ timed"
+    size, errors = bench_transfer.SIZES[-1], []
     try:
         read_once, end = bench_ucx.beside(size)
     except Exception as exc:  # (UCX would not start here: the hand-offs are still measured, the ratio is not)
-        read_once, end, error = None, lambda: None, f"{type(exc).__name__}: {str(exc)[-300:]}"
+        read_once, end = None, lambda: None
+        errors.append(f"{type(exc).__name__}: {str(exc)[-300:]}")
+
+    def guarded() -> float:
+        """One READ's seconds; after a READ that failed, none is timed (NaN) and the error is kept, not raised: the
+        hand-offs and the figures after them are still measured."""
+        if errors:
+            return math.nan
+        try:
+            return read_once()  # type: ignore[misc]
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {str(exc)[-300:]}")
+            return math.nan
+
     try:
-        nx = bench_transfer.transport_figures("nixl", runs, beside={size: read_once} if read_once else None)
+        nx = bench_transfer.transport_figures("nixl", runs, beside={size: guarded} if read_once else None)
     finally:
         end()
     at_size = nx["sizes"][str(size)]
     memcpy, side = at_size["memcpy_bytes_per_s"], at_size.pop("beside_seconds", None)
-    default = {"ucx_tls": "unset", "timed": "between the hand-offs", **bandwidth(size, side, memcpy)} if side else None
+    timed = side and not errors
+    default = {"ucx_tls": "unset", "timed": "between the hand-offs", **bandwidth(size, side, memcpy)} if timed else None
+    error = errors[0] if errors else "no READ timed"
     others = {label: tls for label, tls in ucx_transports.items() if tls is not None}
     nx["ucx_read"] = {"default": default or {"ucx_tls": "unset", "error": error}}
     nx["ucx_read"] |= bench_ucx.figures(size, memcpy, runs, others)

@@ -55,6 +55,7 @@ class Peer:
     def read_once(self) -> float:
         """Seconds of one READ of the connected peer's buffer into this one (``initialize_xfer`` to completion)."""
         agent = self.agent
+        self.buffer[-1] = 0  # type: ignore[index]  # (set again only by this READ: checked below)
         start = time.perf_counter()
         xfer = agent.initialize_xfer("READ", self.local, self.remote, self.peer, b"bench")
         state = agent.transfer(xfer)

@@ -10,8 +10,8 @@ never read or written, so a sequence's tokens do not depend on its neighbours' g
 one call for the batch, rows over PyTorch's threads, a word of the mask at a time (all allowed: skipped; all refused:
 one store). At a 151k-token vocabulary and 32 rows it took 0.4 ms a step where the numpy paths beside it took
 1.2–2.1 ms (``loadtest/bench_grammar.py``'s masks, 2-core AMD EPYC Zen 4). Where it cannot be built (no compiler,
-``PRISM_NATIVE_MASKS=0``), or for logits it does not take (not on the CPU, rows not contiguous), those paths run:
-the same bits.
+``PRISM_NATIVE_MASKS=0``), or for tensors it does not take (another dtype or device, logits not ``[rows, vocab]``
+with contiguous rows, masks not contiguous ``int32``, a row index outside the logits), those paths run: the same bits.
 """
 
 from __future__ import annotations
@@ -97,11 +97,14 @@ def _apply_in_c(logits: torch.Tensor, rows: list[int], masks: torch.Tensor, refu
     lib, bits = _kernel(), _BITS.get(logits.dtype)
     if lib is None or bits is None or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(-1) != 1:
         return False
-    if masks.dtype != torch.int32 or not masks.is_contiguous() or masks.shape[0] < len(rows):
+    if masks.dtype != torch.int32 or masks.device.type != "cpu" or not masks.is_contiguous():
         return False
     vocab, words = logits.shape[-1], masks.shape[1]
-    if words * 32 < vocab:
-        raise ValueError(f"masks of {words} words cover {words * 32} tokens, the logits {vocab}")
+    # (C writes where it is told: rows outside the logits, or rows that overlap, go to numpy, which checks)
+    if masks.shape[0] < len(rows) or logits.stride(0) < vocab or len(set(rows)) < len(rows):
+        return False
+    if not all(0 <= r < logits.shape[0] for r in rows):
+        return False
     fn = lib.apply_masks_32 if bits == torch.int32 else lib.apply_masks_16
     pattern = torch.tensor([refused_value], dtype=logits.dtype).view(bits).item() & (
         0xFFFFFFFF if bits == torch.int32 else 0xFFFF
@@ -129,6 +132,8 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> N
     here, this ≈ 3 ms). Up to :data:`DENSE_VOCAB` tokens, one masked fill over the rows (the loop's per-row cost
     would dominate)."""
     vocab = logits.shape[-1]
+    if masks.shape[1] * 32 < vocab:
+        raise ValueError(f"masks of {masks.shape[1]} words cover {masks.shape[1] * 32} tokens, the logits {vocab}")
     refused_value = max(REFUSED, torch.finfo(logits.dtype).min)
     if _apply_in_c(logits, rows, masks, refused_value):
         return

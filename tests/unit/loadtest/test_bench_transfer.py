@@ -117,3 +117,35 @@ def test_nixl_is_compared_with_ucx_at_the_size_ucx_read():
     assert ucx == 0.8 and versus == pytest.approx([0.8, 0.6])  # each hand-off over the READ timed beside it
     nx["ucx_read"] = {"default": {"error": "no UCX"}}
     assert nixl_versus_ucx(nx, 256 << 20) == (None, [None, None])
+
+
+def test_a_ucx_read_that_fails_beside_the_hand_offs_is_recorded_not_raised(monkeypatch):
+    """A READ that fails mid-run (a dead actor, a timeout) leaves the hand-offs measured and the ratio ``None``."""
+    import math
+
+    from loadtest import bench_engine, bench_ucx
+
+    reads = iter([0.5, RuntimeError("NIXL READ failed")])
+
+    def read_once() -> float:
+        value = next(reads)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    ended = []
+    monkeypatch.setattr(bench_ucx, "beside", lambda size: (read_once, lambda: ended.append(size)))
+    monkeypatch.setattr(bench_ucx, "figures", lambda *a: {})
+    side_times = []
+
+    def transport_figures(kind, repeats, beside=None):
+        side = [beside[bt.SIZES[-1]]() for _ in range(repeats)]
+        side_times.extend(side)
+        size = {"fractions": [0.5] * repeats, "memcpy_bytes_per_s": 1e9, "beside_seconds": side}
+        return {"fractions": [0.5] * repeats, "sizes": {str(bt.SIZES[-1]): size}}
+
+    monkeypatch.setattr(bt, "transport_figures", transport_figures)
+    nx = bench_engine.nixl_beside_ucx(3, {"default": None})
+    assert side_times[0] == 0.5 and all(math.isnan(t) for t in side_times[1:])  # (no READ timed after the failure)
+    assert nx["ucx_read"]["default"]["error"] == "RuntimeError: NIXL READ failed" and ended == [bt.SIZES[-1]]
+    assert bench_engine.nixl_versus_ucx(nx, bt.SIZES[-1]) == (None, [None, None, None])

@@ -63,6 +63,16 @@ def test_logits_the_c_kernel_does_not_take_go_through_numpy_and_short_masks_are_
     assert not masks_module._apply_in_c(strided, [0, 1], masks, REFUSED)
     apply_masks(strided, [0, 1], masks)
     assert torch.equal(strided, want)
-    if masks_module.warm():
-        with pytest.raises(ValueError, match="cover 64 tokens, the logits 65"):
-            apply_masks(torch.randn(2, 65), [0, 1], masks)
+    with pytest.raises(ValueError, match="cover 64 tokens, the logits 65"):  # (every path)
+        apply_masks(torch.randn(2, 65), [0, 1], masks)
+
+
+def test_rows_outside_the_logits_or_repeated_never_reach_the_c_kernel():
+    masks = torch.zeros(2, 2, dtype=torch.int32)
+    parent = torch.randn(4, 64)
+    before = parent.clone()
+    for rows in ([3], [-1], [0, 0]):
+        assert not masks_module._apply_in_c(parent[:2], rows, masks, REFUSED)
+    with pytest.raises(IndexError):  # (numpy's path checks the index: nothing past the view is written)
+        apply_masks(parent[:2], [3], masks)
+    assert torch.equal(parent[2:], before[2:])
