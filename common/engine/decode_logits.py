@@ -19,8 +19,8 @@ import torch
 from common.engine.decode_forward import DecodeForward
 from common.engine.paged_step import build_step_context
 from common.engine.sequence import RunningSequence
-from common.grammar import masks
 from common.grammar.masks import MaskBuffer, apply_masks
+from common.grammar.masks import warm as warm_masks
 from common.kv.native import DecodeKernel
 from common.kv.pool import KVPool
 from common.model.loader import LoadedModel
@@ -60,7 +60,7 @@ class StepMasks:
     def __init__(self, max_batch: int) -> None:
         self.max_batch = max_batch
         self._buffer: MaskBuffer | None = None
-        masks.warm()  # (the C kernel built with the engine, not on its first constrained step)
+        warm_masks()  # (the C kernel built with the engine, not on its first constrained step)
         self.seconds = 0.0
         """Spent filling and applying masks (the structured-output overhead of the steps)."""
         self.rows = 0

@@ -2,11 +2,11 @@
  *
  * A mask row is llguidance's bitmask: one bit per token id, 32 per word, bit j of word w for token 32 w + j; a 0 bit
  * refuses the token. Each refused logit is overwritten with the caller's "refused" bit pattern (the dtype's value of
- * REFUSED, computed by PyTorch); an allowed one keeps its bits exactly (a mixed word may store it back unchanged). Logits are handled
- * as raw 32- or 16-bit patterns: no arithmetic, so fp32, bf16 and fp16 rows all take the same two loops. A word of
- * all ones (inside a JSON string: nearly every token allowed) is skipped; a word of zeros (between values: nearly
- * every token refused) is one store of 32 patterns; only mixed words look at their bits. Tokens past the vocabulary
- * (the last word's padding bits) are never touched.
+ * REFUSED, computed by PyTorch); an allowed one keeps its bits exactly (a mixed word may store it back unchanged).
+ * Logits are handled as raw 32- or 16-bit patterns: no arithmetic, so fp32, bf16 and fp16 rows all take the same two
+ * loops. A word of all ones (inside a JSON string: nearly every token allowed) is skipped; a word of zeros (between
+ * values: nearly every token refused) is one store of 32 patterns; only mixed words look at their bits. Tokens past
+ * the vocabulary (the last word's padding bits) are never touched.
  *
  * Rows are split over OpenMP threads (PyTorch's own pool: the caller passes torch.get_num_threads()); a row's result
  * does not depend on the thread that writes it.

@@ -91,6 +91,13 @@ def warm() -> bool:
     return _kernel() is not None
 
 
+@functools.cache
+def _pattern(dtype: torch.dtype, value: float) -> int:
+    """``value`` in ``dtype`` as the unsigned bit pattern the kernel stores (once per dtype, not per step)."""
+    bits = _BITS[dtype]
+    return torch.tensor([value], dtype=dtype).view(bits).item() & (0xFFFFFFFF if bits == torch.int32 else 0xFFFF)
+
+
 def _apply_in_c(logits: torch.Tensor, rows: list[int], masks: torch.Tensor, refused_value: float) -> bool:
     """:func:`apply_masks` through ``masks.c``; ``False`` (nothing written) where the kernel or these tensors will not
     do."""
@@ -106,9 +113,6 @@ def _apply_in_c(logits: torch.Tensor, rows: list[int], masks: torch.Tensor, refu
     if not all(0 <= r < logits.shape[0] for r in rows):
         return False
     fn = lib.apply_masks_32 if bits == torch.int32 else lib.apply_masks_16
-    pattern = torch.tensor([refused_value], dtype=logits.dtype).view(bits).item() & (
-        0xFFFFFFFF if bits == torch.int32 else 0xFFFF
-    )
     at = np.asarray(rows, np.int64)
     fn(
         logits.data_ptr(),
@@ -118,7 +122,7 @@ def _apply_in_c(logits: torch.Tensor, rows: list[int], masks: torch.Tensor, refu
         masks.data_ptr(),
         words,
         vocab,
-        pattern,
+        _pattern(logits.dtype, refused_value),
         torch.get_num_threads(),
     )
     return True
