@@ -145,7 +145,7 @@ def nixl_beside_ucx(runs: int, ucx_transports: dict[str, str | None]) -> dict[st
         read_once, end = bench_ucx.beside(size)
     except Exception as exc:  # (UCX would not start here: the hand-offs are still measured, the ratio is not)
         read_once, end = None, lambda: None
-        errors.append(f"{type(exc).__name__}: {str(exc)[-300:]}")
+        errors.append(bench_ucx.failure(exc))
 
     def guarded() -> float:
         """One READ's seconds; after a READ that failed, none is timed (NaN) and the error is kept, not raised: the
@@ -155,7 +155,7 @@ def nixl_beside_ucx(runs: int, ucx_transports: dict[str, str | None]) -> dict[st
         try:
             return read_once()  # type: ignore[misc]
         except Exception as exc:
-            errors.append(f"{type(exc).__name__}: {str(exc)[-300:]}")
+            errors.append(bench_ucx.failure(exc))
             return math.nan
 
     try:

@@ -69,20 +69,19 @@ class Peer:
             raise RuntimeError("the READ did not land")
         return seconds
 
-    def read(self, metadata: bytes, addr: int, nbytes: int, repeats: int) -> list[float]:
-        """Seconds of each READ of the peer's ``nbytes`` at ``addr`` (a warm-up first, not returned)."""
-        self.connect(metadata, addr, nbytes)
-        return [self.read_once() for _ in range(repeats + 1)][1:]
 
-
-def beside(nbytes: int) -> tuple[Callable[[], float], Callable[[], None]]:
-    """Two peers (``UCX_TLS`` unset, each in a Ray actor of its own) connected over ``nbytes`` and warmed by one READ:
-    a callable that times one more READ, and one that ends them. For timing UCX's READ between the hand-offs it is
-    compared with, so that a slow spell of a shared machine falls on both (``ray.init`` by the caller)."""
+def beside(
+    nbytes: int, tls: str | None = None, name: str = "bench-ucx"
+) -> tuple[Callable[[], float], Callable[[], None]]:
+    """Two peers (``UCX_TLS`` = ``tls``, unset for ``None``; each in a Ray actor of its own) connected over ``nbytes``
+    and warmed by one READ: a callable that times one more READ, and one that ends them. :func:`figures` times a
+    transport's READs with it; ``make bench`` times UCX's default READ between the hand-offs it is compared with, so
+    that a slow spell of a shared machine falls on both (``ray.init`` by the caller)."""
     import ray
 
-    actor = ray.remote(num_cpus=0)(Peer)
-    sender, receiver = actor.remote("bench-ucx-beside-s"), actor.remote("bench-ucx-beside-r")
+    env = {"env_vars": {"UCX_TLS": tls}} if tls else {}
+    actor = ray.remote(num_cpus=0)(Peer).options(runtime_env=env)
+    sender, receiver = actor.remote(f"{name}-s"), actor.remote(f"{name}-r")
 
     def end() -> None:
         ray.kill(sender)
@@ -98,23 +97,22 @@ def beside(nbytes: int) -> tuple[Callable[[], float], Callable[[], None]]:
     return (lambda: ray.get(receiver.read_once.remote(), timeout=300)), end
 
 
+def failure(exc: BaseException) -> str:
+    """An exception as a figure's ``error`` entry: its type and the end of its message."""
+    return f"{type(exc).__name__}: {str(exc)[-300:]}"
+
+
 def figures(nbytes: int, memcpy: float, repeats: int = 5, transports: dict[str, str | None] = TRANSPORTS) -> dict:
     """One READ figure per transport (an ``error`` entry where UCX would not start with it)."""
-    import ray
-
-    actor = ray.remote(num_cpus=0)(Peer)
     out: dict[str, Any] = {}
     for label, tls in transports.items():
-        env = {"env_vars": {"UCX_TLS": tls}} if tls else {}
-        sender = actor.options(runtime_env=env).remote(f"bench-ucx-s-{len(out)}")
-        receiver = actor.options(runtime_env=env).remote(f"bench-ucx-r-{len(out)}")
         try:
-            metadata, addr = ray.get(sender.expose.remote(nbytes))
-            times = ray.get(receiver.read.remote(metadata, addr, nbytes, repeats), timeout=300)
+            read_once, end = beside(nbytes, tls, f"bench-ucx-{len(out)}")
+            try:
+                times = [read_once() for _ in range(repeats)]
+            finally:
+                end()
             out[label] = {"ucx_tls": tls or "unset", **bandwidth(nbytes, times, memcpy)}
         except Exception as exc:  # a transport this machine cannot run is a finding, not a failed benchmark
-            out[label] = {"ucx_tls": tls or "unset", "error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
-        finally:
-            ray.kill(sender)
-            ray.kill(receiver)
+            out[label] = {"ucx_tls": tls or "unset", "error": failure(exc)}
     return out
