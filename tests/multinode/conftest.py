@@ -55,7 +55,7 @@ def scaled_down(config: dict, model_cache: str, transport: str, decode_replicas:
     cfg["deployments"]["topology"] = TOPOLOGY[transport]
     cfg["model"] = {"model": MODEL, "cache_dir": model_cache, "torch_threads": 1}
     cfg["server"] = {"api_keys": {API_KEY: "tenant-mn"}, "transport": transport, "max_chain_attempts": 3}
-    cfg["engine"] = {**cfg.get("engine", {}), "kv_pool_blocks": 256, "max_batch": 16, "max_output_tokens": 256}
+    cfg["engine"] = {**cfg.get("engine", {}), "kv_pool_blocks": 256, "max_batch": 16, "max_output_tokens": 512}
     for name, d in cfg["deployments"].items():
         if name == "topology":
             continue

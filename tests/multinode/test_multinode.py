@@ -16,14 +16,15 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
 from common.reference.pipeline import run_request
+from loadtest.chaos import Outcome, summarize
 from loadtest.chaos import client as load_client
-from loadtest.chaos import summarize
 from tests.multinode.conftest import API_KEY, APPS, MODEL, TOPOLOGY, replicas_by_node
 
 GROUP_OF = {
@@ -102,27 +103,75 @@ def test_hand_offs_cross_nodes_and_tokens_match_the_reference(cluster, tiny_llav
         _report("hand-off", app=name, transport=transport, topology=TOPOLOGY[transport], images=len(images), **figures)
 
 
+LOAD_TOKENS = 96
+"""``max_tokens`` of the load's requests."""
+WITNESS_TOKENS = 512
+"""``max_tokens`` of the witness stream (EOS ignored): more than any load request may have left, so the decode replica
+whose stats show more than :data:`LOAD_TOKENS` to go is the one generating it."""
+
+
+def _witness(url: str, started: threading.Event, out: list[Outcome]) -> None:
+    """One long stream that sets ``started`` once its first tokens arrived (its decode stream has started: a replica
+    lost now is migrated, not retried) and appends its :class:`Outcome` (with its trace's migrations) to ``out``."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": WITNESS_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Prism-Trace": "1"}
+    start, chunks, reason, error, moved, status = time.time(), 0, None, "", [], 0
+    try:
+        with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body, headers=headers) as r:
+            status = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                error = json.dumps(event["error"]) if "error" in event else error
+                moved = event.get("prism_trace", {}).get("migrations", moved)
+                for choice in event.get("choices") or []:
+                    chunks += 1
+                    reason = choice.get("finish_reason") or reason
+                if chunks >= 8:
+                    started.set()
+    except httpx.HTTPError as exc:
+        error = type(exc).__name__
+    finally:
+        out.append(Outcome(start, time.time(), status, True, reason, error, moved))
+        started.set()  # (whatever happened: the test reads the outcome)
+
+
 def test_a_decode_node_removed_under_load_loses_no_request(cluster):
     """Half the requests stream; the decode node leaves mid-load: its streams migrate to the other decode node, Serve
-    starts its replica again there, and every request completes — none fails, none hangs."""
+    starts its replica again there, and every request completes — none fails, none hangs. The node removed is the one
+    generating a long witness stream whose first tokens the client has received, so a stream is certainly moved (the
+    load's own requests may all be between stages, or before their first token, at that moment: CI runs saw nothing
+    migrate)."""
     from ray import serve
 
     base, nodes, ray_cluster = cluster
     name, prefix, _ = APPS["object_store"]
-    stop, outcomes = threading.Event(), []
+    stop, outcomes, witnessed, started = threading.Event(), [], [], threading.Event()
     args = (f"{base}{prefix}", MODEL)
-    kw = {"key": API_KEY, "max_tokens": 192}  # (long streams: the busy replica is mid-generation when it goes)
+    kw = {"key": API_KEY, "max_tokens": LOAD_TOKENS}
     threads = [
         threading.Thread(target=load_client, args=(*args, i, stop, outcomes), kwargs=kw, daemon=True) for i in range(3)
     ]
+    url = f"{base}{prefix}/v1/chat/completions"
+    witness = threading.Thread(target=_witness, args=(url, started, witnessed), daemon=True)
     start = time.time()
     for t in threads:
         t.start()
     try:
-        time.sleep(6)
-        gone, pid = _busy_decode_node(name, nodes)  # a node whose decode replica is generating right now
+        time.sleep(5)
+        witness.start()
+        assert started.wait(60) and not witnessed, witnessed
+        gone, pid = _witness_decode_node(name, nodes)
         removed_at = time.time()
-        try:  # the replica first, at once: while the node goes, the streams it was seen running could finish
+        try:  # the replica first, at once: while the node goes, the witness could finish
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
@@ -130,15 +179,16 @@ def test_a_decode_node_removed_under_load_loses_no_request(cluster):
         time.sleep(10)
     finally:
         stop.set()
-        for t in threads:
+        for t in [*threads, witness]:
             t.join(90)
     end = time.time()
-    summary = summarize(outcomes, [("Decode", removed_at)], start, end)
+    summary = summarize([*outcomes, *witnessed], [("Decode", removed_at)], start, end)
     _report("decode node removed", **{k: v for k, v in summary.items() if k != "failures"})
-    assert summary["requests"] >= 6 and not any(t.is_alive() for t in threads)
+    assert summary["requests"] >= 6 and not any(t.is_alive() for t in [*threads, witness])
     assert summary["complete"] == summary["requests"], summary["failures"]
     assert max(o.end - o.start for o in outcomes) < 30, "a request hung"
-    assert summary["migrated"]["requests"] >= 1, "the removed node's sequences went on on the other decode node"
+    [moved] = witnessed  # the witness went on on the other decode node, to its last token
+    assert moved.finish_reason == "length" and [m["outcome"] for m in moved.migrations] == ["resumed"], moved
     # the stage is whole again: two decode replicas, now both on the remaining decode node
     survivor = nodes["decode-2" if gone == "decode" else "decode"].node_id
     deadline = time.time() + 120
@@ -151,11 +201,9 @@ def test_a_decode_node_removed_under_load_loses_no_request(cluster):
     assert replicas_by_node(name)["Decode"] == [survivor, survivor]
 
 
-def _busy_decode_node(app: str, nodes: dict) -> tuple[str, int]:
-    """The group name (``decode`` / ``decode-2``) of a node whose decode replica is generating right now, and that
-    replica's PID: the first answer that shows a sequence with many tokens still to go, taken at once (a replica seen
-    busy a second ago may have finished them since, and so may one whose streams were near their end — CI runs
-    killed such ones and saw nothing migrate)."""
+def _witness_decode_node(app: str, nodes: dict) -> tuple[str, int]:
+    """The group name (``decode`` / ``decode-2``) of the node whose decode replica generates the witness stream, and
+    that replica's PID: the first stats answer with more than :data:`LOAD_TOKENS` to go."""
     from ray import serve
     from ray._private import state
 
@@ -165,11 +213,11 @@ def _busy_decode_node(app: str, nodes: dict) -> tuple[str, int]:
     group_of_node = {node.node_id: group for group, node in nodes.items() if group.startswith("decode")}
     for _ in range(500):
         stats = handle.stats.remote().result(timeout_s=30)
-        if stats["running"] >= 1 and stats["most_tokens_left"] >= 96:  # (half of max_tokens: ≥ 0.3 s of decoding)
+        if stats["most_tokens_left"] > LOAD_TOKENS:
             pid = int(stats["pid"])
             return group_of_node[node_of_pid[pid]], pid
         time.sleep(0.01)
-    raise AssertionError("no decode replica was generating under the load")
+    raise AssertionError("no decode replica was generating the witness stream")
 
 
 def test_a_drained_decode_node_hands_its_replicas_over_under_load(cluster):
