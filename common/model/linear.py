@@ -14,21 +14,22 @@ to 32 sequences computes what each sequence alone would.
 
 Lifecycle: :func:`pack_linears` runs once in :func:`common.model.loader.load_model`, after the weights are loaded and
 before any stage sees the model. Each plain ``nn.Linear`` (subclasses are left alone) whose weight is fp32 or bf16 on
-the CPU becomes a :class:`PackedLinear` (its class is swapped in place: the same module, parameters, ``state_dict``
-and hooks) holding a :class:`PackedWeight` beside its weight; its ``forward`` computes through it. The weights
-are read-only from then on (the loader's contract already); a module moved or cast (``.to()``) or given a state dict
-packs again (or, off the CPU or in another dtype, becomes a plain ``nn.Linear`` again), and a call with autograd
-recording or an input of another dtype takes ``F.linear`` (oneDNN's op records no gradient and does not check
+the CPU becomes a :class:`PackedLinear` (its class is swapped in place: the same module, parameters, ``state_dict`` and
+hooks) holding a :class:`PackedWeight` beside its weight; its ``forward`` computes through it. The weights are read-only
+from then on (the loader's contract already); a module moved or cast (``.to()``) or given a state dict packs again (or,
+off the CPU or in a dtype this CPU has no packed product for, becomes a plain ``nn.Linear`` again), and a call with
+autograd recording or an input of another dtype takes ``F.linear`` (oneDNN's op records no gradient and does not check
 dtypes). Cost: every packed layer's weight is held twice (dense and blocked) — 97 MB more for ``prism-small-llava``'s
-language model in fp32 — and a layer called with a few fp32 rows a third time, as the row kernel's panels (made on
-that first call: 104 MB for that model's decode step, :mod:`common.model.row_gemm`). ``model.cpu_linear: torch``
-keeps PyTorch's own path (and the memory); so do a build without oneDNN, other devices and other dtypes;
+language model in fp32 — and a layer called with a few fp32 rows a third time, as the row kernel's panels (made on that
+first call: 104 MB for that model's decode step, :mod:`common.model.row_gemm`). ``model.cpu_linear: torch`` keeps
+PyTorch's own path (and the memory); so do a build without oneDNN, other devices and other dtypes;
 ``PRISM_NATIVE_GEMM=0`` keeps oneDNN for every call. A layer whose weight is tied to another module (an embedding) is
 packed too: the packed copy only changes how the product is computed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -78,7 +79,7 @@ class PackedWeight:
     calls hold them."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        self.onednn = _reorder(weight.detach(), BATCH_HINT)
         self.out_features, self.in_features = weight.shape
         self.rows = weight.dtype == torch.float32
         """Whether calls of a few rows may take the row kernel (fp32 only)."""
@@ -117,6 +118,11 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, bias, "none", [], "")
 
 
+def _reorder(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """oneDNN's blocked copy of ``weight`` (raises ``RuntimeError`` where this CPU has no kernel for its dtype)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+
 def available() -> bool:
     """oneDNN is built into this torch and exposes the packed linear ops (inductor's CPU path uses them too)."""
     ops = torch.ops.mkldnn
@@ -126,6 +132,11 @@ def available() -> bool:
 
 
 def packable(module: torch.nn.Module) -> bool:
+    """A plain CPU ``nn.Linear`` of a packed dtype whose packed product works on this machine (:func:`usable`)."""
+    return _candidate(module) and usable(module.weight.dtype)
+
+
+def _candidate(module: torch.nn.Module) -> bool:
     w = getattr(module, "weight", None)
     return (
         type(module) is torch.nn.Linear
@@ -134,6 +145,13 @@ def packable(module: torch.nn.Module) -> bool:
         and w.dtype in PACKED_DTYPES
         and w.dim() == 2
     )
+
+
+@functools.cache
+def usable(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linear is built in and passes its check for ``dtype`` on this CPU — once per process (bf16
+    needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only EPYC has fp32 only)."""
+    return dtype in PACKED_DTYPES and available() and _works(dtype)
 
 
 def pack(module: torch.nn.Linear) -> PackedLinear:
@@ -147,13 +165,13 @@ def pack(module: torch.nn.Linear) -> PackedLinear:
 def pack_linears(model: torch.nn.Module) -> int:
     """Pack every packable linear layer of ``model`` (see the module docstring); returns how many. Layers of a dtype
     whose packed op is missing or fails its check on this machine keep PyTorch's linear (a warning per call)."""
-    layers = [m for m in model.modules() if packable(m)]
+    layers = [m for m in model.modules() if _candidate(m)]
     dtypes = {m.weight.dtype for m in layers}
-    usable = {dtype for dtype in dtypes if available() and _works(dtype)}
-    if usable != dtypes:
-        log.warning("oneDNN's packed linear is not usable here for some layers; they keep PyTorch's linear")
-    packed = [pack(m) for m in layers if m.weight.dtype in usable]
-    if torch.float32 in usable:
+    unusable = sorted(str(dtype) for dtype in dtypes if not usable(dtype))
+    if unusable:
+        log.warning("oneDNN's packed linear is not usable here for %s; those layers keep PyTorch's linear", unusable)
+    packed = [pack(m) for m in layers if packable(m)]
+    if any(m.weight.dtype == torch.float32 for m in packed):
         load_row_gemm()  # (built and checked at load, not in the first request that decodes)
     return len(packed)
 
@@ -167,6 +185,6 @@ def _works(dtype: torch.dtype) -> bool:
         got = PackedWeight(w).onednn_product(x, None)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return bool(torch.allclose(got.float(), torch.nn.functional.linear(x, w).float(), rtol=tol, atol=tol))
-    except RuntimeError:
-        log.exception("oneDNN's packed linear failed its check for %s", dtype)
+    except RuntimeError as exc:  # (a CPU without the dtype's kernel: a fact of the machine, not a fault)
+        log.warning("oneDNN's packed linear has no %s product on this CPU: %s", dtype, exc)
         return False

@@ -16,7 +16,7 @@ from common.engine.paged_step import build_step_context
 from common.kv.native import load_decode_kernel
 from common.kv.paged_attention import enable_paged_attention
 from common.kv.pool import KVPool
-from common.model import row_gemm
+from common.model import linear, row_gemm
 from common.model.loader import load_model
 
 LENGTHS = [3, 17, 40, 9, 30]  # (tokens cached per sequence: partial blocks, a block boundary, several blocks)
@@ -50,11 +50,12 @@ def test_lean_forward_is_the_models_forward_bit_for_bit(model, dtype, cpu_linear
     lm = load_model(ModelConfig(model=model, cache_dir=model_cache, dtype=dtype, cpu_linear=cpu_linear))
     forward = DecodeForward.build(lm.adapter.language_model(lm.model))
     assert forward is not None
-    assert (forward.layers[0].qkv is not None) == (cpu_linear == "onednn")  # (fused only on packed linears)
+    packed = cpu_linear == "onednn" and linear.usable(getattr(torch, dtype))  # (bf16 only where the CPU has it)
+    assert (forward.layers[0].qkv is not None) == packed  # (fused only on packed linears)
     kernel = row_gemm.load_row_gemm()
-    gated = cpu_linear == "onednn" and dtype == "float32" and kernel is not None and kernel.exp16 is not None
+    gated = packed and dtype == "float32" and kernel is not None and kernel.exp16 is not None
     assert (forward.layers[0].gated is not None) == gated  # (the MLP's activation in the gate|up product's call)
-    fused_mlp = cpu_linear == "onednn" and not gated  # (a gated layer keeps no fused gate|up)
+    fused_mlp = packed and not gated  # (a gated layer keeps no fused gate|up)
     assert (forward.layers[0].gate_up is not None) == fused_mlp
     want, got = _step(lm, None), _step(lm, forward)
     for a, b in zip(want, got, strict=True):

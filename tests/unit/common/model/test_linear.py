@@ -61,11 +61,40 @@ def test_a_row_gets_the_same_product_in_any_batch():
             assert torch.equal(packed(x[:n]), full[:n])
 
 
+BF16 = linear.usable(torch.bfloat16)
+"""Whether this CPU has oneDNN's bf16 packed product (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only EPYC has not)."""
+
+
+@pytest.mark.skipif(not BF16, reason="no bf16 packed product on this CPU (the next test covers that case)")
 def test_bf16_packs_too():
     stock, packed = _layer(256, 128, True, torch.bfloat16)
     x = torch.randn(8, 256, dtype=torch.bfloat16)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x).float(), stock(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_dtype_without_a_packed_product_here_keeps_pytorchs_linear(monkeypatch, caplog):
+    """The check's refusal (oneDNN raising for a CPU without the dtype's kernel, as bf16 does on AVX2) is a warning,
+    and such layers stay plain — at load and when a packed layer is cast to that dtype."""
+
+    def no_bf16(weight, hint):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")
+        return real(weight, hint)
+
+    real = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(linear, "_reorder", no_bf16)
+    assert not linear._works(torch.bfloat16) and linear._works(torch.float32)
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "avx512bw" in caplog.text
+    monkeypatch.setattr(linear, "usable", lambda dtype: dtype == torch.float32)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).bfloat16())
+    assert pack_linears(model) == 1 and [type(m) for m in model] == [PackedLinear, torch.nn.Linear]
+    stock, packed = _layer(64, 48, True)
+    packed.to(torch.bfloat16)
+    assert type(packed) is torch.nn.Linear and not hasattr(packed, "packed")
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x.bfloat16()).float(), stock(x), rtol=3e-2, atol=3e-2)
 
 
 def test_only_cpu_linears_of_a_packed_dtype_are_packed():
@@ -82,7 +111,7 @@ def test_only_cpu_linears_of_a_packed_dtype_are_packed():
 
 
 def test_a_machine_whose_packed_op_fails_keeps_pytorchs_path(monkeypatch):
-    monkeypatch.setattr(linear, "_works", lambda dtype: False)
+    monkeypatch.setattr(linear, "usable", lambda dtype: False)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     assert pack_linears(model) == 0
     assert type(model[0]) is torch.nn.Linear
@@ -105,17 +134,21 @@ def test_the_loader_packs_by_default_and_not_when_told(tiny_llava, reference_lla
 
 
 def test_a_packed_layer_follows_its_weight_when_moved_cast_or_loaded():
-    stock, packed = _layer(64, 48, True)
+    _, packed = _layer(64, 48, True)
     x = torch.randn(4, 64)
-    packed.to(torch.bfloat16)
-    assert type(packed) is PackedLinear and packed.packed.dtype == torch.bfloat16
-    with torch.inference_mode():
-        torch.testing.assert_close(packed(x.bfloat16()).float(), stock(x), rtol=3e-2, atol=3e-2)
-    packed.float()
     other = torch.nn.Linear(64, 48)
     packed.load_state_dict(other.state_dict())
+    assert type(packed) is PackedLinear
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), other(x), rtol=1e-5, atol=1e-5)  # (the new weights, not the old)
+    packed.to(torch.bfloat16)  # (packed again where bf16 has a packed product here, else plain: the test above)
+    assert (type(packed) is PackedLinear and packed.packed.dtype == torch.bfloat16) == BF16
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x.bfloat16()).float(), other(x), rtol=3e-2, atol=3e-2)
+    if BF16:
+        packed.float()  # (back to fp32: packed as fp32)
+        assert type(packed) is PackedLinear and packed.packed.dtype == torch.float32
+    _, packed = _layer(64, 48, True)
     packed.half()  # (no packed fp16 path: a plain linear again)
     assert type(packed) is torch.nn.Linear and not hasattr(packed, "packed")
 
