@@ -51,7 +51,7 @@ class Outcome:
     finish_reason: str | None = None
     error: str = ""
     migrations: list[dict[str, Any]] = field(default_factory=list)
-    """The request's decode migrations, from its trace (``after_tokens``, ``ms``, ``cause``)."""
+    """The request's decode migrations, from its trace (``after_tokens``, ``ms``, ``cause``, ``outcome``)."""
 
     @property
     def complete(self) -> bool:

@@ -147,6 +147,9 @@ class ChatCompletionRequest(BaseModel):
     choice ``i`` samples with seed ``seed + i``."""
     return_token_ids: bool = False
     """Prism extension: include ``prompt_token_ids`` and each choice's ``token_ids``."""
+    ignore_eos: bool = False
+    """Extension (vLLM's name): generate past the model's end-of-sequence tokens, until ``max_tokens`` or a stop
+    string (benchmarks and tests that need a stream of a known length)."""
     response_format: dict[str, Any] | None = None
     """Structured output (``json_object``, ``json_schema``): read by :mod:`common.grammar.formats`, with vLLM's
     ``structured_outputs`` / ``guided_json`` / ``guided_regex`` / ``guided_choice`` below."""
@@ -194,6 +197,7 @@ class ChatCompletionRequest(BaseModel):
             guide=self._guide,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             n=self.n or 1,
+            ignore_eos=self.ignore_eos,
         )
 
     def media_refs(self) -> list[MediaRef]:

@@ -167,9 +167,10 @@ def test_a_decode_node_removed_under_load_loses_no_request(cluster):
         t.start()
     try:
         time.sleep(5)
+        where = _decode_nodes_by_pid(nodes)  # (before the witness: its window is not spent on the GCS query)
         witness.start()
         assert started.wait(60) and not witnessed, witnessed
-        gone, pid = _witness_decode_node(name, nodes)
+        gone, pid = _witness_decode_node(name, where)
         removed_at = time.time()
         try:  # the replica first, at once: while the node goes, the witness could finish
             os.kill(pid, signal.SIGKILL)
@@ -188,7 +189,7 @@ def test_a_decode_node_removed_under_load_loses_no_request(cluster):
     assert summary["complete"] == summary["requests"], summary["failures"]
     assert max(o.end - o.start for o in outcomes) < 30, "a request hung"
     [moved] = witnessed  # the witness went on on the other decode node, to its last token
-    assert moved.finish_reason == "length" and [m["outcome"] for m in moved.migrations] == ["resumed"], moved
+    assert moved.finish_reason == "length" and moved.migrations[-1]["outcome"] == "resumed", moved
     # the stage is whole again: two decode replicas, now both on the remaining decode node
     survivor = nodes["decode-2" if gone == "decode" else "decode"].node_id
     deadline = time.time() + 120
@@ -201,21 +202,30 @@ def test_a_decode_node_removed_under_load_loses_no_request(cluster):
     assert replicas_by_node(name)["Decode"] == [survivor, survivor]
 
 
-def _witness_decode_node(app: str, nodes: dict) -> tuple[str, int]:
-    """The group name (``decode`` / ``decode-2``) of the node whose decode replica generates the witness stream, and
-    that replica's PID: the first stats answer with more than :data:`LOAD_TOKENS` to go."""
-    from ray import serve
+def _decode_nodes_by_pid(nodes: dict) -> dict[int, str]:
+    """PID of every live actor on a decode node → that node's group name (``decode`` / ``decode-2``)."""
     from ray._private import state
 
-    handle = serve.get_deployment_handle("Decode", app_name=app)
-    alive = [info for info in state.actors().values() if info.get("State") == "ALIVE" and info.get("Pid")]
-    node_of_pid = {info["Pid"]: info["Address"]["NodeID"] for info in alive}
     group_of_node = {node.node_id: group for group, node in nodes.items() if group.startswith("decode")}
-    for _ in range(500):
+    alive = [info for info in state.actors().values() if info.get("State") == "ALIVE" and info.get("Pid")]
+    return {
+        info["Pid"]: group_of_node[info["Address"]["NodeID"]]
+        for info in alive
+        if info["Address"]["NodeID"] in group_of_node
+    }
+
+
+def _witness_decode_node(app: str, where: dict[int, str]) -> tuple[str, int]:
+    """The group name of the node whose decode replica generates the witness stream, and that replica's PID: the
+    first stats answer with more than :data:`LOAD_TOKENS` to go (asked until the witness could have ended)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Decode", app_name=app)
+    deadline = time.time() + 30
+    while time.time() < deadline:
         stats = handle.stats.remote().result(timeout_s=30)
         if stats["most_tokens_left"] > LOAD_TOKENS:
-            pid = int(stats["pid"])
-            return group_of_node[node_of_pid[pid]], pid
+            return where[int(stats["pid"])], int(stats["pid"])
         time.sleep(0.01)
     raise AssertionError("no decode replica was generating the witness stream")
 
@@ -236,7 +246,7 @@ def test_a_drained_decode_node_hands_its_replicas_over_under_load(cluster):
     ray_cluster.wait_for_nodes()
     drained = replicas_by_node(name)["Decode"][0]  # (after the node removal above: the node holding both)
     stop, outcomes = threading.Event(), []
-    kw = {"key": API_KEY, "max_tokens": 96}
+    kw = {"key": API_KEY, "max_tokens": LOAD_TOKENS}
     threads = [
         threading.Thread(target=load_client, args=(f"{base}{prefix}", MODEL, i, stop, outcomes), kwargs=kw, daemon=True)
         for i in range(3)

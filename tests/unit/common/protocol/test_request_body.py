@@ -142,6 +142,14 @@ def test_unknown_fields_are_tolerated_and_named_for_the_log():
     assert not any("secret" in n or "zzz" in n for n in names), "names that are not identifiers are only counted"
 
 
+def test_ignore_eos_reaches_the_sampler_and_is_not_an_ignored_field():
+    req = parse_chat_request({**BASE, "ignore_eos": True})
+    assert req.sampling(16).ignore_eos and req.ignored_fields == []
+    assert not parse_chat_request(BASE).sampling(16).ignore_eos
+    with pytest.raises(InvalidRequestError):
+        parse_chat_request({**BASE, "ignore_eos": "maybe"})
+
+
 def test_penalties_reach_the_sampler():
     req = parse_chat_request({**BASE, "frequency_penalty": 0.5, "presence_penalty": -1})
     sampling = req.sampling(16)
