@@ -6,7 +6,7 @@ MKL reaches about 75–100 GFLOP/s on a batch-32 decode step's weight GEMMs (32 
 oneDNN with the weight reordered once into its blocked layout reaches about 160–175 and 213 on the same two cores
 (``python -m loadtest.bench_decode`` records each path, ``b32_weight_gemm_ms``, ``b32_weight_gemm_ms_onednn`` and
 ``b32_weight_gemm_ms_torch``). oneDNN stays the path for many rows (encode, prefill). A call of at most 32 fp32 rows
-(a decode step's) takes :mod:`common.model.row_gemm` instead where it runs (AVX-512): on the 2-core Xeon of
+(a decode step's) takes :mod:`common.model.row_gemm` instead where it runs (AVX-512, or AVX2 with FMA): on the Xeon of
 2026-12-05 a whole decode step ran about 27 % faster at 1 and 8 rows and about 8 % at 32, and a row gets the same bits
 in any batch of up to 32 rows — which oneDNN did not give at 1408 inputs (a 1-row call rounded differently from a row
 among 5 or more), nor MKL (its 32-row kernel rounds row 0 differently from its 1-row kernel). So a batched step of up

@@ -19,7 +19,9 @@
  * function PyTorch's AVX-512 kernels call (SLEEF's, from libtorch: the caller passes it), each op rounded as PyTorch
  * rounds it; the caller checks the bits against PyTorch's before it uses this.
  *
- * Without AVX-512 the library builds but row_gemm_fast_path() returns 0 and the caller keeps oneDNN.
+ * Without AVX-512, on a CPU with AVX2 and FMA, the same panels go through 256-bit registers (3 rows a tile, each
+ * element the same chain of FMAs: the same bits), with no gated product. With neither, the library builds but
+ * row_gemm_fast_path() returns 0 and the caller keeps oneDNN.
  */
 #include <stdint.h>
 
@@ -150,6 +152,91 @@ int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias
                           int64_t K, int threads, exp16_fn exp16) {
     if (!exp16 || N % NR) return 1;
     return run_panels(x, packed, bias, out, M, N, K, threads, exp16);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <omp.h>
+
+/* The same panels, the same order of every sum, in 256-bit registers: a row's product is the bits the AVX-512 path
+ * gives (each FMA rounds once either way). 16 registers: 3 rows of 4 accumulators, 3 broadcast inputs and a weight
+ * vector. No gated product here (PyTorch's AVX2 silu calls another exp): the library has no row_gemm_f32_silu_mul. */
+#define NR 32
+#define MR_MAX 3
+#define PF_PANELS 1
+
+static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const float *x, int64_t ldx,
+                                                       const float *panel, float *out, int64_t ldo, const float *bias,
+                                                       const __m256i *masks, const char *pf, int64_t pf_from, int lpk,
+                                                       int64_t pf_bytes) {
+    __m256 acc[MR_MAX][4];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (pf) { /* (offsets, not pointers, are compared: no pointer is formed past the panel) */
+            const int64_t line = pf_from + k * lpk * 64;
+            if (line < pf_bytes) _mm_prefetch(pf + line, _MM_HINT_T1);
+            if (lpk > 1 && line + 64 < pf_bytes) _mm_prefetch(pf + line + 64, _MM_HINT_T1);
+        }
+        __m256 a[MR_MAX];
+        for (int r = 0; r < mr; r++) a[r] = _mm256_broadcast_ss(x + r * ldx + k);
+        for (int j = 0; j < 4; j++) {
+            const __m256 w = _mm256_loadu_ps(panel + k * NR + 8 * j);
+            for (int r = 0; r < mr; r++) acc[r][j] = _mm256_fmadd_ps(a[r], w, acc[r][j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        /* (the bias added after the whole sum, as F.linear's epilogue does; no bias: the sum as it is) */
+        const __m256 b = bias ? _mm256_maskload_ps(bias + 8 * j, masks[j]) : _mm256_setzero_ps();
+        for (int r = 0; r < mr; r++)
+            _mm256_maskstore_ps(out + r * ldo + 8 * j, masks[j], bias ? _mm256_add_ps(acc[r][j], b) : acc[r][j]);
+    }
+}
+
+static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const float *panel, float *out,
+                       const float *bias, int64_t col, const char *pf) {
+    const int64_t cols = N - col < NR ? N - col : NR;
+    __m256i masks[4];
+    for (int j = 0; j < 4; j++) { /* (lane l of group j is stored where 8j + l < cols) */
+        const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(8 * j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        masks[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), lane);
+    }
+    const int tiles = (int)((M + MR_MAX - 1) / MR_MAX), lpk = tiles == 1 ? 2 : 1; /* (a panel is 2·K lines) */
+    const int64_t pf_bytes = K * NR * (int64_t)sizeof(float);
+    int t = 0;
+    for (int64_t m = 0; m < M; t++) {
+        const int64_t left = M - m, left_tiles = (left + MR_MAX - 1) / MR_MAX;
+        const int mr = (int)((left + left_tiles - 1) / left_tiles);
+        const int64_t pf_from = (int64_t)t * K * lpk * 64;
+        const float *b = bias ? bias + col : 0;
+        float *o = out + m * N + col;
+        switch (mr) {
+            case 1: tile(1, K, x + m * K, K, panel, o, N, b, masks, pf, pf_from, lpk, pf_bytes); break;
+            case 2: tile(2, K, x + m * K, K, panel, o, N, b, masks, pf, pf_from, lpk, pf_bytes); break;
+            case 3: tile(3, K, x + m * K, K, panel, o, N, b, masks, pf, pf_from, lpk, pf_bytes); break;
+        }
+        m += mr;
+    }
+}
+
+int row_gemm_fast_path(void) { return 1; }
+
+int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
+                 int64_t K, int threads) {
+    if (M < 0 || N < 0 || K <= 0) return 1; /* (no inputs: the caller's other path gives the bias) */
+    if (M == 0 || N == 0) return 0;
+    const int64_t panels = (N + NR - 1) / NR;
+    if (threads < 1) threads = 1;
+    if (threads > panels) threads = (int)panels;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t lo = panels * t / n, hi = panels * (t + 1) / n;
+        for (int64_t p = lo; p < hi; p++) {
+            const char *pf = p + PF_PANELS < hi ? (const char *)(packed + (p + PF_PANELS) * K * NR) : 0;
+            panel_rows(M, N, K, x, packed + p * K * NR, out, bias, p * NR, pf);
+        }
+    }
+    return 0;
 }
 
 #else

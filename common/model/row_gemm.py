@@ -12,12 +12,16 @@ product can end in its activation (:meth:`RowGemm.silu_mul`: ``silu(gate) * up``
 exp PyTorch's own AVX-512 silu calls — SLEEF's ``Sleef_expf16_u10``, taken from libtorch — so the bits are PyTorch's:
 :func:`gated_agrees` checks them once per process, and :mod:`common.engine.decode_forward` on each model's
 weights). Calls of more rows go to oneDNN, so a decode batch over 32 (``engine.max_batch``) or a prefill chunk rounds
-as oneDNN does. Measured only on
-the Xeon; a CPU with AVX-512 elsewhere (AMD Zen 4) uses it too, checked but not timed there.
+as oneDNN does. Measured on
+the Xeon; a CPU with AVX-512 elsewhere (AMD Zen 4) uses it too, checked but not timed there. A CPU with AVX2 and FMA but
+no AVX-512 (an AMD EPYC of family 23, Zen 2) takes a 256-bit build of the same kernel — the same bits, no gated
+product (its exp would be PyTorch's 8-lane one): measured on that EPYC, ``prism-small-llava`` fp32 decode steps at
+batch 1 / 8 / 32 took 5.9–6.0 / 8.9–9.1 / 22.7–22.9 ms against oneDNN's 7.8–8.2 / 12.1–13.1 / 25.7 ms
+(``python -m loadtest.bench_decode --dtypes float32 --repeats 1``, each path twice, alternating).
 
 Lifecycle: :func:`load_row_gemm` builds ``row_gemm.c`` on first use (once per machine, cached:
 :mod:`common.native_build`) and checks it once per process against ``F.linear`` (to fp32 rounding) and against
-itself across row counts (bit for bit). A CPU without AVX-512, no compiler, a failed check or ``PRISM_NATIVE_GEMM=0``:
+itself across row counts (bit for bit). A CPU without AVX2, no compiler, a failed check or ``PRISM_NATIVE_GEMM=0``:
 ``None``, and :mod:`common.model.linear` keeps oneDNN for every call (logged once). A weight's panels
 (:meth:`RowGemm.pack`) are made by :class:`common.model.linear.PackedWeight` on its first call of at most
 :data:`MAX_ROWS` rows, so only layers called with a few rows hold them (``prism-small-llava`` in fp32: 104 MB for a
@@ -193,7 +197,7 @@ def load_row_gemm() -> RowGemm | None:
         return None
     library, _ = loaded
     if not library.row_gemm_fast_path():
-        log.info("native row GEMM needs AVX-512, which this CPU lacks: oneDNN for every linear")
+        log.info("native row GEMM needs AVX-512 or AVX2 with FMA, which this CPU lacks: oneDNN for every linear")
         return None
     kernel = RowGemm(library)
     with torch.inference_mode():

@@ -14,17 +14,30 @@ from common.model import linear, row_gemm
 from common.model.linear import PackedLinear, pack
 from common.native_build import EXACT, compiler, load_library
 
-AVX512 = "avx512f" in open("/proc/cpuinfo").read()
+FLAGS = set(" ".join(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+AVX512 = "avx512f" in FLAGS
+AVX2 = {"avx2", "fma"} <= FLAGS
 
 
 @pytest.fixture(scope="module")
 def kernel():
     found = row_gemm.load_row_gemm()
-    if not AVX512:
+    if not AVX2:
         assert found is None
-        pytest.skip("this CPU has no AVX-512: the kernel is not used (oneDNN for every linear)")
-    assert found is not None, "a C compiler and AVX-512 are on this machine: the kernel must build and pass its check"
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 with FMA: the kernel is not used (oneDNN for every linear)")
+    assert found is not None, (
+        "a C compiler and AVX2/AVX-512 are on this machine: the kernel must build and pass its check"
+    )
     return found
+
+
+@pytest.fixture(scope="module")
+def gated(kernel):
+    """The kernel where it has the gated product (the AVX-512 build, with SLEEF's 16-lane exp)."""
+    if not AVX512:
+        assert kernel.exp16 is None and kernel.gated_address is None
+        pytest.skip("no gated product without AVX-512 (PyTorch's AVX2 silu calls another exp)")
+    return kernel
 
 
 @pytest.mark.parametrize("n,k", [(1408, 512), (512, 1408), (4096, 512), (70, 200), (17, 3)])
@@ -70,10 +83,11 @@ def test_the_thread_count_does_not_change_a_bit(kernel):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_gated_product_is_pytorchs_silu_of_gate_times_up_bit_for_bit(kernel, bias):
+def test_the_gated_product_is_pytorchs_silu_of_gate_times_up_bit_for_bit(gated, bias):
     """gate|up packed 16 columns of each to a panel, ending in silu(gate) * up: the products' own bits (as the fused
     product gives them) through PyTorch's silu and multiply, in any batch; inputs large enough that exp under- and
     overflows."""
+    kernel = gated
     assert kernel.exp16 is not None, "libtorch exports SLEEF's exp on this machine: the gated product must be on"
     gen = torch.Generator().manual_seed(5)
     n, k = 1408, 512
@@ -90,7 +104,8 @@ def test_the_gated_product_is_pytorchs_silu_of_gate_times_up_bit_for_bit(kernel,
         assert torch.equal(kernel.silu_mul(x[:rows].contiguous(), panels, n, gb), want[:rows])
 
 
-def test_the_gated_product_refuses_what_it_does_not_take_and_a_wrong_exp_fails_its_check(kernel, monkeypatch):
+def test_the_gated_product_refuses_what_it_does_not_take_and_a_wrong_exp_fails_its_check(gated, monkeypatch):
+    kernel = gated
     gen = torch.Generator().manual_seed(6)
     gate, up = torch.randn(40, 64, generator=gen), torch.randn(40, 64, generator=gen)
     x = torch.randn(4, 64, generator=gen)
@@ -152,12 +167,28 @@ def test_a_packed_layer_takes_the_kernel_for_a_few_fp32_rows_and_onednn_for_more
     assert calls == [32, 1]
 
 
-def test_a_build_without_avx512_says_so_and_takes_no_call():
-    """What a CPU without AVX-512 gets: the library builds, reports no fast path, and refuses every call, so
-    ``load_row_gemm`` gives ``None`` and oneDNN computes."""
-    library, _ = load_library(row_gemm.SOURCE, compiler(), (*EXACT, "-mno-avx512f"))
+def test_a_build_without_avx2_says_so_and_takes_no_call():
+    """What a CPU with neither AVX-512 nor AVX2 gets: the library builds, reports no fast path, and refuses every call,
+    so ``load_row_gemm`` gives ``None`` and oneDNN computes."""
+    library, _ = load_library(row_gemm.SOURCE, compiler(), (*EXACT, "-mno-avx512f", "-mno-avx2"))
     assert library.row_gemm_fast_path() == 0
     assert library.row_gemm_f32(None, None, None, None, 1, 1, 1, 1) == 1
+
+
+def test_the_avx2_build_gives_the_kernels_bits_and_has_no_gated_product(kernel):
+    """Built without AVX-512 (what an AVX2-only CPU loads): every product the same bits as the kernel this machine
+    loaded — on a CPU with AVX-512, the 512-bit build's — since each output is the same chain of FMAs; no
+    ``row_gemm_f32_silu_mul`` (its exp is the 16-lane one)."""
+    library, _ = load_library(row_gemm.SOURCE, compiler(), (*EXACT, "-mno-avx512f"))
+    assert library.row_gemm_fast_path() == 1 and not hasattr(library, "row_gemm_f32_silu_mul")
+    avx2 = row_gemm.RowGemm(library)
+    gen = torch.Generator().manual_seed(7)
+    for n, k, bias in ((1408, 512, True), (70, 200, False), (17, 3, True)):
+        weight, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen) if bias else None
+        panels = kernel.pack(weight)
+        for rows in (1, 2, 3, 4, 14, 15, 32):
+            x = torch.randn(rows, k, generator=gen)
+            assert torch.equal(avx2.product(x, panels, n, b), kernel.product(x, panels, n, b)), (n, k, rows)
 
 
 def test_without_the_kernel_a_packed_layer_computes_through_onednn(monkeypatch):
