@@ -167,8 +167,8 @@ int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias
 
 static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const float *x, int64_t ldx,
                                                        const float *panel, float *out, int64_t ldo, const float *bias,
-                                                       const __m256i *masks, const char *pf, int64_t pf_from, int lpk,
-                                                       int64_t pf_bytes) {
+                                                       const __m256i *masks, int64_t cols, const char *pf,
+                                                       int64_t pf_from, int lpk, int64_t pf_bytes) {
     __m256 acc[MR_MAX][4];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
@@ -184,11 +184,19 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
             for (int r = 0; r < mr; r++) acc[r][j] = _mm256_fmadd_ps(a[r], w, acc[r][j]);
         }
     }
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < 4; j++) { /* (a constant trip count: unrolled, so the accumulators stay in registers) */
+        if (8 * j >= cols) continue; /* (no pointer formed past a partial panel's last group) */
         /* (the bias added after the whole sum, as F.linear's epilogue does; no bias: the sum as it is) */
-        const __m256 b = bias ? _mm256_maskload_ps(bias + 8 * j, masks[j]) : _mm256_setzero_ps();
-        for (int r = 0; r < mr; r++)
-            _mm256_maskstore_ps(out + r * ldo + 8 * j, masks[j], bias ? _mm256_add_ps(acc[r][j], b) : acc[r][j]);
+        const int whole = 8 * j + 8 <= cols; /* (masked stores only where the group is partial: slower on Zen 2) */
+        __m256 b = _mm256_setzero_ps();
+        if (bias) b = whole ? _mm256_loadu_ps(bias + 8 * j) : _mm256_maskload_ps(bias + 8 * j, masks[j]);
+        for (int r = 0; r < mr; r++) {
+            const __m256 v = bias ? _mm256_add_ps(acc[r][j], b) : acc[r][j];
+            if (whole)
+                _mm256_storeu_ps(out + r * ldo + 8 * j, v);
+            else
+                _mm256_maskstore_ps(out + r * ldo + 8 * j, masks[j], v);
+        }
     }
 }
 
@@ -210,9 +218,9 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
         const float *b = bias ? bias + col : 0;
         float *o = out + m * N + col;
         switch (mr) {
-            case 1: tile(1, K, x + m * K, K, panel, o, N, b, masks, pf, pf_from, lpk, pf_bytes); break;
-            case 2: tile(2, K, x + m * K, K, panel, o, N, b, masks, pf, pf_from, lpk, pf_bytes); break;
-            case 3: tile(3, K, x + m * K, K, panel, o, N, b, masks, pf, pf_from, lpk, pf_bytes); break;
+            case 1: tile(1, K, x + m * K, K, panel, o, N, b, masks, cols, pf, pf_from, lpk, pf_bytes); break;
+            case 2: tile(2, K, x + m * K, K, panel, o, N, b, masks, cols, pf, pf_from, lpk, pf_bytes); break;
+            case 3: tile(3, K, x + m * K, K, panel, o, N, b, masks, cols, pf, pf_from, lpk, pf_bytes); break;
         }
         m += mr;
     }

@@ -2,28 +2,27 @@
 batch of up to :data:`MAX_ROWS`.
 
 Why: a decode step multiplies at most a batch of rows (32 by default) by every weight of the model. oneDNN's packed
-kernels (:mod:`common.model.linear`), shaped for many rows, ran ``prism-small-llava``'s weight GEMMs on 32 rows at
-about half the machine's FMA rate, and on 1408-column inputs rounded a 1-row call differently from a row among 5 or
-more (measured on the 2-core Xeon of 2026-12-05): a sequence's down projection then depended on its batch. The C
-kernel streams each weight once per call in panels of 32 columns and sums every output in one fixed order — a chain
-of fused multiply-adds over the inputs from the first, then the bias — so a row's product does not depend on the
-rows, columns or threads beside it (tested: 1 to 32 rows, fused and separate projections). A gated MLP's gate|up
-product can end in its activation (:meth:`RowGemm.silu_mul`: ``silu(gate) * up`` stored from the registers, with the
-exp PyTorch's own AVX-512 silu calls — SLEEF's ``Sleef_expf16_u10``, taken from libtorch — so the bits are PyTorch's:
-:func:`gated_agrees` checks them once per process, and :mod:`common.engine.decode_forward` on each model's
-weights). Calls of more rows go to oneDNN, so a decode batch over 32 (``engine.max_batch``) or a prefill chunk rounds
-as oneDNN does. Measured on
-the Xeon; a CPU with AVX-512 elsewhere (AMD Zen 4) uses it too, checked but not timed there. A CPU with AVX2 and FMA but
-no AVX-512 (an AMD EPYC of family 23, Zen 2) takes a 256-bit build of the same kernel — the same bits, no gated
-product (its exp would be PyTorch's 8-lane one): measured on that EPYC, ``prism-small-llava`` fp32 decode steps at
-batch 1 / 8 / 32 took 5.9–6.0 / 8.9–9.1 / 22.7–22.9 ms against oneDNN's 7.8–8.2 / 12.1–13.1 / 25.7 ms
-(``python -m loadtest.bench_decode --dtypes float32 --repeats 1``, each path twice, alternating).
+kernels (:mod:`common.model.linear`), shaped for many rows, ran ``prism-small-llava``'s weight GEMMs on 32 rows at about
+half the machine's FMA rate, and on 1408-column inputs rounded a 1-row call differently from a row among 5 or more
+(measured on the 2-core Xeon of 2026-12-05): a sequence's down projection then depended on its batch. The C kernel
+streams each weight once per call in panels of 32 columns and sums every output in one fixed order — a chain of fused
+multiply-adds over the inputs from the first, then the bias — so a row's product does not depend on the rows, columns or
+threads beside it (tested: 1 to 32 rows, fused and separate projections). A gated MLP's gate|up product can end in its
+activation (:meth:`RowGemm.silu_mul`: ``silu(gate) * up`` stored from the registers, with the exp PyTorch's own AVX-512
+silu calls — SLEEF's ``Sleef_expf16_u10``, taken from libtorch — so the bits are PyTorch's: :func:`gated_agrees` checks
+them once per process, and :mod:`common.engine.decode_forward` on each model's weights). Calls of more rows go to
+oneDNN, so a decode batch over 32 (``engine.max_batch``) or a prefill chunk rounds as oneDNN does. Measured on the Xeon;
+a CPU with AVX-512 elsewhere (AMD Zen 4) uses it too, checked but not timed there. A CPU with AVX2 and FMA but no
+AVX-512 (an AMD EPYC of family 23, Zen 2) takes a 256-bit build of the same kernel — the same bits, no gated product
+(its exp would be PyTorch's 8-lane one): measured on that EPYC, ``prism-small-llava`` fp32 decode steps at batch 1 / 8 /
+32 took 5.9–6.0 / 8.5–8.6 / 21.5–21.8 ms against oneDNN's 7.8–8.2 / 12.1–13.1 / 25.2–25.8 ms (``python -m
+loadtest.bench_decode --dtypes float32 --repeats 1``, each path twice, alternating).
 
 Lifecycle: :func:`load_row_gemm` builds ``row_gemm.c`` on first use (once per machine, cached:
-:mod:`common.native_build`) and checks it once per process against ``F.linear`` (to fp32 rounding) and against
-itself across row counts (bit for bit). A CPU without AVX2, no compiler, a failed check or ``PRISM_NATIVE_GEMM=0``:
-``None``, and :mod:`common.model.linear` keeps oneDNN for every call (logged once). A weight's panels
-(:meth:`RowGemm.pack`) are made by :class:`common.model.linear.PackedWeight` on its first call of at most
+:mod:`common.native_build`) and checks it once per process against ``F.linear`` (to fp32 rounding) and against itself
+across row counts (bit for bit). A CPU with neither AVX-512 nor AVX2 with FMA, no compiler, a failed check or
+``PRISM_NATIVE_GEMM=0``: ``None``, and :mod:`common.model.linear` keeps oneDNN for every call (logged once). A weight's
+panels (:meth:`RowGemm.pack`) are made by :class:`common.model.linear.PackedWeight` on its first call of at most
 :data:`MAX_ROWS` rows, so only layers called with a few rows hold them (``prism-small-llava`` in fp32: 104 MB for a
 decode step's layers — the gated gate|up panels among them, made by the decode forward when it starts — 55 MB more for
 the separate projections once a prompt of at most 32 tokens is prefilled), and are read-only after.

@@ -225,7 +225,9 @@ def _witness_decode_node(app: str, where: dict[int, str]) -> tuple[str, int]:
     while time.time() < deadline:
         stats = handle.stats.remote().result(timeout_s=30)
         if stats["most_tokens_left"] > LOAD_TOKENS:
-            return where[int(stats["pid"])], int(stats["pid"])
+            pid = int(stats["pid"])
+            assert pid in where, f"the witness's decode replica {pid} is no live actor of a decode node: {where}"
+            return where[pid], pid
         time.sleep(0.01)
     raise AssertionError("no decode replica was generating the witness stream")
 
