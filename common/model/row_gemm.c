@@ -25,6 +25,13 @@
  */
 #include <stdint.h>
 
+/* The rows of the next tile: what is left, in tiles of near-equal size of at most max rows (the order inside a tile
+ * never depends on its size). */
+static inline int tile_rows(int64_t left, int max) {
+    const int64_t tiles = (left + max - 1) / max;
+    return (int)((left + tiles - 1) / tiles);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
@@ -89,12 +96,11 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
     const int64_t cols = N - col < NR ? N - col : NR;
     const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
-    const int tiles = (int)((M + MR_MAX - 1) / MR_MAX), lpk = tiles == 1 ? 2 : 1; /* (a panel is 2·K lines) */
+    const int lpk = M <= MR_MAX ? 2 : 1; /* (one tile prefetches a panel's 2·K lines, several share them) */
     const int64_t pf_bytes = K * NR * (int64_t)sizeof(float);
     int t = 0;
     for (int64_t m = 0; m < M; t++) {
-        const int64_t left = M - m, left_tiles = (left + MR_MAX - 1) / MR_MAX;
-        const int mr = (int)((left + left_tiles - 1) / left_tiles);
+        const int mr = tile_rows(M - m, MR_MAX);
         const int64_t pf_from = (int64_t)t * K * lpk * 64;
         const float *b = bias ? bias + col : 0;
         const int64_t ldo = exp16 ? N / 2 : N;
@@ -118,41 +124,7 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
     }
 }
 
-/* Every panel, split over the threads in contiguous runs (see the top of the file). */
-static int run_panels(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                      int64_t K, int threads, exp16_fn exp16) {
-    if (M < 0 || N < 0 || K <= 0) return 1; /* (no inputs: the caller's other path gives the bias) */
-    if (M == 0 || N == 0) return 0;
-    const int64_t panels = (N + NR - 1) / NR;
-    if (threads < 1) threads = 1;
-    if (threads > panels) threads = (int)panels;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t lo = panels * t / n, hi = panels * (t + 1) / n;
-        for (int64_t p = lo; p < hi; p++) {
-            const char *pf = p + PF_PANELS < hi ? (const char *)(packed + (p + PF_PANELS) * K * NR) : 0;
-            panel_rows(M, N, K, x, packed + p * K * NR, out, bias, p * NR, pf, exp16);
-        }
-    }
-    return 0;
-}
-
-int row_gemm_fast_path(void) { return 1; }
-
-/* x [M, K] row-major, packed [ceil(N/32)][K][32] (columns past N zero), bias [N] or NULL, out [M, N]. */
-int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                 int64_t K, int threads) {
-    return run_panels(x, packed, bias, out, M, N, K, threads, 0);
-}
-
-/* As row_gemm_f32 on a gate|up weight packed 16 gate and 16 up columns to a panel (N a multiple of 32; bias in the
- * same order), storing silu(gate) * up: out [M, N / 2]. exp16: SLEEF's Sleef_expf16_u10. */
-int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                          int64_t K, int threads, exp16_fn exp16) {
-    if (!exp16 || N % NR) return 1;
-    return run_panels(x, packed, bias, out, M, N, K, threads, exp16);
-}
+#define ROW_GEMM_SIMD 1
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -164,6 +136,8 @@ int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias
 #define NR 32
 #define MR_MAX 3
 #define PF_PANELS 1
+
+typedef const void *exp16_fn; /* (no gated product here: always null) */
 
 static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const float *x, int64_t ldx,
                                                        const float *panel, float *out, int64_t ldo, const float *bias,
@@ -201,19 +175,19 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
 }
 
 static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const float *panel, float *out,
-                       const float *bias, int64_t col, const char *pf) {
+                       const float *bias, int64_t col, const char *pf, exp16_fn exp16) {
+    (void)exp16;
     const int64_t cols = N - col < NR ? N - col : NR;
     __m256i masks[4];
     for (int j = 0; j < 4; j++) { /* (lane l of group j is stored where 8j + l < cols) */
         const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(8 * j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         masks[j] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), lane);
     }
-    const int tiles = (int)((M + MR_MAX - 1) / MR_MAX), lpk = tiles == 1 ? 2 : 1; /* (a panel is 2·K lines) */
+    const int lpk = M <= MR_MAX ? 2 : 1; /* (one tile prefetches a panel's 2·K lines, several share them) */
     const int64_t pf_bytes = K * NR * (int64_t)sizeof(float);
     int t = 0;
     for (int64_t m = 0; m < M; t++) {
-        const int64_t left = M - m, left_tiles = (left + MR_MAX - 1) / MR_MAX;
-        const int mr = (int)((left + left_tiles - 1) / left_tiles);
+        const int mr = tile_rows(M - m, MR_MAX);
         const int64_t pf_from = (int64_t)t * K * lpk * 64;
         const float *b = bias ? bias + col : 0;
         float *o = out + m * N + col;
@@ -226,10 +200,14 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
     }
 }
 
-int row_gemm_fast_path(void) { return 1; }
+#define ROW_GEMM_SIMD 1
+#endif
 
-int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                 int64_t K, int threads) {
+#if defined(ROW_GEMM_SIMD)
+
+/* Every panel, split over the threads in contiguous runs (see the top of the file). */
+static int run_panels(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
+                      int64_t K, int threads, exp16_fn exp16) {
     if (M < 0 || N < 0 || K <= 0) return 1; /* (no inputs: the caller's other path gives the bias) */
     if (M == 0 || N == 0) return 0;
     const int64_t panels = (N + NR - 1) / NR;
@@ -241,13 +219,33 @@ int row_gemm_f32(const float *x, const float *packed, const float *bias, float *
         const int64_t lo = panels * t / n, hi = panels * (t + 1) / n;
         for (int64_t p = lo; p < hi; p++) {
             const char *pf = p + PF_PANELS < hi ? (const char *)(packed + (p + PF_PANELS) * K * NR) : 0;
-            panel_rows(M, N, K, x, packed + p * K * NR, out, bias, p * NR, pf);
+            panel_rows(M, N, K, x, packed + p * K * NR, out, bias, p * NR, pf, exp16);
         }
     }
     return 0;
 }
 
-#else
+int row_gemm_fast_path(void) { return 1; }
+
+/* x [M, K] row-major, packed [ceil(N/32)][K][32] (columns past N zero), bias [N] or NULL, out [M, N]. */
+int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
+                 int64_t K, int threads) {
+    return run_panels(x, packed, bias, out, M, N, K, threads, 0);
+}
+
+#endif
+
+#if defined(__AVX512F__)
+
+/* As row_gemm_f32 on a gate|up weight packed 16 gate and 16 up columns to a panel (N a multiple of 32; bias in the
+ * same order), storing silu(gate) * up: out [M, N / 2]. exp16: SLEEF's Sleef_expf16_u10. */
+int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
+                          int64_t K, int threads, exp16_fn exp16) {
+    if (!exp16 || N % NR) return 1;
+    return run_panels(x, packed, bias, out, M, N, K, threads, exp16);
+}
+
+#elif !defined(ROW_GEMM_SIMD)
 
 int row_gemm_fast_path(void) { return 0; }
 
