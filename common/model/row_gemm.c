@@ -32,13 +32,26 @@ static inline int tile_rows(int64_t left, int max) {
     return (int)((left + tiles - 1) / tiles);
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #include <omp.h>
 
-#define NR 32      /* output columns per panel: two zmm registers */
-#define MR_MAX 14  /* rows per tile: 28 accumulators + 2 weight vectors of the 32 registers */
+#define NR 32 /* output columns per panel: two zmm registers, or four ymm */
 #define PF_PANELS 1
+
+/* At input k of a tile, prefetch into L2 the next lpk lines of the later panel pf (pf_bytes long) from byte pf_from
+ * on, so that its read from memory overlaps the tile's arithmetic. */
+static inline __attribute__((always_inline)) void prefetch_k(const char *pf, int64_t pf_from, int64_t k, int lpk,
+                                                             int64_t pf_bytes) {
+    if (!pf) return;
+    const int64_t line = pf_from + k * lpk * 64; /* (offsets, not pointers, are compared: none formed past the panel) */
+    if (line < pf_bytes) _mm_prefetch(pf + line, _MM_HINT_T1);
+    if (lpk > 1 && line + 64 < pf_bytes) _mm_prefetch(pf + line + 64, _MM_HINT_T1);
+}
+#endif
+
+#if defined(__AVX512F__)
+#define MR_MAX 14 /* rows per tile: 28 accumulators + 2 weight vectors of the 32 registers */
 
 typedef __m512 (*exp16_fn)(__m512); /* 16 lanes' exp (SLEEF's Sleef_expf16_u10, as PyTorch calls it) */
 
@@ -62,11 +75,7 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const __m512 w0 = _mm512_loadu_ps(panel + k * NR), w1 = _mm512_loadu_ps(panel + k * NR + 16);
-        if (pf) { /* (offsets, not pointers, are compared: no pointer is formed past the panel) */
-            const int64_t line = pf_from + k * lpk * 64;
-            if (line < pf_bytes) _mm_prefetch(pf + line, _MM_HINT_T1);
-            if (lpk > 1 && line + 64 < pf_bytes) _mm_prefetch(pf + line + 64, _MM_HINT_T1);
-        }
+        prefetch_k(pf, pf_from, k, lpk, pf_bytes);
         for (int r = 0; r < mr; r++) {
             const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
             acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
@@ -127,15 +136,10 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
 #define ROW_GEMM_SIMD 1
 
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#include <omp.h>
-
 /* The same panels, the same order of every sum, in 256-bit registers: a row's product is the bits the AVX-512 path
  * gives (each FMA rounds once either way). 16 registers: 3 rows of 4 accumulators, 3 broadcast inputs and a weight
  * vector. No gated product here (PyTorch's AVX2 silu calls another exp): the library has no row_gemm_f32_silu_mul. */
-#define NR 32
 #define MR_MAX 3
-#define PF_PANELS 1
 
 typedef const void *exp16_fn; /* (no gated product here: always null) */
 
@@ -146,11 +150,7 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
     __m256 acc[MR_MAX][4];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        if (pf) { /* (offsets, not pointers, are compared: no pointer is formed past the panel) */
-            const int64_t line = pf_from + k * lpk * 64;
-            if (line < pf_bytes) _mm_prefetch(pf + line, _MM_HINT_T1);
-            if (lpk > 1 && line + 64 < pf_bytes) _mm_prefetch(pf + line + 64, _MM_HINT_T1);
-        }
+        prefetch_k(pf, pf_from, k, lpk, pf_bytes);
         __m256 a[MR_MAX];
         for (int r = 0; r < mr; r++) a[r] = _mm256_broadcast_ss(x + r * ldx + k);
         for (int j = 0; j < 4; j++) {
