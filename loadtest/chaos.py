@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, get_args
 
@@ -93,7 +94,11 @@ def _body(model: str, n: int, stream: bool, max_tokens: int = 48) -> dict[str, A
     return {**body, "stream": stream}
 
 
-def one_request(http: httpx.Client, url: str, body: dict[str, Any], key: str = KEY) -> Outcome:
+def one_request(
+    http: httpx.Client, url: str, body: dict[str, Any], key: str = KEY, on_choices: Callable[[int], None] | None = None
+) -> Outcome:
+    """One request and what its client saw; a stream's ``on_choices`` is told how many choice chunks have arrived,
+    after each event that carries some."""
     start, headers = time.time(), {"Authorization": f"Bearer {key}", "X-Prism-Trace": "1"}
     try:
         if not body["stream"]:
@@ -103,7 +108,7 @@ def one_request(http: httpx.Client, url: str, body: dict[str, Any], key: str = K
             answer = r.json()
             moved = answer.get("prism_trace", {}).get("migrations", [])
             return Outcome(start, time.time(), 200, False, answer["choices"][0]["finish_reason"], "", moved)
-        reason, error, moved = None, "", []
+        reason, error, moved, chunks = None, "", [], 0
         with http.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
                 return Outcome(start, time.time(), r.status_code, True, None, r.read().decode(errors="replace"))
@@ -116,6 +121,9 @@ def one_request(http: httpx.Client, url: str, body: dict[str, Any], key: str = K
                 moved = event.get("prism_trace", {}).get("migrations", moved)
                 for choice in event.get("choices") or []:
                     reason = choice.get("finish_reason") or reason
+                    chunks += 1
+                if on_choices is not None and event.get("choices"):
+                    on_choices(chunks)
         return Outcome(start, time.time(), 200, True, reason, error, moved)
     except httpx.HTTPError as exc:
         return Outcome(start, time.time(), 0, body["stream"], None, type(exc).__name__)

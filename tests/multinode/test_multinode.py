@@ -23,7 +23,7 @@ import pytest
 from common.media.synthetic import synthetic_image
 from common.protocol.sampling import SamplingParams
 from common.reference.pipeline import run_request
-from loadtest.chaos import Outcome, summarize
+from loadtest.chaos import Outcome, one_request, summarize
 from loadtest.chaos import client as load_client
 from tests.multinode.conftest import API_KEY, APPS, MODEL, TOPOLOGY, replicas_by_node
 
@@ -121,26 +121,10 @@ def _witness(url: str, started: threading.Event, out: list[Outcome]) -> None:
         "temperature": 0,
         "stream": True,
     }
-    headers = {"Authorization": f"Bearer {API_KEY}", "X-Prism-Trace": "1"}
-    start, chunks, reason, error, moved, status = time.time(), 0, None, "", [], 0
     try:
-        with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body, headers=headers) as r:
-            status = r.status_code
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                error = json.dumps(event["error"]) if "error" in event else error
-                moved = event.get("prism_trace", {}).get("migrations", moved)
-                for choice in event.get("choices") or []:
-                    chunks += 1
-                    reason = choice.get("finish_reason") or reason
-                if chunks >= 8:
-                    started.set()
-    except httpx.HTTPError as exc:
-        error = type(exc).__name__
+        with httpx.Client(timeout=60) as http:
+            out.append(one_request(http, url, body, API_KEY, on_choices=lambda n: n >= 8 and started.set()))
     finally:
-        out.append(Outcome(start, time.time(), status, True, reason, error, moved))
         started.set()  # (whatever happened: the test reads the outcome)
 
 
