@@ -100,7 +100,7 @@ class GatedUp:
         single row's. :func:`_gating_is_exact` checks them against PyTorch's on the first layer."""
         mlp, kernel = layer.mlp, load_row_gemm()
         gate, up = mlp.gate_proj, mlp.up_proj
-        if kernel is None or kernel.exp16 is None or gate.weight.dtype != torch.float32 or gate.out_features % 32:
+        if kernel is None or kernel.sleef_exp is None or gate.weight.dtype != torch.float32 or gate.out_features % 32:
             return None
         if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation") or (gate.bias is None) != (up.bias is None):
             return None

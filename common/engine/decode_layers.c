@@ -28,7 +28,7 @@
 typedef int (*gemm_fn)(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
                        int64_t K, int threads);
 typedef int (*gated_fn)(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                        int64_t K, int threads, void *exp16);
+                        int64_t K, int threads, void *sleef_exp);
 typedef int (*rope_fn)(const float *qkv, const float *cos, const float *sin, float *q, float *k, float *v, float *out,
                        const int64_t *tables, int64_t table_width, const int64_t *lengths, int64_t batch,
                        int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int threads);
@@ -50,7 +50,7 @@ enum { QKV, ATTENTION, O_PROJ, ATTENTION_NORM, GATE_UP, DOWN, MLP_NORM, KERNELS 
 typedef struct {
     gemm_fn gemm;
     gated_fn gated;
-    void *exp16;
+    void *sleef_exp;
     rope_fn rope;
     norm_fn norm;
     int64_t rows, hidden, inter, q_heads, kv_heads, dim, block_size, table_width, lanes;
@@ -111,7 +111,7 @@ int decode_layers(chain_t *c, const layer_t *layers, int64_t count) {
                                c->lengths, B, c->q_heads, c->kv_heads, c->dim, c->block_size, c->scale, c->threads))
         RUN(O_PROJ, c->gemm(c->attn, L->o, L->o_bias, c->proj, B, H, QD, c->threads))
         RUN(ATTENTION_NORM, c->norm(c->h, c->proj, c->h, L->post_norm, c->x, B, H, L->post_eps, c->lanes, c->threads))
-        RUN(GATE_UP, c->gated(c->x, L->gate_up, L->gate_up_bias, c->act, B, 2 * c->inter, H, c->threads, c->exp16))
+        RUN(GATE_UP, c->gated(c->x, L->gate_up, L->gate_up_bias, c->act, B, 2 * c->inter, H, c->threads, c->sleef_exp))
         RUN(DOWN, c->gemm(c->act, L->down, L->down_bias, c->proj, B, H, c->inter, c->threads))
         RUN(MLP_NORM, c->norm(c->h, c->proj, c->h, L->next_norm, c->x, B, H, L->next_eps, c->lanes, c->threads))
 #undef RUN

@@ -69,7 +69,7 @@ class Chain(ctypes.Structure):
     """``chain_t``: the kernels' addresses, the sizes, one step's inputs and scratch buffers."""
 
     _fields_ = [
-        *((name, _P) for name in ("gemm", "gated", "exp16", "rope", "norm")),
+        *((name, _P) for name in ("gemm", "gated", "sleef_exp", "rope", "norm")),
         *((name, _I64) for name in _SIZES),
         ("scale", ctypes.c_float),
         ("threads", ctypes.c_int),
@@ -99,7 +99,7 @@ class DecodeLayers:
         self._fn.argtypes = [ctypes.POINTER(Chain), ctypes.POINTER(LayerWeights), _I64]
         self.attention = attention
         gemm, norms, lang = load_row_gemm(), forward.norms, forward.lang
-        assert gemm is not None and gemm.exp16 is not None and norms is not None
+        assert gemm is not None and gemm.sleef_exp is not None and norms is not None
         self.hidden, self.inter = lang.config.hidden_size, forward.layers[0].gated.n
         self.q_heads, self.kv_heads, self.dim = forward.q_heads, forward.kv_heads, forward.head_dim
         self.head = head if _head_takes(head, self.hidden) else None
@@ -116,7 +116,7 @@ class DecodeLayers:
         template = dict(
             gemm=gemm.address,
             gated=gemm.gated_address,
-            exp16=gemm.exp16,
+            sleef_exp=gemm.sleef_exp,
             rope=attention.rope_address(torch.float32),
             norm=norms.address(torch.float32),
             hidden=self.hidden,
@@ -149,7 +149,7 @@ class DecodeLayers:
         where each takes the fast kernels (see the module docstring), else ``None`` (the lean forward then calls the
         kernels from Python)."""
         gemm, attention = load_row_gemm(), load_decode_kernel()
-        if gemm is None or gemm.exp16 is None or forward.norms is None or attention is None:
+        if gemm is None or gemm.sleef_exp is None or forward.norms is None or attention is None:
             return None
         if not attention.rope_exact or not _embedding_takes(forward.lang.embed_tokens):
             return None

@@ -20,7 +20,8 @@
  * rounds it; the caller checks the bits against PyTorch's before it uses this.
  *
  * Without AVX-512, on a CPU with AVX2 and FMA, the same panels go through 256-bit registers (3 rows a tile, each
- * element the same chain of FMAs: the same bits), with no gated product. With neither, the library builds but
+ * element the same chain of FMAs: the same bits), and the gated product's exp is the 8-lane one PyTorch's AVX2
+ * kernels call (row_gemm_exp_lanes() says which the build takes). With neither, the library builds but
  * row_gemm_fast_path() returns 0 and the caller keeps oneDNN.
  */
 #include <stdint.h>
@@ -53,10 +54,11 @@ static inline __attribute__((always_inline)) void prefetch_k(const char *pf, int
 #if defined(__AVX512F__)
 #define MR_MAX 14 /* rows per tile: 28 accumulators + 2 weight vectors of the 32 registers */
 
-typedef __m512 (*exp16_fn)(__m512); /* 16 lanes' exp (SLEEF's Sleef_expf16_u10, as PyTorch calls it) */
+#define EXP_LANES 16
+typedef __m512 (*exp_fn)(__m512); /* 16 lanes' exp (SLEEF's Sleef_expf16_u10, as PyTorch calls it) */
 
 /* silu(g) * u for 16 lanes: g / (1 + exp(-g)) (PyTorch's silu, op by op), then times u. */
-static inline __m512 silu_mul(__m512 g, __m512 u, exp16_fn exp16) {
+static inline __m512 silu_mul(__m512 g, __m512 u, exp_fn exp16) {
     /* (-g as a sign flip, as PyTorch's neg(); in integer lanes: the float xor is AVX-512DQ, the rest needs only F) */
     const __m512i minus = _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN));
     const __m512 e = exp16(_mm512_castsi512_ps(minus));
@@ -70,7 +72,7 @@ static inline __m512 silu_mul(__m512 g, __m512 u, exp16_fn exp16) {
 static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const float *x, int64_t ldx,
                                                        const float *panel, float *out, int64_t ldo, const float *bias,
                                                        __mmask16 m0, __mmask16 m1, const char *pf, int64_t pf_from,
-                                                       int lpk, int64_t pf_bytes, exp16_fn exp16) {
+                                                       int lpk, int64_t pf_bytes, exp_fn exp16) {
     __m512 acc[MR_MAX][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
@@ -101,7 +103,7 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
 /* Every row against one panel, in tiles of near-equal size (the order inside a tile never depends on its size). With
  * exp16, out is [M, N / 2] and the panel's 16 activations land at col / 2. */
 static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const float *panel, float *out,
-                       const float *bias, int64_t col, const char *pf, exp16_fn exp16) {
+                       const float *bias, int64_t col, const char *pf, exp_fn exp16) {
     const int64_t cols = N - col < NR ? N - col : NR;
     const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 m1 = cols <= 16 ? 0 : cols >= 32 ? 0xFFFF : (__mmask16)((1u << (cols - 16)) - 1);
@@ -125,7 +127,7 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
         if (exp16) {
             TILES(exp16)
         } else {
-            TILES((exp16_fn)0)
+            TILES((exp_fn)0)
         }
 #undef TILES
 #undef TILE
@@ -138,15 +140,22 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The same panels, the same order of every sum, in 256-bit registers: a row's product is the bits the AVX-512 path
  * gives (each FMA rounds once either way). 16 registers: 3 rows of 4 accumulators, 3 broadcast inputs and a weight
- * vector. No gated product here (PyTorch's AVX2 silu calls another exp): the library has no row_gemm_f32_silu_mul. */
+ * vector. The gated product takes the exp PyTorch's AVX2 silu calls: SLEEF's 8-lane Sleef_expf8_u10. */
 #define MR_MAX 3
+#define EXP_LANES 8
 
-typedef const void *exp16_fn; /* (no gated product here: always null) */
+typedef __m256 (*exp_fn)(__m256); /* 8 lanes' exp (SLEEF's Sleef_expf8_u10, as PyTorch's AVX2 kernels call it) */
+
+/* silu(g) * u for 8 lanes: g / (1 + exp(-g)) (PyTorch's silu, op by op: neg() is a sign flip), then times u. */
+static inline __m256 silu_mul(__m256 g, __m256 u, exp_fn exp8) {
+    const __m256 e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.f)));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
 
 static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const float *x, int64_t ldx,
                                                        const float *panel, float *out, int64_t ldo, const float *bias,
                                                        const __m256i *masks, int64_t cols, const char *pf,
-                                                       int64_t pf_from, int lpk, int64_t pf_bytes) {
+                                                       int64_t pf_from, int lpk, int64_t pf_bytes, exp_fn exp8) {
     __m256 acc[MR_MAX][4];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
@@ -157,6 +166,17 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
             const __m256 w = _mm256_loadu_ps(panel + k * NR + 8 * j);
             for (int r = 0; r < mr; r++) acc[r][j] = _mm256_fmadd_ps(a[r], w, acc[r][j]);
         }
+    }
+    if (exp8) { /* (a full panel: groups 0-1 are 16 gate columns, 2-3 the same 16 up columns) */
+        __m256 b[4];
+        for (int j = 0; j < 4; j++) b[j] = bias ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < 2; j++) {
+                const __m256 g = bias ? _mm256_add_ps(acc[r][j], b[j]) : acc[r][j];
+                const __m256 u = bias ? _mm256_add_ps(acc[r][j + 2], b[j + 2]) : acc[r][j + 2];
+                _mm256_storeu_ps(out + r * ldo + 8 * j, silu_mul(g, u, exp8));
+            }
+        return;
     }
     for (int j = 0; j < 4; j++) { /* (a constant trip count: unrolled, so the accumulators stay in registers) */
         if (8 * j >= cols) continue; /* (no pointer formed past a partial panel's last group) */
@@ -175,8 +195,7 @@ static inline __attribute__((always_inline)) void tile(int mr, int64_t K, const 
 }
 
 static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const float *panel, float *out,
-                       const float *bias, int64_t col, const char *pf, exp16_fn exp16) {
-    (void)exp16;
+                       const float *bias, int64_t col, const char *pf, exp_fn exp8) {
     const int64_t cols = N - col < NR ? N - col : NR;
     __m256i masks[4];
     for (int j = 0; j < 4; j++) { /* (lane l of group j is stored where 8j + l < cols) */
@@ -190,12 +209,17 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
         const int mr = tile_rows(M - m, MR_MAX);
         const int64_t pf_from = (int64_t)t * K * lpk * 64;
         const float *b = bias ? bias + col : 0;
-        float *o = out + m * N + col;
-        switch (mr) {
-            case 1: tile(1, K, x + m * K, K, panel, o, N, b, masks, cols, pf, pf_from, lpk, pf_bytes); break;
-            case 2: tile(2, K, x + m * K, K, panel, o, N, b, masks, cols, pf, pf_from, lpk, pf_bytes); break;
-            case 3: tile(3, K, x + m * K, K, panel, o, N, b, masks, cols, pf, pf_from, lpk, pf_bytes); break;
+        const int64_t ldo = exp8 ? N / 2 : N;
+        float *o = out + m * ldo + (exp8 ? col / 2 : col);
+        /* (exp8 a constant 0 in the plain tiles: their code is the plain GEMM's, with no activation branch) */
+#define TILE(R, E) \
+    case R: tile(R, K, x + m * K, K, panel, o, ldo, b, masks, cols, pf, pf_from, lpk, pf_bytes, E); break;
+        if (exp8) {
+            switch (mr) { TILE(1, exp8) TILE(2, exp8) TILE(3, exp8) }
+        } else {
+            switch (mr) { TILE(1, (exp_fn)0) TILE(2, (exp_fn)0) TILE(3, (exp_fn)0) }
         }
+#undef TILE
         m += mr;
     }
 }
@@ -207,7 +231,7 @@ static void panel_rows(int64_t M, int64_t N, int64_t K, const float *x, const fl
 
 /* Every panel, split over the threads in contiguous runs (see the top of the file). */
 static int run_panels(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                      int64_t K, int threads, exp16_fn exp16) {
+                      int64_t K, int threads, exp_fn exp) {
     if (M < 0 || N < 0 || K <= 0) return 1; /* (no inputs: the caller's other path gives the bias) */
     if (M == 0 || N == 0) return 0;
     const int64_t panels = (N + NR - 1) / NR;
@@ -219,7 +243,7 @@ static int run_panels(const float *x, const float *packed, const float *bias, fl
         const int64_t lo = panels * t / n, hi = panels * (t + 1) / n;
         for (int64_t p = lo; p < hi; p++) {
             const char *pf = p + PF_PANELS < hi ? (const char *)(packed + (p + PF_PANELS) * K * NR) : 0;
-            panel_rows(M, N, K, x, packed + p * K * NR, out, bias, p * NR, pf, exp16);
+            panel_rows(M, N, K, x, packed + p * K * NR, out, bias, p * NR, pf, exp);
         }
     }
     return 0;
@@ -227,27 +251,28 @@ static int run_panels(const float *x, const float *packed, const float *bias, fl
 
 int row_gemm_fast_path(void) { return 1; }
 
+/* The lanes of the exp row_gemm_f32_silu_mul takes: 16 (SLEEF's Sleef_expf16_u10) or 8 (Sleef_expf8_u10). */
+int row_gemm_exp_lanes(void) { return EXP_LANES; }
+
 /* x [M, K] row-major, packed [ceil(N/32)][K][32] (columns past N zero), bias [N] or NULL, out [M, N]. */
 int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
                  int64_t K, int threads) {
     return run_panels(x, packed, bias, out, M, N, K, threads, 0);
 }
 
-#endif
-
-#if defined(__AVX512F__)
-
 /* As row_gemm_f32 on a gate|up weight packed 16 gate and 16 up columns to a panel (N a multiple of 32; bias in the
- * same order), storing silu(gate) * up: out [M, N / 2]. exp16: SLEEF's Sleef_expf16_u10. */
+ * same order), storing silu(gate) * up: out [M, N / 2]. exp: SLEEF's exp of row_gemm_exp_lanes() lanes. */
 int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                          int64_t K, int threads, exp16_fn exp16) {
-    if (!exp16 || N % NR) return 1;
-    return run_panels(x, packed, bias, out, M, N, K, threads, exp16);
+                          int64_t K, int threads, exp_fn exp) {
+    if (!exp || N % NR) return 1;
+    return run_panels(x, packed, bias, out, M, N, K, threads, exp);
 }
 
-#elif !defined(ROW_GEMM_SIMD)
+#else
 
 int row_gemm_fast_path(void) { return 0; }
+
+int row_gemm_exp_lanes(void) { return 0; }
 
 int row_gemm_f32(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
                  int64_t K, int threads) {
@@ -256,8 +281,8 @@ int row_gemm_f32(const float *x, const float *packed, const float *bias, float *
 }
 
 int row_gemm_f32_silu_mul(const float *x, const float *packed, const float *bias, float *out, int64_t M, int64_t N,
-                          int64_t K, int threads, void *exp16) {
-    (void)x, (void)packed, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads, (void)exp16;
+                          int64_t K, int threads, void *exp) {
+    (void)x, (void)packed, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)threads, (void)exp;
     return 1;
 }
 

@@ -1,5 +1,5 @@
-"""fp32 linear products of a few rows (``row_gemm.c``): a decode step's weight GEMMs, a row the same bits in any
-batch of up to :data:`MAX_ROWS`.
+"""fp32 linear products of a few rows (``row_gemm.c``): a decode step's weight GEMMs, a row the same bits in any batch
+of up to :data:`MAX_ROWS`.
 
 Why: a decode step multiplies at most a batch of rows (32 by default) by every weight of the model. oneDNN's packed
 kernels (:mod:`common.model.linear`), shaped for many rows, ran ``prism-small-llava``'s weight GEMMs on 32 rows at about
@@ -8,15 +8,15 @@ half the machine's FMA rate, and on 1408-column inputs rounded a 1-row call diff
 streams each weight once per call in panels of 32 columns and sums every output in one fixed order — a chain of fused
 multiply-adds over the inputs from the first, then the bias — so a row's product does not depend on the rows, columns or
 threads beside it (tested: 1 to 32 rows, fused and separate projections). A gated MLP's gate|up product can end in its
-activation (:meth:`RowGemm.silu_mul`: ``silu(gate) * up`` stored from the registers, with the exp PyTorch's own AVX-512
-silu calls — SLEEF's ``Sleef_expf16_u10``, taken from libtorch — so the bits are PyTorch's: :func:`gated_agrees` checks
-them once per process, and :mod:`common.engine.decode_forward` on each model's weights). Calls of more rows go to
-oneDNN, so a decode batch over 32 (``engine.max_batch``) or a prefill chunk rounds as oneDNN does. Measured on the Xeon;
-a CPU with AVX-512 elsewhere (AMD Zen 4) uses it too, checked but not timed there. A CPU with AVX2 and FMA but no
-AVX-512 (an AMD EPYC of family 23, Zen 2) takes a 256-bit build of the same kernel — the same bits, no gated product
-(its exp would be PyTorch's 8-lane one): measured on that EPYC, ``prism-small-llava`` fp32 decode steps at batch 1 / 8 /
-32 took 5.9–6.0 / 8.5–8.6 / 21.5–21.8 ms against oneDNN's 7.8–8.2 / 12.1–13.1 / 25.2–25.8 ms (``python -m
-loadtest.bench_decode --dtypes float32 --repeats 1``, each path twice, alternating).
+activation (:meth:`RowGemm.silu_mul`: ``silu(gate) * up`` stored from the registers, with the exp PyTorch's own silu
+calls — SLEEF's ``Sleef_expf16_u10`` with AVX-512, ``Sleef_expf8_u10`` with AVX2, taken from libtorch — so the bits are
+PyTorch's: :func:`gated_agrees` checks them once per process, and :mod:`common.engine.decode_forward` on each model's
+weights). Calls of more rows go to oneDNN, so a decode batch over 32 (``engine.max_batch``) or a prefill chunk rounds as
+oneDNN does. Measured on the Xeon; a CPU with AVX-512 elsewhere (AMD Zen 4) uses it too, checked but not timed there. A
+CPU with AVX2 and FMA but no AVX-512 (an AMD EPYC of family 23, Zen 2) takes a 256-bit build of the same kernel — the
+same bits; measured on that EPYC, ``prism-small-llava`` fp32 decode steps at batch 1 / 8 / 32 took 5.9–6.0 / 8.5–8.6 /
+21.5–21.8 ms against oneDNN's 7.8–8.2 / 12.1–13.1 / 25.2–25.8 ms (``python -m loadtest.bench_decode --dtypes float32
+--repeats 1``, each path twice, alternating).
 
 Lifecycle: :func:`load_row_gemm` builds ``row_gemm.c`` on first use (once per machine, cached:
 :mod:`common.native_build`) and checks it once per process against ``F.linear`` (to fp32 rounding) and against itself
@@ -54,19 +54,22 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 class RowGemm:
     """``product(x, panels, n, bias)`` = ``F.linear(x, weight, bias)`` for fp32 ``x`` of at most :data:`MAX_ROWS`
     rows, on ``pack(weight)``; ``silu_mul(x, panels, n, bias)`` = ``silu(x·gateᵀ) * (x·upᵀ)`` on
-    ``pack_gated(gate, up)`` where :attr:`exp16` is known."""
+    ``pack_gated(gate, up)`` where :attr:`sleef_exp` is known."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.row_gemm_f32
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
-        self._gated = getattr(library, "row_gemm_f32_silu_mul", None)  # (None: no silu_mul, exp16 stays None)
+        self._gated = getattr(library, "row_gemm_f32_silu_mul", None)  # (None: no silu_mul, sleef_exp stays None)
         if self._gated is not None:
             self._gated.restype = ctypes.c_int
             self._gated.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR]
-        self.exp16: int | None = None
-        """The address of the exp PyTorch's AVX-512 kernels call (SLEEF's), set by :func:`load_row_gemm` where it
-        is found and :func:`gated_agrees` holds; ``None``: no :meth:`silu_mul`."""
+        lanes = getattr(library, "row_gemm_exp_lanes", None)
+        self.exp_lanes = int(lanes()) if lanes is not None else 16
+        """The lanes of the exp the library's gated product takes: 16 (its AVX-512 build) or 8 (AVX2)."""
+        self.sleef_exp: int | None = None
+        """The address of the exp PyTorch's kernels of this build's width call (SLEEF's), set by
+        :func:`load_row_gemm` where it is found and :func:`gated_agrees` holds; ``None``: no :meth:`silu_mul`."""
 
     @property
     def address(self) -> int:
@@ -98,9 +101,9 @@ class RowGemm:
         """``silu(x·gateᵀ + gate_bias) * (x·upᵀ + up_bias)`` ``[rows, n]`` on ``pack_gated(gate, up)`` (``bias``:
         ``interleave(gate_bias, up_bias)`` or ``None``), each product's bits those of :meth:`product` and the
         activation's those of PyTorch's ``silu`` and ``*``; ``None`` where it does not take the call."""
-        if self.exp16 is None or self._gated is None or 2 * n % PANEL:
+        if self.sleef_exp is None or self._gated is None or 2 * n % PANEL:
             return None
-        return self._run(self._gated, x, panels, 2 * n, bias, n, self.exp16)
+        return self._run(self._gated, x, panels, 2 * n, bias, n, self.sleef_exp)
 
     def product(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``x`` ``[rows, k]`` (fp32, contiguous) times the packed weight, plus ``bias``: ``[rows, n]``; ``None`` where
@@ -133,13 +136,14 @@ def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate.reshape(n // 16, 16, *rest), up.reshape(n // 16, 16, *rest)], dim=1).reshape(2 * n, *rest)
 
 
-def sleef_exp16() -> int | None:
-    """The address of ``Sleef_expf16_u10`` in this process's libtorch (the exp PyTorch's AVX-512 kernels call, its
-    ``silu`` among them), or ``None`` where libtorch does not export it."""
+def sleef_exp(lanes: int = 16) -> int | None:
+    """The address of SLEEF's exp of ``lanes`` lanes in this process's libtorch (``Sleef_expf16_u10``, which PyTorch's
+    AVX-512 kernels call, its ``silu`` among them; ``Sleef_expf8_u10``, its AVX2 kernels'), or ``None`` where libtorch
+    does not export it."""
     path = Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"
     try:
         library = ctypes.CDLL(str(path))  # (already loaded by torch: the same handle)
-        return ctypes.cast(library.Sleef_expf16_u10, ctypes.c_void_p).value
+        return ctypes.cast(getattr(library, f"Sleef_expf{lanes}_u10"), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
 
@@ -201,10 +205,10 @@ def load_row_gemm() -> RowGemm | None:
     kernel = RowGemm(library)
     with torch.inference_mode():
         if agrees(kernel):
-            kernel.exp16 = sleef_exp16() if kernel._gated is not None else None
-            if kernel.exp16 is not None and not gated_agrees(kernel):
+            kernel.sleef_exp = sleef_exp(kernel.exp_lanes) if kernel._gated is not None else None
+            if kernel.sleef_exp is not None and not gated_agrees(kernel):
                 log.info("native row GEMM's silu * up differs from PyTorch's here: the activation stays PyTorch's")
-                kernel.exp16 = None
+                kernel.sleef_exp = None
             return kernel
     log.warning("native row GEMM failed its check against F.linear here: oneDNN for every linear")
     return None

@@ -53,7 +53,7 @@ def test_lean_forward_is_the_models_forward_bit_for_bit(model, dtype, cpu_linear
     packed = cpu_linear == "onednn" and linear.usable(getattr(torch, dtype))  # (bf16 only where the CPU has it)
     assert (forward.layers[0].qkv is not None) == packed  # (fused only on packed linears)
     kernel = row_gemm.load_row_gemm()
-    gated = packed and dtype == "float32" and kernel is not None and kernel.exp16 is not None
+    gated = packed and dtype == "float32" and kernel is not None and kernel.sleef_exp is not None
     assert (forward.layers[0].gated is not None) == gated  # (the MLP's activation in the gate|up product's call)
     fused_mlp = packed and not gated  # (a gated layer keeps no fused gate|up)
     assert (forward.layers[0].gate_up is not None) == fused_mlp
@@ -84,7 +84,7 @@ def test_a_gated_product_that_would_round_differently_keeps_pytorchs_activation(
 
     lang = tiny_llava.adapter.language_model(tiny_llava.model)
     kernel = row_gemm.load_row_gemm()
-    if kernel is None or kernel.exp16 is None:
+    if kernel is None or kernel.sleef_exp is None:
         pytest.skip("no gated row product on this CPU (it needs AVX-512)")
     assert decode_forward._gating_is_exact(lang.layers[0])
     monkeypatch.setattr(decode_forward.GatedUp, "__call__", lambda self, x: torch.zeros(x.shape[0], 1, self.n))

@@ -25,7 +25,7 @@ LENGTHS = [3, 17, 40, 9, 30, 16]  # (tokens cached per sequence: partial blocks,
 
 def _lean(lm) -> DecodeForward:
     kernel = row_gemm.load_row_gemm()
-    if kernel is None or kernel.exp16 is None or load_decode_kernel() is None:
+    if kernel is None or kernel.sleef_exp is None or load_decode_kernel() is None:
         pytest.skip("no row kernel with the gated product, or no attention kernel, here: no chain")
     forward = DecodeForward.build(lm.adapter.language_model(lm.model), lm.model.lm_head)
     assert forward is not None and forward.chain is not None and forward.chain.head is lm.model.lm_head

@@ -33,10 +33,11 @@ def kernel():
 
 @pytest.fixture(scope="module")
 def gated(kernel):
-    """The kernel where it has the gated product (the AVX-512 build, with SLEEF's 16-lane exp)."""
-    if not AVX512:
-        assert kernel.exp16 is None and kernel.gated_address is None
-        pytest.skip("no gated product without AVX-512 (PyTorch's AVX2 silu calls another exp)")
+    """The kernel with its gated product: SLEEF's exp of the build's width (16 lanes with AVX-512, 8 with AVX2), the
+    one PyTorch's silu calls on this CPU."""
+    assert kernel.exp_lanes == (16 if AVX512 else 8)
+    assert kernel.sleef_exp is not None, "libtorch exports SLEEF's exp on this machine: the gated product must be on"
+    assert kernel.gated_address is not None
     return kernel
 
 
@@ -88,7 +89,6 @@ def test_the_gated_product_is_pytorchs_silu_of_gate_times_up_bit_for_bit(gated, 
     product gives them) through PyTorch's silu and multiply, in any batch; inputs large enough that exp under- and
     overflows."""
     kernel = gated
-    assert kernel.exp16 is not None, "libtorch exports SLEEF's exp on this machine: the gated product must be on"
     gen = torch.Generator().manual_seed(5)
     n, k = 1408, 512
     gate, up = torch.randn(n, k, generator=gen) / 8, torch.randn(n, k, generator=gen) / 8
@@ -115,10 +115,11 @@ def test_the_gated_product_refuses_what_it_does_not_take_and_a_wrong_exp_fails_i
     assert kernel.silu_mul(torch.randn(row_gemm.MAX_ROWS + 1, 64), panels, 32, None) is None
     assert kernel.silu_mul(x, panels, 32, torch.ones(63)) is None
     assert row_gemm.interleave(torch.arange(32), 100 + torch.arange(32))[14:18].tolist() == [14, 15, 100, 101]
-    monkeypatch.setattr(kernel, "exp16", None)
+    monkeypatch.setattr(kernel, "sleef_exp", None)
     assert kernel.silu_mul(x, panels, 32, None) is None
     libtorch = ctypes.CDLL(str(Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"))
-    monkeypatch.setattr(kernel, "exp16", ctypes.cast(libtorch.Sleef_exp2f16_u10, ctypes.c_void_p).value)  # (2^x)
+    exp2 = getattr(libtorch, f"Sleef_exp2f{kernel.exp_lanes}_u10")  # (2^x: the same width, the wrong function)
+    monkeypatch.setattr(kernel, "sleef_exp", ctypes.cast(exp2, ctypes.c_void_p).value)
     assert not row_gemm.gated_agrees(kernel)
 
 
@@ -171,7 +172,7 @@ def test_a_build_without_avx2_says_so_and_takes_no_call():
     """What a CPU with neither AVX-512 nor AVX2 gets: the library builds, reports no fast path, and refuses every call,
     so ``load_row_gemm`` gives ``None`` and oneDNN computes."""
     library, _ = load_library(row_gemm.SOURCE, compiler(), (*EXACT, "-mno-avx512f", "-mno-avx2"))
-    assert library.row_gemm_fast_path() == 0
+    assert library.row_gemm_fast_path() == 0 and library.row_gemm_exp_lanes() == 0
     assert library.row_gemm_f32(None, None, None, None, 1, 1, 1, 1) == 1
 
 
@@ -198,14 +199,22 @@ def test_every_product_is_one_fma_chain_in_input_order_then_the_bias(kernel):
             assert torch.equal(kernel.product(x[:rows].contiguous(), panels, n, b), want[:rows]), (n, k, rows)
 
 
-def test_the_avx2_build_gives_the_kernels_bits_and_has_no_gated_product(kernel):
+def test_the_avx2_build_gives_the_kernels_bits_and_its_gated_product_takes_the_8_lane_exp(kernel):
     """Built without AVX-512 (what an AVX2-only CPU loads): every product the same bits as the kernel this machine
     loaded — on a CPU with AVX-512, the 512-bit build's (on an AVX2-only CPU the same build: the test above holds each
-    to the chain itself) — since each output is the same chain of FMAs; no ``row_gemm_f32_silu_mul`` (its exp is the
-    16-lane one)."""
+    to the chain itself) — since each output is the same chain of FMAs; its gated product takes SLEEF's 8-lane exp
+    (PyTorch's AVX2 one: held bit for bit to PyTorch's silu by the gated tests on an AVX2-only CPU; to rounding here).
+    """
     library, _ = load_library(row_gemm.SOURCE, compiler(), (*EXACT, "-mno-avx512f"))
-    assert library.row_gemm_fast_path() == 1 and not hasattr(library, "row_gemm_f32_silu_mul")
+    assert library.row_gemm_fast_path() == 1 and library.row_gemm_exp_lanes() == 8
     avx2 = row_gemm.RowGemm(library)
+    assert avx2.exp_lanes == 8 and avx2.gated_address is not None
+    avx2.sleef_exp = row_gemm.sleef_exp(8)
+    gate, up = torch.randn(64, 96), torch.randn(64, 96)
+    x = torch.randn(5, 96) * 4
+    both = avx2.product(x, avx2.pack(torch.cat([gate, up])), 128, None)
+    got = avx2.silu_mul(x, avx2.pack_gated(gate, up), 64, None)
+    torch.testing.assert_close(got, torch.nn.functional.silu(both[:, :64]) * both[:, 64:], rtol=1e-6, atol=1e-6)
     gen = torch.Generator().manual_seed(7)
     for n, k, bias in ((1408, 512, True), (70, 200, False), (17, 3, True)):
         weight, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen) if bias else None
