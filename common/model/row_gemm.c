@@ -16,8 +16,8 @@
  * A gated MLP's gate|up product can end in its activation (row_gemm_f32_silu_mul): the weight packed so that each
  * panel holds 16 gate columns and the same 16 up columns, each tile stores silu(gate) * up for its 16 columns — no
  * gate|up output, no separate activation pass. silu is PyTorch's own expression, x / (1 + exp(-x)), with exp the very
- * function PyTorch's AVX-512 kernels call (SLEEF's, from libtorch: the caller passes it), each op rounded as PyTorch
- * rounds it; the caller checks the bits against PyTorch's before it uses this.
+ * function PyTorch's kernels of the build's width call (SLEEF's, from libtorch: the caller passes it), each op rounded
+ * as PyTorch rounds it; the caller checks the bits against PyTorch's before it uses this.
  *
  * Without AVX-512, on a CPU with AVX2 and FMA, the same panels go through 256-bit registers (3 rows a tile, each
  * element the same chain of FMAs: the same bits), and the gated product's exp is the 8-lane one PyTorch's AVX2

@@ -39,7 +39,7 @@ def test_bench_decode_reports_each_dtype_and_fp32_is_token_exact(model_cache, tm
         probes = figures["read_bytes_per_s_by_pages"]  # (the floor takes the faster of the two read probes)
         assert set(probes) == {"4KiB", "2MiB"} and figures["read_bytes_per_s"] == max(probes.values())
         assert figures["b32_weight_gemm_ms_onednn"] > 0 and figures["b32_weight_gemm_ms_torch"] > 0  # (each path timed)
-    rows = "row kernel + onednn" if load_row_gemm() is not None else "onednn"  # (the kernel needs AVX-512)
+    rows = "row kernel + onednn" if load_row_gemm() is not None else "onednn"  # (AVX-512 or AVX2 + FMA)
     assert result["dtypes"]["float32"]["linear_path"] == rows
     assert result["dtypes"]["bfloat16"]["linear_path"] == ("onednn" if linear.usable(torch.bfloat16) else "torch")
     fp32 = result["dtypes"]["float32"]

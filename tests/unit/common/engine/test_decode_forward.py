@@ -85,7 +85,7 @@ def test_a_gated_product_that_would_round_differently_keeps_pytorchs_activation(
     lang = tiny_llava.adapter.language_model(tiny_llava.model)
     kernel = row_gemm.load_row_gemm()
     if kernel is None or kernel.sleef_exp is None:
-        pytest.skip("no gated row product on this CPU (it needs AVX-512)")
+        pytest.skip("no gated row product on this CPU (it needs the row kernel and SLEEF's exp in libtorch)")
     assert decode_forward._gating_is_exact(lang.layers[0])
     monkeypatch.setattr(decode_forward.GatedUp, "__call__", lambda self, x: torch.zeros(x.shape[0], 1, self.n))
     assert not decode_forward._gating_is_exact(lang.layers[0])

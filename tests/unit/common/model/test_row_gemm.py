@@ -210,11 +210,17 @@ def test_the_avx2_build_gives_the_kernels_bits_and_its_gated_product_takes_the_8
     avx2 = row_gemm.RowGemm(library)
     assert avx2.exp_lanes == 8 and avx2.gated_address is not None
     avx2.sleef_exp = row_gemm.sleef_exp(8)
-    gate, up = torch.randn(64, 96), torch.randn(64, 96)
-    x = torch.randn(5, 96) * 4
-    both = avx2.product(x, avx2.pack(torch.cat([gate, up])), 128, None)
-    got = avx2.silu_mul(x, avx2.pack_gated(gate, up), 64, None)
-    torch.testing.assert_close(got, torch.nn.functional.silu(both[:, :64]) * both[:, 64:], rtol=1e-6, atol=1e-6)
+    assert avx2.sleef_exp is not None, "libtorch exports SLEEF's 8-lane exp"
+    gen = torch.Generator().manual_seed(9)
+    gate, up = torch.randn(64, 96, generator=gen), torch.randn(64, 96, generator=gen)
+    separate, gated = avx2.pack(torch.cat([gate, up])), avx2.pack_gated(gate, up)
+    for bias in (None, torch.randn(128, generator=gen)):
+        gb = None if bias is None else row_gemm.interleave(bias[:64], bias[64:])
+        for rows in (1, 2, 3, 4, 32):  # (tiles of 1, 2 and 3 rows)
+            x = torch.randn(rows, 96, generator=gen) * 4
+            both = avx2.product(x, separate, 128, bias)
+            want = torch.nn.functional.silu(both[:, :64]) * both[:, 64:]
+            torch.testing.assert_close(avx2.silu_mul(x, gated, 64, gb), want, rtol=1e-6, atol=1e-6)
     gen = torch.Generator().manual_seed(7)
     for n, k, bias in ((1408, 512, True), (70, 200, False), (17, 3, True)):
         weight, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen) if bias else None
