@@ -167,6 +167,7 @@ def _streams(base: str, stop: threading.Event, results: list[dict], client: int)
                 max_tokens=256,
                 temperature=0,
                 stream=True,
+                extra_body={"ignore_eos": True},  # (every stream its 256 tokens: running when the replica leaves)
                 extra_headers={"X-Prism-Trace": "1"},
             ):
                 for choice in chunk.choices:
@@ -226,12 +227,17 @@ def decode(affinity):
     return lambda: handle.stats.remote().result(timeout_s=30)
 
 
+LONG = {"return_token_ids": True, "ignore_eos": True}
+
+
 def _long_answer(oai: openai.OpenAI) -> tuple[list[dict], openai.types.chat.ChatCompletion]:
-    """A prompt whose greedy answer runs long (the tiny random model stops at EOS where it likes), and that answer."""
+    """A prompt whose greedy answer runs long, and that answer: 256 tokens past any EOS (``ignore_eos``: with the C
+    decoder layers on an AVX2 CPU, a CI run saw an answer that ended at its EOS done before the client read its first
+    chunk, and every stream of the rolling update done before its replica left)."""
     for i in range(12):
         messages = [{"role": "user", "content": f"Tell me story number {i}, a long one."}]
         calm = oai.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=256, temperature=0, extra_body={"return_token_ids": True}
+            model=MODEL, messages=messages, max_tokens=256, temperature=0, extra_body=LONG
         )
         if calm.usage.completion_tokens >= 120:
             return messages, calm
@@ -259,7 +265,7 @@ def test_a_stream_survives_the_loss_of_its_decode_replica(affinity, decode):
         max_tokens=256,
         temperature=0,
         stream=True,
-        extra_body={"return_token_ids": True},
+        extra_body=LONG,
         extra_headers={"X-Prism-Trace": "1"},
     )
     text, ids, finish, trace, killed = "", [], None, None, None
