@@ -60,12 +60,10 @@ class RowGemm:
         self._fn = library.row_gemm_f32
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int]
-        self._gated = getattr(library, "row_gemm_f32_silu_mul", None)  # (None: no silu_mul, sleef_exp stays None)
-        if self._gated is not None:
-            self._gated.restype = ctypes.c_int
-            self._gated.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR]
-        lanes = getattr(library, "row_gemm_exp_lanes", None)
-        self.exp_lanes = int(lanes()) if lanes is not None else 16
+        self._gated = library.row_gemm_f32_silu_mul  # (every build has it: one without SIMD refuses every call)
+        self._gated.restype = ctypes.c_int
+        self._gated.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, _PTR]
+        self.exp_lanes = int(library.row_gemm_exp_lanes())
         """The lanes of the exp the library's gated product takes: 16 (its AVX-512 build) or 8 (AVX2)."""
         self.sleef_exp: int | None = None
         """The address of the exp PyTorch's kernels of this build's width call (SLEEF's), set by
@@ -77,9 +75,9 @@ class RowGemm:
         return address(self._fn)
 
     @property
-    def gated_address(self) -> int | None:
-        """``row_gemm_f32_silu_mul``'s address, where the library has it."""
-        return None if self._gated is None else address(self._gated)
+    def gated_address(self) -> int:
+        """``row_gemm_f32_silu_mul``'s address."""
+        return address(self._gated)
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -101,7 +99,7 @@ class RowGemm:
         """``silu(x·gateᵀ + gate_bias) * (x·upᵀ + up_bias)`` ``[rows, n]`` on ``pack_gated(gate, up)`` (``bias``:
         ``interleave(gate_bias, up_bias)`` or ``None``), each product's bits those of :meth:`product` and the
         activation's those of PyTorch's ``silu`` and ``*``; ``None`` where it does not take the call."""
-        if self.sleef_exp is None or self._gated is None or 2 * n % PANEL:
+        if self.sleef_exp is None or 2 * n % PANEL:
             return None
         return self._run(self._gated, x, panels, 2 * n, bias, n, self.sleef_exp)
 
@@ -136,7 +134,7 @@ def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate.reshape(n // 16, 16, *rest), up.reshape(n // 16, 16, *rest)], dim=1).reshape(2 * n, *rest)
 
 
-def sleef_exp(lanes: int = 16) -> int | None:
+def sleef_exp(lanes: int) -> int | None:
     """The address of SLEEF's exp of ``lanes`` lanes in this process's libtorch (``Sleef_expf16_u10``, which PyTorch's
     AVX-512 kernels call, its ``silu`` among them; ``Sleef_expf8_u10``, its AVX2 kernels'), or ``None`` where libtorch
     does not export it."""
@@ -205,7 +203,7 @@ def load_row_gemm() -> RowGemm | None:
     kernel = RowGemm(library)
     with torch.inference_mode():
         if agrees(kernel):
-            kernel.sleef_exp = sleef_exp(kernel.exp_lanes) if kernel._gated is not None else None
+            kernel.sleef_exp = sleef_exp(kernel.exp_lanes)
             if kernel.sleef_exp is not None and not gated_agrees(kernel):
                 log.info("native row GEMM's silu * up differs from PyTorch's here: the activation stays PyTorch's")
                 kernel.sleef_exp = None
