@@ -1,7 +1,7 @@
 """``make bench``'s topology session: the same Prism application in each grouped topology (``E/PD``, ``EP/D``, ``EPD``,
-``MEPD``, and ``MEPD`` in the ingress replica; ``E/P/D`` is Prism's own session), each against the monolith built from
-the same stage classes. (``ME/P/D`` and ``ME/PD`` are left out for the bench's time: on this machine they differ from
-``E/P/D`` and ``E/PD`` by the one hop that ``MEPD`` measures against ``EPD``.)
+``MEPD``, and ``MEPD`` in the ingress replica, with one ingress replica and with two; ``E/P/D`` is Prism's own session),
+each against the monolith built from the same stage classes. (``ME/P/D`` and ``ME/PD`` are left out for the bench's
+time: on this machine they differ from ``E/P/D`` and ``E/PD`` by the one hop that ``MEPD`` measures against ``EPD``.)
 
 Per topology, one application of its own on this machine (one at a time, as every server of the bench): warm-up, the
 per-hop report (:mod:`loadtest.bench_hops`), the light load of medium images behind the TTFT figure (the same runs,
@@ -37,15 +37,28 @@ from loadtest.figures import record
 IN_INGRESS = "MEPD in ingress"
 """``MEPD`` with ``deployments.in_ingress``: the model's stages inside the ingress replica (no Serve hop after the
 proxy)."""
-GROUPED = ("E/PD", "EP/D", "EPD", "MEPD", IN_INGRESS)
+IN_INGRESS_X2 = "MEPD in ingress ×2"
+"""The same with two ingress replicas — two copies of the whole model, each with its own engines, behind Serve's proxy:
+what a model this small does with a second process on the same cores (each replica's stages ask :data:`X2_STAGE_CPUS`
+so that both fit the machine's CPUs beside the ingresses' own shares)."""
+X2_STAGE_CPUS = 0.1
+"""CPUs each stage of an :data:`IN_INGRESS_X2` replica asks: 2 × (0.1 + 4 × 0.1) = 1 of a 2-CPU machine (at the other
+topologies' 0.25, two replicas would ask 2.2, and Serve would never start the second). A share is a reservation only —
+the threads are the same as in every other topology (``model.torch_threads``)."""
+GROUPED = ("E/PD", "EP/D", "EPD", "MEPD", IN_INGRESS, IN_INGRESS_X2)
 PNG = "bench_topology_goodput.png"
+STAGES = ("media", "encode", "prefill", "decode")
 
 
 def with_topology(config: dict[str, Any], topology: str) -> dict[str, Any]:
     """``config`` with ``topology`` (one of :data:`GROUPED`, or ``E/P/D``) set for its model."""
     deployments = {**config.get("deployments", {}), "topology": topology.split()[0]}
-    if topology == IN_INGRESS:
+    if topology.startswith(IN_INGRESS):
         deployments["in_ingress"] = True
+    if topology == IN_INGRESS_X2:
+        for stage in STAGES:
+            deployments[stage] = {**deployments.get(stage, {}), "num_cpus": X2_STAGE_CPUS}
+        deployments["ingress"] = {**deployments.get("ingress", {}), "min_replicas": 2, "max_replicas": 2}
     return {**config, "deployments": deployments}
 
 

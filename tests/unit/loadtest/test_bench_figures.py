@@ -227,3 +227,23 @@ def test_the_goodput_figures_are_ratios_of_peak_goodput_with_each_servers_capaci
     at_knee = got["goodput_ratio_vs_naive"]["raw"]["at_naive_knee"]
     assert at_knee == {"rate_rps": 2.0, "prism": 1.9, "monolith": 1.9, "naive": 1.6}
     assert [r["rate_rps"] for r in got["goodput_ratio_vs_naive"]["raw"]["sweep"]["naive"]] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("topology", ["EPD", "MEPD in ingress", "MEPD in ingress ×2"])
+def test_each_benched_topology_builds_as_serve_deploys_it_within_the_cpus(topology):
+    """The bench's config in each topology, built as Serve would deploy it: the grouped model's deployments (none
+    where the ingress holds it), the replicas of ``×2`` (two ingress replicas that each hold the whole model), and CPU
+    shares that Serve can place on this machine's 2 CPUs — at 2 or more it never starts the last replica."""
+    from loadtest.bench import app_config
+    from loadtest.bench_topology import GROUPED, with_topology
+    from services.app import build_app
+    from tests.unit.services.test_ray_configs import _deployments, _replicas
+
+    assert topology in GROUPED
+    built = {
+        d.name: d for d in _deployments(build_app({"config": with_topology(app_config("prism-tiny-llava"), topology)}))
+    }
+    inside = topology.startswith("MEPD in ingress")
+    assert set(built) == ({"Ingress"} if inside else {"Ingress", "Media", "EncodePrefillDecode"})
+    assert _replicas(built["Ingress"]) == ((2, 2) if topology.endswith("×2") else (1, 1))
+    assert sum(d.ray_actor_options["num_cpus"] * _replicas(d)[0] for d in built.values()) < 2
