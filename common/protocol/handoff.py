@@ -360,6 +360,11 @@ class StreamStart:
     reservation: str = "none"
     """How its KV reservation went (:attr:`RequestContext.reservation` as the decode stage got it): a group that
     reserves in its own replica tells the ingress here, as the ingress's reserver tells it in the context."""
+    first: StreamToken | None = None
+    """The stream's first token, when decode had it as the stream started (it has, unless the sequence waits for its
+    KV lease): it comes in this item rather than the next. Each item of a Serve stream crosses from the decode
+    replica to the ingress on its own, and the second one, sent while the replica's first decode step runs, took
+    5.0 ms there against the first's 3.1 (p50, ``EPD``, text, 2-core AMD EPYC)."""
 
 
 @dataclass(frozen=True)

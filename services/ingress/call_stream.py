@@ -36,7 +36,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 from common.errors import DeadlineExceeded, HandoffError, Overloaded, PrismError
 from common.model.loader import ModelFrontend
 from common.obs.request_trace import RequestTrace
-from common.protocol.handoff import RequestContext, StreamAbort, StreamToken, TokenLogprob
+from common.protocol.handoff import RequestContext, StreamAbort, StreamStart, StreamToken, TokenLogprob
 from common.protocol.openai import ChatCompletionRequest
 from common.protocol.sampling import SamplingParams
 from services.ingress.chain import Issue
@@ -76,6 +76,8 @@ class Call:
     """Set by :meth:`move`: the replica the stream was taken off because it is leaving; cleared once it moved."""
     watch: LeavingWatch | None = None
     """The watch that moves the stream off a leaving replica, while it is read (:meth:`CallStream.tokens`)."""
+    carried: list[StreamToken] = field(default_factory=list)
+    """Tokens that came inside the stream's start (:attr:`StreamStart.first`), read before the stream's next item."""
     logprobs: list[list[TokenLogprob | None]] = field(init=False)
     """Per choice, each token's log-probabilities as the stream sent them, in order (``None`` where the request asks
     for none)."""
@@ -150,7 +152,7 @@ class CallStream:
         moving: _Migration | None = None  # a migration whose stream has not produced a new token yet
         while True:
             try:
-                event = await next_event(call.stream, call.ctx.deadline)
+                event = call.carried.pop(0) if call.carried else await next_event(call.stream, call.ctx.deadline)
                 if isinstance(event, StreamAbort):
                     if event.reason == "timeout":
                         raise DeadlineExceeded("deadline exceeded during decode")
@@ -230,7 +232,7 @@ class CallStream:
             self._migration_done(call, moving, "failed")
             raise
         call.chain, call.stream, call.ctx = started.responses, started.stream, started.ctx
-        call.decode_replica, call.leaving = started.first.replica, None
+        call.decode_replica, call.leaving, call.carried = started.first.replica, None, carried(started.first)
         self.leaving.watch(call)  # (its new replica may be leaving too)
         if started.decode_route is not None:
             call.trace.route("decode", *started.decode_route)
@@ -241,6 +243,11 @@ class CallStream:
         time covers the chain, the replay and the lease wait), ``failed`` if it ended before that."""
         call.trace.migrated(moving.after_tokens, time.time() - moving.started, moving.cause, outcome)
         self._count(outcome)
+
+
+def carried(start: StreamStart) -> list[StreamToken]:
+    """The tokens a stream's start brought (its first, when decode had it then: :attr:`StreamStart.first`)."""
+    return [] if start.first is None else [start.first]
 
 
 def _left(call: Call, exc: BaseException) -> ReplicaLeft | None:

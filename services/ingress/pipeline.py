@@ -30,7 +30,7 @@ from common.obs.request_trace import RequestTrace
 from common.obs.trace import Span
 from common.protocol.vector import ResourceVector
 from services.ingress.body import INLINE_BYTES, off_loop
-from services.ingress.call_stream import Call, CallStream
+from services.ingress.call_stream import Call, CallStream, carried
 from services.ingress.chain import Chain, Started
 from services.ingress.plan import RequestHeaders, admit, plan
 from services.ingress.responses import cancel_chain
@@ -101,6 +101,7 @@ class PipelineClient:
             chain=started.responses,
             reissue=issue,
             decode_replica=started.first.replica,
+            carried=carried(started.first),
         )
 
     def _count_migration(self, outcome: str) -> None:

@@ -15,6 +15,10 @@ A migrated stream (its first decode replica died after tokens were sent) arrives
 the client already has. The engine rebuilds the sequence through them (:class:`DecodeEngine`, *Replay*) and the stream
 yields only what comes after — the start event as always, then the next token.
 
+The first token rides in the start event (:attr:`StreamStart.first`) whenever the engine had it by the time the
+stream starts — always, unless the sequence waits for its KV lease: a Serve stream sends each item on its own, and
+the second item pays for the decode step the replica begins meanwhile.
+
 **KV before prefill.** The ingress calls :meth:`DecodeDeployment.reserve` before it issues prefill: the request's
 blocks (prompt + ``max_tokens``, exact for text, an estimate for media) are admitted through the replica's
 :class:`common.admission.kv.KVGate` — the admission protocol every stage budget speaks — leased from this replica's
@@ -38,7 +42,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.admission.kv import KVAdmission, KVGate
@@ -213,8 +217,16 @@ class DecodeDeployment:
         try:  # (from the fetch on: a hand-off refused before submit still frees this attempt's reservation)
             prefilled, transfer_s = await self._import(unwrap(pre), sampling, stream)
             prompt = tuple(prefilled.prompt_token_ids.tolist())
-            yield StreamStart(prompt, tuple(stream.timeline.spans), self.replica_id, ctx.reservation)
-            async for event in self._tokens(stream, prefilled.layout.num_tokens, transfer_s, sampling.n):
+            start = StreamStart(prompt, tuple(stream.timeline.spans), self.replica_id, ctx.reservation)
+            ready = not stream.queue.empty()  # (its first token is here already: it rides with the start)
+            tokens = self._tokens(stream, prefilled.layout.num_tokens, transfer_s, sampling.n)
+            first = await anext(tokens) if ready else None
+            if isinstance(first, StreamToken):
+                start, first = replace(start, first=first), None
+            yield start
+            if first is not None:  # (an abort: an event of its own, after the start as always)
+                yield first
+            async for event in tokens:
                 yield event
         finally:
             self.queues.pop(ctx.key, None)

@@ -8,11 +8,13 @@ import asyncio
 import base64
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
 
 from common.kv.transport.fake import FakeTransport
+from common.protocol.handoff import StreamStart
 from loadtest.servers.monolith import build
 from tests.mediakit import png_bytes
 
@@ -113,6 +115,38 @@ def test_without_the_receivers_check_a_corrupted_handoff_would_be_a_200(apps, mo
     assert asyncio.run(_ask(fake_app)).status_code == 200
 
 
+def test_the_first_token_rides_in_the_streams_start(model_cache):
+    """The decode engine has a sequence's first token (prefill's) by the time its stream starts, so the start carries
+    it: a Serve stream sends one item less before the first token. The answer is the same token for token, the trace
+    has the first token's ``decode.queue`` once, and a one-token answer is the start alone."""
+    from common.protocol.handoff import StreamToken
+
+    app = build(_config(model_cache), transport=FakeTransport())
+    decode = app.state.stages[3]
+    real, streams = decode.generate, []
+
+    async def recording(*args):
+        streams.append([])
+        async for event in real(*args):
+            streams[-1].append(event)
+            yield event
+
+    decode.generate = recording
+
+    async def six_then_one():  # (one event loop: the app's engine locks belong to it)
+        return await _ask(app, {**BODY, "max_tokens": 6}, traced=True), await _ask(app, {**BODY, "max_tokens": 1})
+
+    six, one = (r.json() for r in asyncio.run(six_then_one()))
+    (start, *rest), (alone,) = streams
+    assert isinstance(start, StreamStart) and isinstance(start.first, StreamToken)
+    assert [s.name for s in start.first.spans] == ["decode.queue"] and all(isinstance(e, StreamToken) for e in rest)
+    assert [start.first.token_id, *(e.token_id for e in rest)] == six["choices"][0]["token_ids"]
+    assert len(rest) == 5 and [s["name"] for s in six["prism_trace"]["spans"]].count("decode.queue") == 1
+    assert isinstance(alone, StreamStart) and alone.first.finish_reason == "length"
+    assert one["choices"][0]["token_ids"] == [alone.first.token_id] and one["choices"][0]["finish_reason"] == "length"
+    _nothing_held(decode)
+
+
 def test_engines_step_on_threads_of_their_own(model_cache, monkeypatch):
     """As in Prism, where each stage is a process: every engine steps in its own thread, never in the loop's shared
     pool, where media fetch/decode (and the hand-off's fetches) run — the monolith baseline must not queue its image
@@ -143,7 +177,9 @@ class _LosingDecode:
     """The decode handle, except that its next ``losses`` streams die after ``after`` events: like a killed replica
     (the call is gone, its sequence freed, the ingress sees ``RayActorError``) or, with ``unreachable``, like a
     replica the ingress cannot reach (``ActorUnavailableError``) whose call runs on until the ingress cancels it.
-    ``method``: the streaming method that loses (a grouped deployment's is ``run_stream``)."""
+    ``method``: the streaming method that loses (a grouped deployment's is ``run_stream``); ``bare``: its start comes
+    without the first token it carries (as when the sequence waited for its KV lease), so that a loss after the start
+    is one before the first token."""
 
     def __init__(
         self,
@@ -153,9 +189,10 @@ class _LosingDecode:
         unreachable: bool = False,
         upstream: bool = False,
         method: str = "generate",
+        bare: bool = False,
     ) -> None:
         self.handle, self.after, self.losses, self.unreachable = handle, after, losses, unreachable
-        self.upstream, self.method = upstream, method
+        self.upstream, self.method, self.bare = upstream, method, bare
         self.on_loss = lambda: None
         self.dying: list[_DyingStream] = []
 
@@ -172,14 +209,14 @@ class _LosingDecode:
         if self.losses <= 0:
             return stream
         self.losses -= 1
-        self.dying.append(_DyingStream(stream, self.after, self.unreachable, self.on_loss, self.upstream))
+        self.dying.append(_DyingStream(stream, self.after, self.unreachable, self.on_loss, self.upstream, self.bare))
         return self.dying[-1]
 
 
 class _DyingStream:
-    def __init__(self, stream, after: int, unreachable: bool, on_loss, upstream: bool = False) -> None:
+    def __init__(self, stream, after: int, unreachable: bool, on_loss, upstream: bool = False, bare: bool = False):
         self.stream, self.left, self.unreachable, self.on_loss = stream, after, unreachable, on_loss
-        self.upstream = upstream
+        self.upstream, self.bare = upstream, bare
         self.cancelled = False
         self.failed: BaseException | None = None
 
@@ -204,7 +241,8 @@ class _DyingStream:
             self.failed.__cause__ = RayActorError()
             raise self.failed
         self.left -= 1
-        return await self.stream.__anext__()
+        event = await self.stream.__anext__()
+        return replace(event, first=None) if self.bare and isinstance(event, StreamStart) else event
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -235,8 +273,10 @@ def losing(model_cache):
     client.metrics = app.state.counted = _Counted()
     real = client.chain.of["decode"]
 
-    def lose(after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False) -> _LosingDecode:
-        client.chain.of["decode"] = _LosingDecode(real, after, losses, unreachable, upstream)
+    def lose(
+        after: int, losses: int = 1, unreachable: bool = False, upstream: bool = False, bare: bool = False
+    ) -> _LosingDecode:
+        client.chain.of["decode"] = _LosingDecode(real, after, losses, unreachable, upstream, bare=bare)
         return client.chain.of["decode"]
 
     return app, lose
@@ -257,21 +297,29 @@ class _Counted:
 
 
 @pytest.mark.parametrize(
-    "stream, after, unreachable",
-    [(True, 1, False), (True, 5, False), (False, 1, False), (False, 5, False), (True, 5, True)],
-    ids=["streamed-before-first-token", "streamed-after-4", "unary-before-first-token", "unary-after-4", "unreachable"],
+    "stream, after, unreachable, bare",
+    [
+        (True, 1, False, True),
+        (True, 5, False, False),
+        (False, 1, False, True),
+        (False, 5, False, False),
+        (True, 5, True, False),
+    ],
+    ids=["streamed-before-first-token", "streamed-after-5", "unary-before-first-token", "unary-after-5", "unreachable"],
 )
-def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after, unreachable):
-    """The decode stream dies after its start (+ tokens): the answer is the undisturbed one, token for token, the
-    trace lists the migration, nothing is replayed differently and no KV is left behind — also when the lost
-    replica's call was still running (only the ingress cancelling the lost attempt frees it)."""
+def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after, unreachable, bare):
+    """The decode stream dies after its start (which carries the first token, unless ``bare``) and more tokens: the
+    answer is the undisturbed one, token for token, the trace lists the migration, nothing is replayed differently and
+    no KV is left behind — also when the lost replica's call was still running (only the ingress cancelling the lost
+    attempt frees it)."""
     app, lose = losing
+    sent = 0 if bare else after  # (the start and each item after it: one token each)
     body = {**BODY, "max_tokens": 16}
     decode = app.state.stages[3]
 
     async def calm_then_disturbed():
         calm = await _ask(app, body)
-        losing = lose(after, unreachable=unreachable)
+        losing = lose(after, unreachable=unreachable, bare=bare)
         got = await _ask(app, body, stream, traced=True, settle=True)
         assert losing.dying[0].cancelled, "the lost attempt's chain is cancelled (an unreachable replica runs on)"
         return calm.json()["choices"][0], got
@@ -288,9 +336,9 @@ def test_a_lost_decode_replica_is_migrated_unseen(losing, stream, after, unreach
     assert text == calm["message"]["content"]
     cause = "ActorUnavailableError" if unreachable else "RayActorError"
     moved = [(m["after_tokens"], m["cause"], m["outcome"]) for m in trace["migrations"]]
-    assert moved == [(after - 1, cause, "resumed")]
+    assert moved == [(sent, cause, "resumed")]
     assert app.state.counted.migrations() == {"resumed": 1}
-    assert decode.engine.replayed == max(0, after - 1)
+    assert decode.engine.replayed == sent
     assert decode.engine.replay_mismatches == 0
     _nothing_held(decode)
 
@@ -299,17 +347,19 @@ def test_migrations_are_bounded(losing):
     """More losses than ``server.max_migrations`` (2): after two migrations the third loss ends the stream with a
     typed error event; every token sent before it was new, and no KV is left behind."""
     app, lose = losing
-    lose(after=3, losses=3)  # each stream: its start and 2 tokens, then the replica is lost
+    # each stream: its start and 2 tokens, then the replica is lost. The first start carries the first token; a
+    # migrated stream's does not (its next token comes after the replay's steps): 3 tokens, then 2, then 2.
+    lose(after=3, losses=3)
 
     got = asyncio.run(_ask(app, {**BODY, "max_tokens": 16}, stream=True, traced=True, settle=True))
     _, _, finals = _stream_tokens(got)
     error = finals[-1]
     assert error["error"]["code"] == "stage_unavailable"
     trace = error["prism_trace"]
-    assert [m["after_tokens"] for m in trace["migrations"]] == [2, 4] and trace["output_tokens"] == 6
+    assert [m["after_tokens"] for m in trace["migrations"]] == [3, 5] and trace["output_tokens"] == 7
     assert app.state.counted.migrations() == {"resumed": 2, "refused": 1}
     decode = app.state.stages[3]
-    assert decode.engine.replayed == 2 + 4 and decode.engine.replay_mismatches == 0
+    assert decode.engine.replayed == 3 + 5 and decode.engine.replay_mismatches == 0
     _nothing_held(decode)
 
 

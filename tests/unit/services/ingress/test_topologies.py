@@ -269,8 +269,9 @@ def test_a_client_that_leaves_a_grouped_stream_frees_its_kv(model_cache):
 
 @pytest.mark.parametrize("topology", ["E/PD", "EPD", "ME/PD", "MEPD"])
 def test_a_lost_group_replica_mid_stream_is_migrated_unseen(model_cache, topology):
-    """The group's stream dies after its start and four tokens: the ingress issues the chain again with the tokens the
-    client has (a new prefill, the decode replaying them), and the answer is the undisturbed one, token for token."""
+    """The group's stream dies after its start (which carries the first token) and four tokens more: the ingress issues
+    the chain again with the five tokens the client has (a new prefill, the decode replaying them), and the answer is
+    the undisturbed one, token for token."""
     served = build(_config(model_cache, topology))
     client = served.state.ingress.clients[LLAVA]
     body = {**_body(LLAVA, ("image", IMAGE), max_tokens=16), "stream": True}
@@ -296,8 +297,8 @@ def test_a_lost_group_replica_mid_stream_is_migrated_unseen(model_cache, topolog
                     finals.append(chunk)
     assert ids == calm["token_ids"] and len(ids) == 16
     moved = [(m["after_tokens"], m["outcome"]) for m in finals[-1]["prism_trace"]["migrations"]]
-    assert moved == [(4, "resumed")]
-    assert group.decode.engine.replayed == 4 and group.decode.engine.replay_mismatches == 0
+    assert moved == [(5, "resumed")]
+    assert group.decode.engine.replayed == 5 and group.decode.engine.replay_mismatches == 0
     _nothing_held(served)
 
 
