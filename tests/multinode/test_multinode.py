@@ -151,10 +151,14 @@ def test_a_decode_node_removed_under_load_loses_no_request(cluster):
         t.start()
     try:
         time.sleep(5)
-        where = _decode_nodes_by_pid(nodes)  # (before the witness: its window is not spent on the GCS query)
+        # (before the witness, so that its window is not spent on them: the GCS query, and the first call of the
+        # decode handle, which waits for its router to learn the replicas — a CI run saw the witness end meanwhile)
+        where = _decode_nodes_by_pid(nodes)
+        decode = serve.get_deployment_handle("Decode", app_name=name)
+        decode.stats.remote().result(timeout_s=30)
         witness.start()
         assert started.wait(60) and not witnessed, witnessed
-        gone, pid = _witness_decode_node(name, where)
+        gone, pid = _witness_decode_node(decode, where)
         removed_at = time.time()
         try:  # the replica first, at once: while the node goes, the witness could finish
             os.kill(pid, signal.SIGKILL)
@@ -199,12 +203,10 @@ def _decode_nodes_by_pid(nodes: dict) -> dict[int, str]:
     }
 
 
-def _witness_decode_node(app: str, where: dict[int, str]) -> tuple[str, int]:
+def _witness_decode_node(handle, where: dict[int, str]) -> tuple[str, int]:
     """The group name of the node whose decode replica generates the witness stream, and that replica's PID: the
-    first stats answer with more than :data:`LOAD_TOKENS` to go (asked until the witness could have ended)."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("Decode", app_name=app)
+    first stats answer (through ``handle``, the decode deployment's) with more than :data:`LOAD_TOKENS` to go (asked
+    until the witness could have ended)."""
     deadline = time.time() + 30
     while time.time() < deadline:
         stats = handle.stats.remote().result(timeout_s=30)
