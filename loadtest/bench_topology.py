@@ -24,8 +24,9 @@ monolith's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from common.config.topology import Stage
 from loadtest import bench_hops
 from loadtest import bench_loads as loads
 from loadtest import bench_servers as servers
@@ -47,7 +48,6 @@ topologies' 0.25, two replicas would ask 2.2, and Serve would never start the se
 the threads are the same as in every other topology (``model.torch_threads``)."""
 GROUPED = ("E/PD", "EP/D", "EPD", "MEPD", IN_INGRESS, IN_INGRESS_X2)
 PNG = "bench_topology_goodput.png"
-STAGES = ("media", "encode", "prefill", "decode")
 
 
 def with_topology(config: dict[str, Any], topology: str) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def with_topology(config: dict[str, Any], topology: str) -> dict[str, Any]:
     if topology.startswith(IN_INGRESS):
         deployments["in_ingress"] = True
     if topology == IN_INGRESS_X2:
-        for stage in STAGES:
+        for stage in get_args(Stage):
             deployments[stage] = {**deployments.get(stage, {}), "num_cpus": X2_STAGE_CPUS}
         deployments["ingress"] = {**deployments.get("ingress", {}), "min_replicas": 2, "max_replicas": 2}
     return {**config, "deployments": deployments}
