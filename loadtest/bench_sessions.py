@@ -9,7 +9,7 @@ than on every run of one, and a cold cache stays cold. A ratio's run i pairs the
 the same moment). Every server — the naive one too — first answers a few warm-up requests, so first-request costs stay
 out of the figures. Each server's goodput sweep runs the same rates (:data:`loadtest.sweep.RATES`) and the same
 sequence of requests at each (:func:`loadtest.bench_loads.sweep`), in the order :func:`loadtest.sweep.next_rate`
-gives: up from :data:`loadtest.sweep.START` until it is past its peak, below only where it did not keep up there;
+gives: from :data:`loadtest.sweep.START` down while it does not keep up, then up until it is past its peak;
 Prism's and the monolith's sweeps also run the naive server's knee (``also``: the goodput there stays in the raw).
 In a run, the two tenant figures take the text flood figure's idle probes as their own (idle, the key that sends a
 probe changes nothing; sending them again cost 20 s a run).

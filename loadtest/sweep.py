@@ -7,12 +7,13 @@ than rate × duration). Its **knee** is the first rate of an ascending sweep at 
 (:func:`peak`), *located* when a higher rate ran and delivered less (:func:`peak_located`; a peak at the top of what
 ran says only that the server carries at least that much). ``make bench`` sweeps every server over the same
 :data:`RATES` — one step apart, fine enough to place both the capacity and the peak of servers of this size on these
-machines — in the order :func:`next_rate` gives: up from :data:`START` until the server is past its peak
-(:func:`past_peak`: no longer keeping up, and delivering less than at an earlier rate; overload only loses more from
-there), then down from :data:`START` only while the server does not keep up there, then any rate the caller also
-wants (the naive server's knee, where each server's goodput is also reported). Each run lasts long enough to send
-about :data:`MIN_REQUESTS` requests (:func:`run_seconds`), and every rate sends one sequence of requests
-(:func:`loadtest.bench_loads.sweep`).
+machines — in the order :func:`next_rate` gives: from :data:`START` down one rate at a time while the lowest run
+does not keep up (its capacity lies below), then up until the server is past its peak (:func:`past_peak`: no longer
+keeping up, and delivering less than at a lower rate; overload only loses more from there) — a server that is behind
+at :data:`START` and delivered less there than below is past its peak already and climbs no higher — then any rate
+the caller also wants (the naive server's knee, where each server's goodput is also reported). Each run lasts long
+enough to send about :data:`MIN_REQUESTS` requests (:func:`run_seconds`), and every rate sends one sequence of
+requests (:func:`loadtest.bench_loads.sweep`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ RATES = tuple(float(rate) for rate in range(1, 11))
 START = 5.0
 """Where a sweep starts. A rate below it runs only where the server does not keep up at it: one that keeps up at
 :data:`START` delivers about that much goodput there, more than any lower rate can, and keeps up below, so a lower run
-would place neither its capacity nor its peak. In the run of 2026-12-05 (one sequence at every rate) every Prism
-topology and the monolith kept up at 5 rps and peaked at 6–8; the naive server's knee was at 4, and it climbs down to
-it from 5 in two runs."""
+would place neither its capacity nor its peak. In the run of 2026-12-05 (Zen 4) every Prism topology and the monolith
+kept up at 5 rps and peaked at 6–8; in that of 2026-12-07 (Zen 2) most fell behind at 5 and peaked at 4."""
 MIN_REQUESTS = 20
 
 
@@ -84,25 +84,26 @@ def next_rate(
     also: Sequence[float] = (),
 ) -> float | None:
     """The rate to run next, given the runs so far (rate, attainment, goodput; any order); ``None``: the sweep is
-    done. Up from ``start`` (the lowest of ``rates`` if it is not one of them) through ``rates`` until the top rate has
-    run or the highest run is past the peak; then down from ``start``, one rate at a time, while the lowest run does
-    not keep up; then each of ``also`` (those of ``rates``) that has not run. The climb and the descent are the runs
-    next to each other from ``start``: a rate of ``also`` joins them only when they reach it."""
+    done. From ``start`` (the lowest of ``rates`` if it is not one of them): down through ``rates``, one at a time,
+    while the lowest run does not keep up; then up until the top rate has run or the highest run is past the peak of
+    all those below it; then each of ``also`` (those of ``rates``) that has not run. The descent comes first because a
+    server behind at ``start`` is often past its peak there already: the runs below place its peak, and a climb would
+    only show the collapse again (one run of each sweep on the machines where servers peak below ``start``)."""
     ordered = sorted(rates)
     first = start if start in ordered else ordered[0]
     by_rate = {p[0]: p for p in points}
     if first not in by_rate:
         return first
-    # The climb and the descent are the runs next to each other from ``first`` up and down: a rate run only as one of
-    # ``also``, past a gap, joins them when they reach it (so the climb never skips the rates below it).
+    # The descent and the climb are the runs next to each other from ``first`` down and up: a rate run only as one of
+    # ``also``, past a gap, joins them when they reach it (so neither skips the rates next to ``first``).
     at = ordered.index(first)
     climb = _run_from(ordered[at:], by_rate)
-    if not past_peak(climb) and climb[-1][0] != ordered[-1]:
-        return ordered[at + len(climb)]
     descent = _run_from(ordered[:at][::-1], by_rate)
     lowest = descent[-1] if descent else climb[0]
     if lowest[0] != ordered[0] and not keeps_up(lowest[1]):
         return ordered[ordered.index(lowest[0]) - 1]
+    if not past_peak([*descent[::-1], *climb]) and climb[-1][0] != ordered[-1]:
+        return ordered[at + len(climb)]
     wanted = [r for r in also if r in ordered and r not in by_rate]
     return wanted[0] if wanted else None
 

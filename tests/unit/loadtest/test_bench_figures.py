@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from loadtest import bench_cache, figures
+from loadtest import bench_cache, bench_topology, figures
 from loadtest.bench import Settings, table
 from loadtest.stats import RequestRecord
 from tests.paths import ROOT
@@ -54,6 +54,14 @@ def test_every_figure_is_declared_once_with_a_target_and_short_figures_repeat():
     assert figures.runs("ttft_ratio_topology_epd_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
     assert figures.runs("ttft_ratio_topology_mepd_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
     assert figures.runs("ttft_ratio_topology_mepd_in_ingress_vs_monolith") == figures.runs("ttft_ratio_epd_vs_monolith")
+    # a topology with a TTFT figure runs the light load as often as its figure; one without, once (raw only)
+    full = Settings(False, None)
+    for name in bench_topology.GROUPED:
+        with_figure = f"ttft_ratio_topology_{bench_topology.figure_key(name)}_vs_monolith" in figures.BY_NAME
+        assert (name in bench_topology.WITH_TTFT_FIGURE) == with_figure
+        assert bench_topology._light_runs(name, full) == (
+            figures.runs("ttft_ratio_epd_vs_monolith") if with_figure else 1
+        )
     # the three-tenant runs take their idle probes from the two-tenant figure's, run for run
     assert figures.runs("tenants3_ttft_p95_flood_vs_idle") == figures.runs("tenant_ttft_p95_flood_vs_idle")
     # the three cache-reach figures come from the same hot runs

@@ -52,13 +52,13 @@ def _sweep(results: dict[float, tuple[float, float]], start: float = 2.0, also: 
     return [p[0] for p in points]
 
 
-def test_a_sweep_starts_at_two_goes_up_until_past_the_peak_and_runs_one_only_for_a_server_behind_at_two():
+def test_a_sweep_starts_at_two_goes_down_while_behind_then_up_until_past_the_peak():
     keeps_up_to_3 = {1.0: (1.0, 0.7), 2.0: (1.0, 2.0), 3.0: (0.95, 2.8), 4.0: (0.6, 2.2), 5.0: (0.3, 1.5)}
     assert _sweep(keeps_up_to_3) == [2.0, 3.0, 4.0]  # past its peak at 4: nothing above, nothing below 2
     behind_at_2 = {1.0: (0.95, 0.7), 2.0: (0.7, 1.4), 3.0: (0.4, 1.2), 4.0: (0.1, 0.4)}
-    assert _sweep(behind_at_2) == [2.0, 3.0, 1.0]  # its capacity lies below 2: 1 runs after the climb
+    assert _sweep(behind_at_2) == [2.0, 1.0, 3.0]  # its capacity lies below 2; more goodput at 2 than at 1: 3 runs
     behind_everywhere = {1.0: (0.5, 0.5), 2.0: (0.2, 0.4), 3.0: (0.1, 0.3)}
-    assert _sweep(behind_everywhere) == [2.0, 3.0, 1.0]
+    assert _sweep(behind_everywhere) == [2.0, 1.0]  # less at 2 than at 1: past its peak at 2 already
     assert capacity([(1.0, 0.5), (2.0, 0.2), (3.0, 0.1)]) is None
     never_falls = {r: (1.0, r) for r in RATES}
     assert _sweep(never_falls) == [r for r in RATES if r >= 2.0]  # the top rate ends the climb
@@ -67,14 +67,18 @@ def test_a_sweep_starts_at_two_goes_up_until_past_the_peak_and_runs_one_only_for
 
 def test_behind_but_still_delivering_more_the_climb_goes_on():
     noisy = {2.0: (0.85, 1.7), 3.0: (0.8, 2.4), 4.0: (0.5, 2.0), 1.0: (1.0, 0.7)}
-    assert _sweep(noisy) == [2.0, 3.0, 4.0, 1.0]
+    assert _sweep(noisy) == [2.0, 1.0, 3.0, 4.0]
 
 
 def test_from_the_default_start_the_naive_server_climbs_down_to_its_knee_and_the_others_also_run_it():
     """The bench's sweeps: Prism's and the monolith's also run the naive server's knee, below where they start."""
     naive = {5.0: (0.3, 1.5), 6.0: (0.2, 1.2), 4.0: (0.65, 2.2), 3.0: (1.0, 2.5)}
     ran = _sweep(naive, START)
-    assert ran == [5.0, 6.0, 4.0, 3.0] and knee([(r, naive[r][0]) for r in ran]) == 4.0
+    assert ran == [5.0, 4.0, 3.0] and knee([(r, naive[r][0]) for r in ran]) == 4.0  # past its peak at 5: no 6
+    assert peak_located([(r, *naive[r]) for r in ran])
+    # Behind at 5 with more goodput there than at 4 (the peak may lie above): the descent, then the climb.
+    rising = {5.0: (0.8, 4.0), 4.0: (0.95, 3.8), 6.0: (0.5, 3.0)}
+    assert _sweep(rising, START) == [5.0, 4.0, 6.0]
     prism = {r: (1.0, r) if r <= 7 else (0.8 if r == 8 else 0.4, 7.5 if r == 8 else 5.0) for r in RATES}
     assert _sweep(prism, START, also=(4.0,)) == [5.0, 6.0, 7.0, 8.0, 9.0, 4.0]
     assert _sweep(prism, START, also=(5.0, 11.0)) == [5.0, 6.0, 7.0, 8.0, 9.0]  # (ran already / not a rate)
