@@ -3,12 +3,13 @@
 ``make bench`` rewrites the block between :data:`BEGIN` and :data:`END` in ``README.md`` with :func:`render` of the run
 it just wrote; a unit test fails when the README's block differs from what the committed summary renders. Every cell
 names its source: TTFT p50 of medium images (``peak_goodput_best_topology_vs_monolith.raw.topologies.<t>.ttft_p50_s``,
-median of the runs; the monolith's from ``ttft_ratio_topology_epd_vs_monolith``'s runs) and its ratio to the
-monolith's run for run; text TTFT p50 one request at a time (``per_hop_fixed_cost``); from each goodput sweep of the
-mixed load (the topologies'; the monolith's from ``goodput_ratio_vs_naive``'s raw): goodput and TTFT p95 at the
-rate every sweep starts at (:data:`loadtest.sweep.START`), the peak goodput and the rate it came at (marked where it is
-not located: :func:`loadtest.sweep.peak_located`), and the capacity (:mod:`loadtest.sweep`). A topology the
-summary's run did not measure (a summary written before it was benched) shows as "—".
+median of the runs — a topology without a TTFT figure of its own ran once, and its cell says so; the monolith's from
+``ttft_ratio_topology_epd_vs_monolith``'s runs) and its ratio to the monolith's run for run; text TTFT p50 one
+request at a time (``per_hop_fixed_cost``); from each goodput sweep of the mixed load (the topologies'; the
+monolith's from ``goodput_ratio_vs_naive``'s raw): goodput and TTFT p95 at the rate every sweep starts at
+(:data:`loadtest.sweep.START`), the peak goodput and the rate it came at (marked where it is not located:
+:func:`loadtest.sweep.peak_located`), and the capacity (:mod:`loadtest.sweep`). A topology the summary's run did not
+measure (a summary written before it was benched) shows as "—".
 """
 
 from __future__ import annotations
@@ -62,8 +63,16 @@ def render(summary: dict[str, Any]) -> str:
         return [cell(t) if t in topo else "—" for t in TOPOLOGIES]
 
     first = TOPOLOGIES[0]
-    ttft = [*cells(lambda t: f"{1000 * _median(topo[t]['ttft_p50_s']):.0f} ms"), f"{1000 * _median(mono_runs):.0f} ms"]
-    ratio = [*cells(lambda t: f"{_median(topo[t]['ttft_ratio_vs_monolith']):.2f}"), "1"]
+
+    def fewer(t: str) -> str:  # (a topology without a TTFT figure runs the light load once: bench_topology)
+        n = len(topo[t]["ttft_p50_s"])
+        return "" if n >= len(mono_runs) else f" ({n} run{'s' if n > 1 else ''})"
+
+    ttft = [
+        *cells(lambda t: f"{1000 * _median(topo[t]['ttft_p50_s']):.0f} ms{fewer(t)}"),
+        f"{1000 * _median(mono_runs):.0f} ms",
+    ]
+    ratio = [*cells(lambda t: f"{_median(topo[t]['ttft_ratio_vs_monolith']):.2f}{fewer(t)}"), "1"]
     text = [*cells(lambda t: f"{topo[t]['per_hop_fixed_cost']['text']['ttft_p50_ms']:.0f} ms"), f"{mono_text:.0f} ms"]
     at_start = [*cells(lambda t: _at(topo[t]["sweep"], START, t == first)), _at(mono_sweep, START, False)]
     peaks = [*cells(lambda t: _peak(topo[t]["sweep"], t == first)), _peak(mono_sweep, False)]
