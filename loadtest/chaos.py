@@ -6,9 +6,12 @@ settings, scaled to two replicas of every deployment — media, encode, prefill 
 ``--topology`` (``E/PD``: media, encode, prefill+decode) — and one ingress (its in-flight HTTP requests would die with
 it). Clients send a steady mix — text and small images, half of them streamed — while the tool kills, a few seconds
 apart, one replica of each deployment in request order (``SIGKILL`` of the replica's process; Serve starts a
-replacement). Then the load stops and it prints, as JSON, what the clients saw: requests by status, streams
-that ended with a finish reason, failures by stage killed before them, the longest gap without a completed request,
-and the KV blocks still in use (and KV reservations still held) on every decode replica once the load drained.
+replacement). The replica killed of the deployment that holds decode is one with a sequence in flight that still has
+tokens to go (:func:`pick_decode_victim`, asked through ``stats`` for up to :data:`VICTIM_WAIT_S`), so that the kill
+exercises a migration whatever the load's timing (``decode_victim_had_a_sequence_in_flight`` in the output). Then
+the load stops and it prints, as JSON, what the clients saw: requests by status, streams that ended with a finish
+reason, failures by stage killed before them, the longest gap without a completed request, and the KV blocks still in
+use (and KV reservations still held) on every decode replica once the load drained.
 
     make chaos [CHAOS_FLAGS="--clients 4 --gap 6 --model prism-tiny-llava --topology E/PD"]
 
@@ -68,6 +71,48 @@ def app_config(model: str, cache_dir: str | None = None, topology: str = "E/P/D"
         "server": {"api_keys": {KEY: "chaos"}, "max_chain_attempts": 3},
         "deployments": {"ingress": {"num_cpus": 0.1}, "topology": topology, **stages},
     }
+
+
+VICTIM_WAIT_S = 15.0
+"""How long the kill of the decode deployment waits for a replica with a sequence in flight (then it kills another)."""
+VICTIM_TOKENS_LEFT = 8
+"""Tokens a sequence must have left for its replica to be the decode victim: enough that it is still decoding when the
+signal lands (a decode step of the tiny models takes milliseconds; the ``stats`` answer and the kill, a few)."""
+
+
+def pick_decode_victim(
+    ask: Callable[[], dict[str, Any] | None],
+    pids: list[int],
+    timeout: float = VICTIM_WAIT_S,
+    clock: Callable[[], float] = time.monotonic,
+    pause: Callable[[float], None] = time.sleep,
+) -> int | None:
+    """The PID (of ``pids``) of a decode replica that has a sequence in flight with at least
+    :data:`VICTIM_TOKENS_LEFT` tokens to go, by its ``stats`` (``ask``: one replica's answer, whichever Serve picked;
+    ``None`` for a call that failed), asked until one answers so or ``timeout`` passes (then ``None``)."""
+    deadline = clock() + timeout
+    while clock() < deadline:
+        stats = ask()
+        if stats is not None and int(stats["pid"]) in pids and int(stats.get("running", 0)) > 0:
+            if int(stats.get("most_tokens_left", 0)) >= VICTIM_TOKENS_LEFT:
+                return int(stats["pid"])
+        pause(0.02)
+    return None
+
+
+def _ask_stats(app: str, deployment: str) -> Callable[[], dict[str, Any] | None]:
+    from ray import serve
+    from ray.exceptions import RayActorError
+
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+
+    def ask() -> dict[str, Any] | None:
+        try:
+            return handle.stats.remote().result(timeout_s=10)
+        except (RayActorError, TimeoutError):
+            return None
+
+    return ask
 
 
 def decode_deployment(topology: str) -> str:
@@ -250,20 +295,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for t in threads:
             t.start()
         time.sleep(args.warm)
-        kills = []
+        kills, streaming = [], None
         for stage in deployment_names(args.topology):  # (in request order)
             pids = replica_pids(app, stage)
             if not pids:
                 raise RuntimeError(f"no live replica of {stage} to kill")
-            os.kill(pids[0], signal.SIGKILL)
+            pid = pids[0]
+            if stage == decode_deployment(args.topology):
+                found = pick_decode_victim(_ask_stats(app, stage), pids)
+                streaming, pid = found is not None, found or pid
+            os.kill(pid, signal.SIGKILL)
             kills.append((stage, time.time()))
-            print(f"[chaos {time.time() - start:5.1f}s] SIGKILL {stage} replica (pid {pids[0]})", file=sys.stderr)
+            print(f"[chaos {time.time() - start:5.1f}s] SIGKILL {stage} replica (pid {pid})", file=sys.stderr)
             time.sleep(args.gap)
         stop.set()
         for t in threads:
             t.join(90)
         end = time.time()
         result = summarize(outcomes, kills, start, end)
+        result["decode_victim_had_a_sequence_in_flight"] = streaming
         result["kv_blocks_used_after"] = kv_in_use(app, deployment=decode_deployment(args.topology))
         result["config"] = {
             "model": args.model,

@@ -43,3 +43,27 @@ def test_two_replicas_of_every_deployment_fit_the_cpus(topology):
     assert set(built) == {"Ingress", *deployment_names(topology)}
     assert all(_replicas(d) == (2, 2) for name, d in built.items() if name != "Ingress")
     assert sum(d.ray_actor_options["num_cpus"] * _replicas(d)[0] for d in built.values()) < 2
+
+
+def test_the_decode_victim_is_a_replica_with_a_sequence_that_still_has_tokens_to_go():
+    from loadtest.chaos import VICTIM_TOKENS_LEFT, pick_decode_victim
+
+    answers = iter(
+        [
+            None,  # a call that failed (a replica just replaced): asked again
+            {"pid": 11, "running": 0, "most_tokens_left": 0},  # idle
+            {"pid": 12, "running": 1, "most_tokens_left": VICTIM_TOKENS_LEFT - 1},  # about to finish
+            {"pid": 99, "running": 3, "most_tokens_left": 40},  # not one of the deployment's replicas
+            {"pid": 12, "running": 2, "most_tokens_left": VICTIM_TOKENS_LEFT},
+        ]
+    )
+    now = [0.0]
+    assert pick_decode_victim(lambda: next(answers), [11, 12], clock=lambda: now[0], pause=lambda s: None) == 12
+
+    def idle() -> dict:
+        now[0] += 1.0
+        return {"pid": 11, "running": 0, "most_tokens_left": 0}
+
+    now[0] = 0.0
+    assert pick_decode_victim(idle, [11, 12], timeout=5.0, clock=lambda: now[0], pause=lambda s: None) is None
+    assert now[0] == 5.0  # asked until the timeout, then none
