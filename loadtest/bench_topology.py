@@ -98,7 +98,7 @@ def _light_runs(topology: str, st: Settings) -> int:
 def figures(
     prism: ServerRuns, mono: ServerRuns, grouped: dict[str, ServerRuns], plots_dir: Path
 ) -> tuple[dict[str, Any], Path]:
-    """The three figures, and the plot of every topology's sweep."""
+    """The four figures (see the module docstring), and the plot of every topology's sweep."""
     everyone = {"E/P/D": prism, **grouped}
     ttft = dict(_ttft_figure(name, grouped[name], mono) for name in WITH_TTFT_FIGURE if name in grouped)
     curves = {name: loads.curve(runs.sweep) for name, runs in {**everyone, "monolith": mono}.items()}
