@@ -7,9 +7,10 @@ from loadtest import bench_ucx, figures
 from loadtest.sweep import MIN_REQUESTS
 
 SWEEP_SECONDS = 16.0
-"""A sweep run's length (shorter than the other loads' 20 s): one sequence at every rate, a climb from 5 rps to 10 and
-the 35-minute budget. At 5–9 rps it sends 75–135 requests; overload shows in it as TTFTs past the 2-s SLO once the
-backlog exceeds two seconds of work, which at one request a second over capacity takes about 12 s."""
+"""A sweep run's length (shorter than the other loads' 20 s): one sequence at every rate, a sweep from 5 rps down and up
+(:func:`loadtest.sweep.next_rate`) and the 35-minute budget. At 5–9 rps it sends 75–135 requests; overload shows in it
+as TTFTs past the 2-s SLO once the backlog exceeds two seconds of work, which at one request a second over capacity
+takes about 12 s."""
 
 
 class Settings:

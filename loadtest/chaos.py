@@ -81,36 +81,44 @@ signal lands (a decode step of the tiny models takes milliseconds; the ``stats``
 
 
 def pick_decode_victim(
-    ask: Callable[[], dict[str, Any] | None],
+    ask: Callable[[float], list[dict[str, Any]]],
     pids: list[int],
     timeout: float = VICTIM_WAIT_S,
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
 ) -> int | None:
     """The PID (of ``pids``) of a decode replica that has a sequence in flight with at least
-    :data:`VICTIM_TOKENS_LEFT` tokens to go, by its ``stats`` (``ask``: one replica's answer, whichever Serve picked;
-    ``None`` for a call that failed), asked until one answers so or ``timeout`` passes (then ``None``)."""
+    :data:`VICTIM_TOKENS_LEFT` tokens to go, by its ``stats`` — asked in rounds until one answers so or ``timeout``
+    passes (then ``None``). ``ask(seconds)``: one round's answers (:func:`_ask_stats`), each call bounded by
+    ``seconds``, those that failed left out."""
     deadline = clock() + timeout
-    while clock() < deadline:
-        stats = ask()
-        if stats is not None and int(stats["pid"]) in pids and int(stats.get("running", 0)) > 0:
-            if int(stats.get("most_tokens_left", 0)) >= VICTIM_TOKENS_LEFT:
+    while (left := deadline - clock()) > 0:
+        for stats in ask(min(10.0, left)):
+            busy = int(stats.get("running", 0)) > 0 and int(stats.get("most_tokens_left", 0)) >= VICTIM_TOKENS_LEFT
+            if busy and int(stats["pid"]) in pids:
                 return int(stats["pid"])
         pause(0.02)
     return None
 
 
-def _ask_stats(app: str, deployment: str) -> Callable[[], dict[str, Any] | None]:
+def _ask_stats(app: str, deployment: str, replicas: int) -> Callable[[float], list[dict[str, Any]]]:
+    """A round of ``stats`` calls to the decode deployment: two per replica, sent together. One call at a time would
+    mostly reach the less busy replica (Serve sends a call to the shorter of two queues); calls sent together spread,
+    since the router counts each one it sends in its replica's queue."""
     from ray import serve
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayError
+    from ray.serve.exceptions import RayServeException
 
     handle = serve.get_deployment_handle(deployment, app_name=app)
 
-    def ask() -> dict[str, Any] | None:
-        try:
-            return handle.stats.remote().result(timeout_s=10)
-        except (RayActorError, TimeoutError):
-            return None
+    def ask(seconds: float) -> list[dict[str, Any]]:
+        out = []
+        for response in [handle.stats.remote() for _ in range(2 * replicas)]:
+            try:
+                out.append(response.result(timeout_s=seconds))
+            except (RayError, RayServeException, TimeoutError):  # (a replica just killed or replaced: next round)
+                pass
+        return out
 
     return ask
 
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 raise RuntimeError(f"no live replica of {stage} to kill")
             pid = pids[0]
             if stage == decode_deployment(args.topology):
-                found = pick_decode_victim(_ask_stats(app, stage), pids)
+                found = pick_decode_victim(_ask_stats(app, stage, len(pids)), pids)
                 streaming, pid = found is not None, found or pid
             os.kill(pid, signal.SIGKILL)
             kills.append((stage, time.time()))

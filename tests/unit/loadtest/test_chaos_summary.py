@@ -48,22 +48,31 @@ def test_two_replicas_of_every_deployment_fit_the_cpus(topology):
 def test_the_decode_victim_is_a_replica_with_a_sequence_that_still_has_tokens_to_go():
     from loadtest.chaos import VICTIM_TOKENS_LEFT, pick_decode_victim
 
-    answers = iter(
+    rounds = iter(
         [
-            None,  # a call that failed (a replica just replaced): asked again
-            {"pid": 11, "running": 0, "most_tokens_left": 0},  # idle
-            {"pid": 12, "running": 1, "most_tokens_left": VICTIM_TOKENS_LEFT - 1},  # about to finish
-            {"pid": 99, "running": 3, "most_tokens_left": 40},  # not one of the deployment's replicas
-            {"pid": 12, "running": 2, "most_tokens_left": VICTIM_TOKENS_LEFT},
+            [],  # every call failed (a replica just replaced): asked again
+            [
+                {"pid": 11, "running": 0, "most_tokens_left": 0},  # idle
+                {"pid": 12, "running": 1, "most_tokens_left": VICTIM_TOKENS_LEFT - 1},  # about to finish
+                {"pid": 99, "running": 3, "most_tokens_left": 40},  # not one of the deployment's replicas
+            ],
+            [{"pid": 11, "running": 0, "most_tokens_left": 0}, {"pid": 12, "running": 2, "most_tokens_left": 9}],
         ]
     )
-    now = [0.0]
-    assert pick_decode_victim(lambda: next(answers), [11, 12], clock=lambda: now[0], pause=lambda s: None) == 12
+    now, bounds = [0.0], []
 
-    def idle() -> dict:
-        now[0] += 1.0
-        return {"pid": 11, "running": 0, "most_tokens_left": 0}
+    def ask(seconds: float) -> list[dict]:
+        bounds.append(seconds)
+        return next(rounds)
 
-    now[0] = 0.0
+    assert pick_decode_victim(ask, [11, 12], clock=lambda: now[0], pause=lambda s: None) == 12
+    assert bounds == [10.0] * 3  # (each call bounded by the time left, at most 10 s)
+
+    def idle(seconds: float) -> list[dict]:
+        bounds.append(seconds)
+        now[0] += 2.0
+        return [{"pid": 11, "running": 0, "most_tokens_left": 0}]
+
+    now[0], bounds = 0.0, []
     assert pick_decode_victim(idle, [11, 12], timeout=5.0, clock=lambda: now[0], pause=lambda s: None) is None
-    assert now[0] == 5.0  # asked until the timeout, then none
+    assert bounds == [5.0, 3.0, 1.0]  # asked until the timeout, each round within what was left, then none

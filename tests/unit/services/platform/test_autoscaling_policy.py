@@ -70,12 +70,23 @@ def test_each_decision_is_labelled_with_the_stages_its_deployment_holds():
 
 
 def test_a_replica_still_starting_is_not_stopped_by_the_next_ticks_wish():
-    """One running, a second starting (Serve's target 2): a tick whose depth wants one holds two until the delay."""
-    policy = QueueDepthPolicy(target_per_replica=4, downscale_delay_s=10)
+    """One running, a second starting (Serve's target 2): a tick whose depth wants one holds two while it starts, past
+    the delay; the delay counts from when both run."""
+    from services.platform.autoscaling import STARTING_GRACE_S
+
+    policy = QueueDepthPolicy(target_per_replica=4, downscale_delay_s=2)
     want, state = policy(ctx(4, 1, 100.0, target=2))
-    assert want == 2 and state["below_since"] == 100.0
-    want, state = policy(ctx(4, 2, 105.0, state))
-    assert want == 2
-    want, state = policy(ctx(4, 2, 110.5, state))
+    assert want == 2 and "below_since" not in state
+    want, state = policy(ctx(4, 1, 115.0, state, target=2))  # still loading its model, 15 s on: held
+    assert want == 2 and "below_since" not in state
+    want, state = policy(ctx(4, 2, 120.0, state))  # running: now the delay starts
+    assert want == 2 and state["below_since"] == 120.0 and "starting_since" not in state
+    want, state = policy(ctx(4, 2, 122.5, state))
     assert want == 1
     assert policy(ctx(9, 1, 0.0, target=2))[0] == 3  # (up at once, as ever)
+    # a replica that never starts (no room for it) is held for the grace, then the delay applies as before
+    want, state = policy(ctx(4, 1, 0.0, target=2))
+    want, state = policy(ctx(4, 1, STARTING_GRACE_S, state, target=2))
+    assert want == 2 and state["below_since"] == STARTING_GRACE_S
+    want, state = policy(ctx(4, 1, STARTING_GRACE_S + 2.5, state, target=2))
+    assert want == 1
