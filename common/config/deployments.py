@@ -44,6 +44,12 @@ class StageConfig(Strict):
     stages share CPU cores (a CPU-only node; media replicas beside the LM engines' host threads), a higher value on
     the throughput stages (media, encode) gives the latency path (ingress, prefill, decode) the cores first, so a
     flood of large images cannot slow short requests through the CPU scheduler. 0 leaves the priority alone."""
+    heap_keep_bytes: int = Field(default=0, ge=0)
+    """Freed memory the replica's heaps keep for the next request instead of giving it back to the kernel (glibc's trim
+    threshold; blocks up to 32 MiB are then served from the heaps too): a stage that allocates and frees tens of MB
+    of activations per request otherwise pays their page faults on every request (``services/platform/memory.py``).
+    Resident memory stays at the replica's peak heap use. 0 leaves glibc's defaults; the encode and prefill stages
+    keep 256 MiB by default. Process-wide: a replica that holds several stages keeps the largest of theirs."""
 
     @model_validator(mode="after")
     def _range(self) -> StageConfig:
@@ -77,6 +83,8 @@ class EncodeStageConfig(StageConfig):
     """OS niceness: the encoder yields the cores to the latency path (see :class:`StageConfig`): a flood of large
     images is mostly media and encoder work, and this is what keeps it off the text path's cores. Past capacity it
     slows requests with images too (``docs/limits.md``, "What the priority costs")."""
+    heap_keep_bytes: int = Field(default=256 << 20, ge=0)
+    """The vision tower's activations stay in the heap between requests (see :class:`StageConfig`)."""
 
 
 class PrefillStageConfig(StageConfig):
@@ -90,6 +98,8 @@ class PrefillStageConfig(StageConfig):
     load's goodput at 4 rps read 2.29 rps against 3.66 at 0 (medians of three runs). The price is paid by text under
     large-image floods: its p95 over idle rose 1.28 → 1.34, another tenant's 1.42 → 1.83; that flood is mostly media
     and encoder work, which keep their priority (``docs/limits.md``, "What the priority costs")."""
+    heap_keep_bytes: int = Field(default=256 << 20, ge=0)
+    """The forward pass's activations stay in the heap between requests (see :class:`StageConfig`)."""
 
 
 class DecodeStageConfig(StageConfig):

@@ -30,6 +30,7 @@ from common.obs.trace import Timeline, Traced, unwrap
 from common.protocol.handoff import ProcessedMedia, RequestContext, VisualEmbeddings
 from common.sched.encoder_batcher import EncoderBatcher
 from services.platform.loopback import bind_replica
+from services.platform.memory import keep_freed_heap
 from services.platform.metrics import Metrics
 from services.stages.driver import AwaitedEngine, check_engines
 from services.stages.releaser import Releaser
@@ -51,6 +52,7 @@ class EncodeDeployment:
         ``pixels_in_process``: the media stage is in the same replica (the pixels' hand-off is a call, not a copy)."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
+        keep_freed_heap(self.cfg.deployments.encode.heap_keep_bytes)  # (activations: no page faults per request)
         self.lm = lm or load_model(self.cfg.model)
         self.nice = self.cfg.deployments.encode.cpu_nice
         if not grouped:

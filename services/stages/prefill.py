@@ -51,6 +51,7 @@ from common.protocol.sampling import SamplingParams
 from common.stages.merge import merge
 from common.stages.prompt import build_prompt
 from services.platform.loopback import bind_replica
+from services.platform.memory import keep_freed_heap
 from services.platform.metrics import Metrics
 from services.stages.driver import AwaitedEngine, check_engines
 from services.stages.releaser import Releaser
@@ -80,6 +81,7 @@ class PrefillDeployment:
         the model, when a grouped replica loaded it once for its stages."""
         bind_replica()  # make serve: the replica's own gRPC server on loopback too (services.platform.loopback)
         self.cfg = PrismConfig.model_validate(config)
+        keep_freed_heap(self.cfg.deployments.prefill.heap_keep_bytes)  # (activations: no page faults per request)
         self.lm = lm or load_model(self.cfg.model)
         eng, adm = self.cfg.engine, self.cfg.admission
         self.metrics = Metrics("prefill")
