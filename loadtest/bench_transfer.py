@@ -43,6 +43,7 @@ from common.kv.pool import KVPool
 from common.kv.transport.base import KVTransport
 from common.protocol.handoff import PrefillOutput
 from loadtest.figures import bandwidth, median_index
+from loadtest.machine import glibc_copy
 from loadtest.roofline import memcpy_bytes_per_s
 
 SIZES = (64 << 20, 256 << 20)
@@ -206,6 +207,15 @@ def _actors(kind: str):
     return SenderActor.remote(), ReceiverActor.remote()
 
 
+def memcpy_non_temporal(nbytes: int, threshold: int | None = None) -> bool | None:
+    """Whether glibc's memcpy of ``nbytes`` writes around the caches here (past its non-temporal threshold: one pass of
+    memory traffic less than a copy that reads each destination line before writing it, so the baseline is faster at
+    that size); ``None`` where glibc does not say (:func:`loadtest.machine.glibc_copy`)."""
+    if threshold is None:
+        threshold = glibc_copy().get("non_temporal_threshold")
+    return None if threshold is None else nbytes >= threshold
+
+
 def transport_figures(
     kind: str, repeats: int = 5, store_bytes: int = 0, beside: dict[int, Callable[[], float]] | None = None
 ) -> dict[str, Any]:
@@ -232,6 +242,7 @@ def transport_figures(
             receive = lambda h, n: ray.get(receiver.receive.remote(h, n))  # noqa: E731
             side = (beside or {}).get(nbytes)
             sizes[str(nbytes)] = measure(publish, receive, nbytes, repeats, memcpy, COPY_FLOORS[kind], warmups, side)
+            sizes[str(nbytes)]["memcpy_non_temporal"] = memcpy_non_temporal(nbytes)
     finally:  # (their NIXL agents' threads, or their pools, are not left beside what is measured next)
         for actor in (sender, receiver):
             ray.kill(actor)

@@ -3,13 +3,23 @@ and native bf16, some without), and a figure read without the CPU it came from c
 
 :func:`facts` gives the platform, Python, the CPUs the machine has and the ones this process may use, the CPU model
 and every flag ``/proc/cpuinfo`` lists (what ``lscpu`` shows), those that matter to the engine's kernels picked out,
-and torch's version, thread count and build configuration (``torch.__config__.show()``).
+torch's version, thread count and build configuration (``torch.__config__.show()``), and the caches twice over: as
+the kernel reports them (:func:`caches`) and as glibc sized them for its copies (:func:`glibc_copy`).
+
+Why both caches. The copy figures are fractions of one memcpy, and glibc's memcpy changes method with size: past
+its non-temporal threshold (three quarters of the shared cache it detected) it writes around the caches, without
+reading each destination line first — one pass of memory traffic less. glibc takes the cache sizes from the CPU's
+own report, which a virtual machine may get wrong: one of these hosts (2-core AMD EPYC Zen 2) tells glibc of a
+256 MiB shared cache where the kernel lists a 16 MiB L3, so its threshold is 192 MiB and a 64 MB memcpy runs at
+8.9 GB/s where a 256 MB one runs at 16.2 (``docs/benchmarks.md``, the hand-off).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +45,65 @@ def cpu_info(text: str | None = None) -> tuple[str | None, list[str]]:
     return model, flags
 
 
+CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+GLIBC_COPY_KEYS = ("data_cache_size", "shared_cache_size", "non_temporal_threshold", "rep_movsb_threshold")
+"""What glibc's ``ld.so --list-diagnostics`` says of the sizes its x86 memcpy is tuned by (``x86.cpu_features.*``)."""
+
+
+def caches(root: Path = CACHES) -> dict[str, int]:
+    """Bytes of CPU 0's data and unified caches as the kernel lists them (``L1d``, ``L2``, ``L3``); empty where it
+    lists none."""
+    out = {}
+    for index in sorted(root.glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if kind == "Instruction":
+            continue
+        found = re.fullmatch(r"(\d+)([KMG]?)", size)
+        if found:
+            scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[found.group(2)]
+            out[f"L{level}{'d' if kind == 'Data' else ''}"] = int(found.group(1)) * scale
+    return out
+
+
+def glibc_copy(text: str | None = None) -> dict[str, int]:
+    """glibc's own cache sizes and copy thresholds in bytes (:data:`GLIBC_COPY_KEYS`), from its dynamic loader's
+    diagnostics (glibc 2.33 on; ``text``: their output, for tests); empty where there are none (another libc, an
+    older glibc, no x86). ``GLIBC_TUNABLES`` in the environment changes them, and is what the process ran with."""
+    if text is None:
+        text = _loader_diagnostics()
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        name = key.strip().removeprefix("x86.cpu_features.")
+        if name in GLIBC_COPY_KEYS and key.strip().startswith("x86.cpu_features."):
+            try:
+                out[name] = int(value.strip(), 0)
+            except ValueError:
+                continue
+    return out
+
+
+def _loader_diagnostics() -> str:
+    loader = next((line.split()[-1] for line in _maps() if "/ld-linux" in line), None)
+    if loader is None:
+        return ""
+    try:
+        done = subprocess.run([loader, "--list-diagnostics"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def _maps() -> list[str]:
+    try:
+        return Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def facts() -> dict[str, Any]:
     model, flags = cpu_info()
     return {
@@ -48,4 +117,7 @@ def facts() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "torch_config": torch.__config__.show(),
+        "caches": caches(),
+        "glibc_copy": glibc_copy(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }

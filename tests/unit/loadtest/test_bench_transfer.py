@@ -8,6 +8,7 @@ import pytest
 
 from common.kv.transport.fake import FakeTransport
 from loadtest import bench_transfer as bt
+from loadtest import machine
 
 SMALL = 4 << 20
 
@@ -149,3 +150,10 @@ def test_a_ucx_read_that_fails_beside_the_hand_offs_is_recorded_not_raised(monke
     assert side_times[0] == 0.5 and all(math.isnan(t) for t in side_times[1:])  # (no READ timed after the failure)
     assert nx["ucx_read"]["default"]["error"] == "RuntimeError: NIXL READ failed" and ended == [bt.SIZES[-1]]
     assert bench_engine.nixl_versus_ucx(nx, bt.SIZES[-1]) == (None, [None, None, None])
+
+
+def test_each_size_says_whether_glibcs_memcpy_writes_around_the_caches_there():
+    assert bt.memcpy_non_temporal(256 << 20, threshold=192 << 20) is True
+    assert bt.memcpy_non_temporal(64 << 20, threshold=192 << 20) is False
+    threshold = machine.glibc_copy().get("non_temporal_threshold")  # (this machine's glibc: None where it says none)
+    assert bt.memcpy_non_temporal(64 << 20) == (None if threshold is None else 64 << 20 >= threshold)
