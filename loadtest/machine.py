@@ -16,6 +16,7 @@ own report, which a virtual machine may get wrong: one of these hosts (2-core AM
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -77,8 +78,8 @@ def glibc_copy(text: str | None = None) -> dict[str, int]:
     out = {}
     for line in text.splitlines():
         key, _, value = line.partition("=")
-        name = key.strip().removeprefix("x86.cpu_features.")
-        if name in GLIBC_COPY_KEYS and key.strip().startswith("x86.cpu_features."):
+        prefix, _, name = key.strip().rpartition(".")
+        if prefix == "x86.cpu_features" and name in GLIBC_COPY_KEYS:
             try:
                 out[name] = int(value.strip(), 0)
             except ValueError:
@@ -86,6 +87,7 @@ def glibc_copy(text: str | None = None) -> dict[str, int]:
     return out
 
 
+@functools.cache  # (glibc reads its tunables once, at the process's start: the answer cannot change after)
 def _loader_diagnostics() -> str:
     loader = next((line.split()[-1] for line in _maps() if "/ld-linux" in line), None)
     if loader is None:
